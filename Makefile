@@ -1,0 +1,22 @@
+# The two commands of the README. Each sets itself up first (scripts/bootstrap is a no-op when
+# nothing changed).
+.PHONY: demo test bootstrap lint
+
+export DAGSTER_HOME := $(CURDIR)/dagster_home
+export HF_HUB_OFFLINE := 1
+
+bootstrap:
+	@scripts/bootstrap
+
+# The main job on the embedded default: SQLite, CPU engine, the real all-MiniLM-L6-v2.
+demo: bootstrap
+	.venv/bin/fabric demo
+
+# The test suite (PostgreSQL tests use FABRIC_TEST_POSTGRES_URL, default the local server).
+test: bootstrap
+	.venv/bin/python -m pytest
+
+lint: bootstrap
+	.venv/bin/ruff check fabric_gpu fabric_pipelines tests bench
+	.venv/bin/ruff format --check fabric_gpu fabric_pipelines tests bench
+	.venv/bin/mypy

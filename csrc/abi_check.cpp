@@ -1,0 +1,26 @@
+// Compile-time proof that cuda_abi.h agrees with the toolkit's cuda.h (built only where the
+// toolkit's headers are found; otherwise this file is empty).
+#include "cuda_abi.h"
+
+#if defined(FABRIC_HAVE_CUDA_H)
+#include <cuda.h>
+
+#include <type_traits>
+
+namespace c = fabric::cu;
+static_assert(c::CUDA_SUCCESS == CUDA_SUCCESS);
+static_assert(c::CUDA_ERROR_NOT_READY == CUDA_ERROR_NOT_READY);
+static_assert(c::CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY == CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY);
+static_assert(c::CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING == CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING);
+static_assert(c::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR ==
+              CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR);
+static_assert(c::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR ==
+              CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR);
+static_assert(c::CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS ==
+              CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS);
+static_assert(c::CU_GET_PROC_ADDRESS_DEFAULT == CU_GET_PROC_ADDRESS_DEFAULT);
+static_assert(sizeof(c::CUdeviceptr) == sizeof(CUdeviceptr));
+static_assert(sizeof(c::CUdevice) == sizeof(CUdevice));
+static_assert(std::is_same_v<c::CUresult, std::underlying_type_t<CUresult>> ||
+              sizeof(c::CUresult) == sizeof(CUresult));
+#endif

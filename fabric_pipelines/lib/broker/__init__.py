@@ -1,0 +1,1 @@
+"""The broker: shape-bucketed batch planning and the batch ledger."""

@@ -1,0 +1,270 @@
+"""The batch ledger: claims under leases fenced by an epoch, acks, failures, accounting.
+
+A worker claims one batch at a time (PostgreSQL: FOR UPDATE SKIP LOCKED; SQLite: the whole
+transaction holds the write lock from BEGIN IMMEDIATE). Each claim raises the batch's lease epoch;
+an ack is accepted only with the current epoch while the batch is still leased, so a worker whose
+lease expired and was taken over cannot retire the batch a second time. An ack is part of the
+transaction that writes the batch's results, so results and ack land together or not at all.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from sqlalchemy import Connection, Engine, func, insert, select, update
+
+from fabric_pipelines.lib.broker.planner import BatchPlan
+from fabric_pipelines.lib.store.models import Batch, Embedding, TaskFailure, TaskSet
+from fabric_pipelines.lib.store.models import BatchPlan as BatchPlanRow
+
+QUEUED, LEASED, COMPLETED, FAILED, SUPERSEDED = (
+    "queued",
+    "leased",
+    "completed",
+    "failed",
+    "superseded",
+)
+
+
+class StaleLeaseError(RuntimeError):
+    """An ack or failure report whose lease is no longer current; its writes are rolled back."""
+
+
+@dataclass(frozen=True)
+class Lease:
+    plan_id: str
+    batch_no: int
+    epoch: int
+    owner: str
+    seq_len: int
+    item_start: int
+    item_count: int
+    real_tokens: int
+    attempts: int
+
+
+@dataclass(frozen=True)
+class Accounting:
+    tasks: int
+    completed: int
+    failed: int
+    in_flight: int
+    queued: int
+
+    @property
+    def balanced(self) -> bool:
+        return self.tasks == self.completed + self.failed + self.in_flight + self.queued
+
+    @property
+    def finished(self) -> bool:
+        return self.balanced and self.in_flight == 0 and self.queued == 0
+
+
+def register_plan(conn: Connection, plan_id: str, task_set: str, plan: BatchPlan) -> int:
+    """Insert one queued ledger row per batch (idempotent: existing rows keep their state).
+
+    Ledger rows of the task set's older plans that were not finished are superseded.
+    """
+    conn.execute(
+        update(Batch)
+        .where(Batch.task_set == task_set, Batch.plan_id != plan_id)
+        .where(Batch.state.in_((QUEUED, LEASED)))
+        .values(state=SUPERSEDED)
+    )
+    existing = conn.execute(
+        select(func.count()).select_from(Batch).where(Batch.plan_id == plan_id)
+    ).scalar_one()
+    if existing:
+        return 0
+    rows = [
+        {
+            "plan_id": plan_id,
+            "batch_no": i,
+            "task_set": task_set,
+            "state": QUEUED,
+            "seq_len": int(plan.seq_len[i]),
+            "item_start": int(plan.item_start[i]),
+            "item_count": int(plan.item_count[i]),
+            "real_tokens": int(plan.real_tokens[i]),
+            "padded_tokens": int(plan.seq_len[i] * plan.item_count[i]),
+            "lease_epoch": 0,
+            "attempts": 0,
+        }
+        for i in range(plan.n_batches)
+    ]
+    if rows:
+        conn.execute(insert(Batch), rows)
+    return len(rows)
+
+
+def claim(
+    engine: Engine, plan_id: str, owner: str, lease_seconds: float, now: float | None = None
+) -> Lease | None:
+    """Lease the next batch that is queued, or whose lease expired; None when none is left."""
+    now = time.time() if now is None else now
+    claimable = (
+        select(Batch.plan_id, Batch.batch_no)
+        .where(Batch.plan_id == plan_id)
+        .where((Batch.state == QUEUED) | ((Batch.state == LEASED) & (Batch.lease_deadline < now)))
+        .order_by(Batch.batch_no)
+        .limit(1)
+        .with_for_update(skip_locked=True)  # PostgreSQL; SQLite holds the write lock already
+    )
+    with engine.begin() as conn:
+        target = conn.execute(claimable).first()
+        if target is None:
+            return None
+        row = conn.execute(
+            update(Batch)
+            .where(Batch.plan_id == target.plan_id, Batch.batch_no == target.batch_no)
+            .values(
+                state=LEASED,
+                lease_owner=owner,
+                lease_epoch=Batch.lease_epoch + 1,
+                lease_deadline=now + lease_seconds,
+                attempts=Batch.attempts + 1,
+            )
+            .returning(
+                Batch.lease_epoch,
+                Batch.seq_len,
+                Batch.item_start,
+                Batch.item_count,
+                Batch.real_tokens,
+                Batch.attempts,
+            )
+        ).one()
+    return Lease(
+        plan_id=target.plan_id,
+        batch_no=target.batch_no,
+        epoch=row.lease_epoch,
+        owner=owner,
+        seq_len=row.seq_len,
+        item_start=row.item_start,
+        item_count=row.item_count,
+        real_tokens=row.real_tokens,
+        attempts=row.attempts,
+    )
+
+
+def _fence(lease: Lease):
+    return update(Batch).where(
+        Batch.plan_id == lease.plan_id,
+        Batch.batch_no == lease.batch_no,
+        Batch.lease_epoch == lease.epoch,
+        Batch.state == LEASED,
+    )
+
+
+def ack(conn: Connection, lease: Lease) -> None:
+    """Retire the batch inside the caller's transaction; StaleLeaseError if the lease moved on."""
+    result = conn.execute(_fence(lease).values(state=COMPLETED, lease_deadline=None, error=None))
+    if result.rowcount != 1:
+        raise StaleLeaseError(
+            f"batch {lease.batch_no} of plan {lease.plan_id}: lease epoch {lease.epoch} is no longer "
+            "current (it expired and was taken over, or the plan was superseded); results discarded"
+        )
+
+
+def report_failure(
+    engine: Engine,
+    lease: Lease,
+    error: str,
+    max_attempts: int,
+    failed_items: list[tuple[int, str]],
+    task_set: str,
+) -> str:
+    """Re-queue the batch, or after `max_attempts` fail it and its items (with the reason).
+
+    `failed_items` are the (record_no, task_id) of the batch's items. Returns the new state.
+    """
+    final = lease.attempts >= max_attempts
+    with engine.begin() as conn:
+        result = conn.execute(
+            _fence(lease).values(
+                state=FAILED if final else QUEUED, lease_deadline=None, error=error[:4000]
+            )
+        )
+        if result.rowcount != 1:
+            raise StaleLeaseError(f"batch {lease.batch_no}: lease epoch {lease.epoch} is stale")
+        if final and failed_items:
+            reason = f"extraction failed after {lease.attempts} attempts: {error}"[:4000]
+            conn.execute(
+                insert(TaskFailure),
+                [
+                    {
+                        "task_set": task_set,
+                        "record_no": record_no,
+                        "task_id": task_id,
+                        "stage": "extract",
+                        "reason": reason,
+                    }
+                    for record_no, task_id in failed_items
+                ],
+            )
+    return FAILED if final else QUEUED
+
+
+def accounting(conn: Connection, task_set: str, model_key: str | None = None) -> Accounting:
+    """tasks = completed + failed + in_flight + queued, for one task set, in one query.
+
+    `completed` counts result rows of `model_key`, by default the model of the set's current plan.
+    """
+    current_plan = select(TaskSet.current_plan_id).where(TaskSet.name == task_set).scalar_subquery()
+    if model_key is None:
+        key = (
+            select(BatchPlanRow.model_key)
+            .where(BatchPlanRow.plan_id == current_plan)
+            .scalar_subquery()
+        )
+        model_matches = Embedding.model_key == key
+    else:
+        model_matches = Embedding.model_key == model_key
+
+    def batch_items(state: str):
+        return (
+            select(func.coalesce(func.sum(Batch.item_count), 0))
+            .where(Batch.plan_id == current_plan, Batch.state == state)
+            .scalar_subquery()
+        )
+
+    query = select(
+        TaskSet.n_records,
+        select(func.count())
+        .select_from(Embedding)
+        .where(Embedding.task_set == task_set, model_matches)
+        .scalar_subquery(),
+        select(func.count())
+        .select_from(TaskFailure)
+        .where(TaskFailure.task_set == task_set)
+        .scalar_subquery(),
+        batch_items(LEASED),
+        batch_items(QUEUED),
+    ).where(TaskSet.name == task_set)
+    row = conn.execute(query).first()
+    if row is None:
+        raise LookupError(f"no task set named {task_set!r}")
+    return Accounting(*(int(v) for v in row))
+
+
+def outstanding_rows(
+    conn: Connection, task_set: str, model_key: str, record_no: np.ndarray
+) -> np.ndarray:
+    """Task rows (indices into the task set) with neither a result nor a failure yet."""
+    done = np.fromiter(
+        conn.execute(
+            select(Embedding.record_no).where(
+                Embedding.task_set == task_set, Embedding.model_key == model_key
+            )
+        ).scalars(),
+        dtype=np.int64,
+    )
+    failed = np.fromiter(
+        conn.execute(
+            select(TaskFailure.record_no).where(TaskFailure.task_set == task_set)
+        ).scalars(),
+        dtype=np.int64,
+    )
+    keep = ~np.isin(record_no, np.concatenate([done, failed]))
+    return np.flatnonzero(keep).astype(np.int64)

@@ -1,0 +1,112 @@
+"""Plan shape-pure batches for one consumer profile, vectorised (no per-item Python loop).
+
+Items are grouped by padded length (their length rounded up to the profile's granularity). Each
+bucket is cut into as few batches as the profile allows, and the items are spread evenly over
+them, so a bucket never ends in a tiny straggler batch. Every batch holds items of one padded
+length only (one shape), within all four limits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from fabric_gpu.profile import ConsumerProfile
+
+PLANNER_VERSION = "bucket-even-1"
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    order: np.ndarray  # int64: task rows (into the task set) in plan order
+    seq_len: np.ndarray  # int64 [batches]: the batch's padded length (its shape)
+    item_start: np.ndarray  # int64 [batches]: first position in `order`
+    item_count: np.ndarray  # int64 [batches]
+    real_tokens: np.ndarray  # int64 [batches]
+
+    @property
+    def n_batches(self) -> int:
+        return int(self.seq_len.size)
+
+    @property
+    def padded_tokens(self) -> np.ndarray:
+        return self.seq_len * self.item_count
+
+    @property
+    def padding_fraction(self) -> float:
+        padded = int(self.padded_tokens.sum())
+        return 0.0 if padded == 0 else 1.0 - int(self.real_tokens.sum()) / padded
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """Distinct (items, seq_len) shapes in the plan."""
+        pairs = np.unique(np.stack([self.item_count, self.seq_len], axis=1), axis=0)
+        return [(int(a), int(b)) for a, b in pairs]
+
+
+def plan_batches(
+    lengths: np.ndarray, profile: ConsumerProfile, rows: np.ndarray | None = None
+) -> BatchPlan:
+    """Batches over `rows` (default all) of a task set whose items have `lengths` tokens.
+
+    Every length must be in 1..max_seq_len (ingest fails the rest back before planning).
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    rows = np.arange(lengths.size, dtype=np.int64) if rows is None else np.asarray(rows, np.int64)
+    item_lengths = lengths[rows]
+    if item_lengths.size and (item_lengths.min() < 1 or item_lengths.max() > profile.max_seq_len):
+        raise ValueError(
+            f"item lengths must be within 1..{profile.max_seq_len}; got "
+            f"{int(item_lengths.min())}..{int(item_lengths.max())}"
+        )
+    g = profile.seq_granularity
+    padded = -(-item_lengths // g) * g
+    by_length = np.argsort(padded, kind="stable")
+    order = rows[by_length]
+    sorted_padded = padded[by_length]
+    bucket_len, bucket_first, bucket_size = np.unique(
+        sorted_padded, return_index=True, return_counts=True
+    )
+    capacity = np.minimum(profile.max_batch_items, profile.max_batch_tokens // bucket_len)
+    n_per_bucket = -(-bucket_size // capacity)
+    # Spread each bucket evenly over its batches: sizes differ by at most one item.
+    even = -(-bucket_size // n_per_bucket)
+    bucket_of_batch = np.repeat(np.arange(bucket_len.size), n_per_bucket)
+    first_batch = np.cumsum(n_per_bucket) - n_per_bucket
+    local = np.arange(bucket_of_batch.size) - first_batch[bucket_of_batch]
+    item_start = bucket_first[bucket_of_batch] + local * even[bucket_of_batch]
+    bucket_end = bucket_first[bucket_of_batch] + bucket_size[bucket_of_batch]
+    item_count = np.minimum(even[bucket_of_batch], bucket_end - item_start)
+    sorted_lengths = lengths[order]
+    real_tokens = (
+        np.add.reduceat(sorted_lengths, item_start) if item_start.size else np.zeros(0, np.int64)
+    )
+    return BatchPlan(
+        order=order,
+        seq_len=bucket_len[bucket_of_batch].astype(np.int64),
+        item_start=item_start.astype(np.int64),
+        item_count=item_count.astype(np.int64),
+        real_tokens=real_tokens.astype(np.int64),
+    )
+
+
+def plan_id(
+    task_set_sha256: str, model_key: str, profile: ConsumerProfile, rows: np.ndarray
+) -> str:
+    """Identity of a plan: the same inputs always give the same id (and the same batches)."""
+    digest = hashlib.sha256()
+    digest.update(
+        json.dumps(
+            {
+                "task_set_sha256": task_set_sha256,
+                "model_key": model_key,
+                "profile": profile.__dict__,
+                "planner": PLANNER_VERSION,
+            },
+            sort_keys=True,
+        ).encode()
+    )
+    digest.update(np.ascontiguousarray(rows, dtype=np.int64).tobytes())
+    return digest.hexdigest()[:32]

@@ -1,0 +1,122 @@
+"""The planning stage: a task set's outstanding items -> batch plan file + ledger rows."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+from sqlalchemy import Engine, update
+from sqlalchemy.orm import Session
+
+from fabric_gpu.manifest import EngineManifest
+from fabric_gpu.model import resolve_model_dir, tokenizer_sha256
+from fabric_pipelines.lib.broker.ledger import outstanding_rows, register_plan
+from fabric_pipelines.lib.broker.planner import BatchPlan, plan_batches, plan_id
+from fabric_pipelines.lib.settings import FabricPaths
+from fabric_pipelines.lib.store.db import insert_ignoring_duplicates
+from fabric_pipelines.lib.store.models import BatchPlan as BatchPlanRow
+from fabric_pipelines.lib.store.models import TaskSet
+from fabric_pipelines.lib.tasks.catalog import get_task_set, task_lengths
+from fabric_pipelines.lib.tasks.store import read_table, write_table
+
+
+class PlanMismatchError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class PlanSummary:
+    plan_id: str
+    task_set: str
+    plan: BatchPlan
+    path: Path
+    sha256: str
+    outstanding: int
+    new_batches: int
+
+    def padding_by_bucket(self) -> dict[int, float]:
+        """Padding fraction per bucket length."""
+        out: dict[int, float] = {}
+        for length in np.unique(self.plan.seq_len):
+            sel = self.plan.seq_len == length
+            padded = int((self.plan.seq_len[sel] * self.plan.item_count[sel]).sum())
+            out[int(length)] = 1.0 - int(self.plan.real_tokens[sel].sum()) / padded
+        return out
+
+
+def plan_task_set(
+    db: Engine, paths: FabricPaths, task_set: str, manifest: EngineManifest
+) -> PlanSummary:
+    ts = get_task_set(db, task_set)
+    tok_sha = tokenizer_sha256(resolve_model_dir(manifest.model_id))
+    if ts.tokenizer_sha256 != tok_sha:
+        raise PlanMismatchError(
+            f"task set {task_set!r} was tokenised for {ts.model_id}, whose tokenizer differs from "
+            f"{manifest.model_id}'s; submit the set again under a new name for this model"
+        )
+    if ts.max_seq_len > manifest.profile.max_seq_len:
+        raise PlanMismatchError(
+            f"task set {task_set!r} admits items up to {ts.max_seq_len} tokens but the engine's "
+            f"max_seq_len is {manifest.profile.max_seq_len}"
+        )
+    table = read_table(Path(ts.path), ts.content_sha256)
+    lengths = task_lengths(table)
+    with db.connect() as conn:
+        rows = outstanding_rows(
+            conn, task_set, manifest.model_key, table.column("record_no").to_numpy()
+        )
+    plan = plan_batches(lengths, manifest.profile, rows)
+    pid = plan_id(ts.content_sha256, manifest.model_key, manifest.profile, rows)
+    with Session(db) as session:
+        existing = session.get(BatchPlanRow, pid)
+    if existing is not None:
+        # The same plan again (same set, engine and outstanding items): its file is reused.
+        path, sha = Path(existing.path), existing.sha256
+        load_plan_order(path, sha)
+    else:
+        path = paths.plans / task_set / f"{pid}.arrow"
+        sha = write_table(
+            path,
+            pa.table({"task_row": pa.array(plan.order, type=pa.int64())}),
+            {"fabric.plan_id": pid, "fabric.task_set": task_set},
+        )
+    with db.begin() as conn:
+        conn.execute(
+            insert_ignoring_duplicates(db, BatchPlanRow),
+            {
+                "plan_id": pid,
+                "task_set": task_set,
+                "model_key": manifest.model_key,
+                "profile_json": json.dumps(manifest.profile.__dict__, sort_keys=True),
+                "n_batches": plan.n_batches,
+                "n_items": int(plan.item_count.sum()),
+                "real_tokens": int(plan.real_tokens.sum()),
+                "padded_tokens": int(plan.padded_tokens.sum()),
+                "path": str(path),
+                "sha256": sha,
+            },
+        )
+        new = register_plan(conn, pid, task_set, plan)
+        conn.execute(update(TaskSet).where(TaskSet.name == task_set).values(current_plan_id=pid))
+    return PlanSummary(pid, task_set, plan, path, sha, int(rows.size), new)
+
+
+def load_plan_order(path: Path, sha256: str) -> np.ndarray:
+    table = read_table(path, sha256)
+    order: np.ndarray = table.column("task_row").to_numpy()
+    return order
+
+
+def current_plan(db: Engine, task_set: str) -> BatchPlanRow:
+    """The plan that shape_batches last made for `task_set`; LookupError if there is none."""
+    with Session(db, expire_on_commit=False) as session:
+        ts = session.get(TaskSet, task_set)
+        row = session.get(BatchPlanRow, ts.current_plan_id) if ts and ts.current_plan_id else None
+    if row is None:
+        raise LookupError(
+            f"task set {task_set!r} has no batch plan: materialise shape_batches first"
+        )
+    return row

@@ -1,0 +1,163 @@
+"""Extraction of one task set by one worker: claim a batch, run the engine, write, ack, repeat.
+
+Throughput counts delivered work only: tokens of batches whose results were written and
+acknowledged.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+from sqlalchemy import Engine
+
+from fabric_gpu.engines import Engine as ExtractionEngine
+from fabric_gpu.engines import PaddedBatch
+from fabric_pipelines.lib.broker.ledger import (
+    Lease,
+    StaleLeaseError,
+    claim,
+    report_failure,
+)
+from fabric_pipelines.lib.store.shards import write_shard
+from fabric_pipelines.lib.store.writer import BatchResults, write_batch
+from fabric_pipelines.lib.tasks.store import flat_tokens
+
+
+@dataclass
+class ExtractionReport:
+    batches_done: int = 0
+    batches_failed: int = 0
+    batches_requeued: int = 0
+    stale_acks: int = 0
+    items_done: int = 0
+    rows_inserted: int = 0
+    real_tokens: int = 0
+    padded_tokens: int = 0
+    seconds: float = 0.0
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.real_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class ExtractionJob:
+    task_set: str
+    plan_id: str
+    model_key: str
+    tasks: pa.Table  # the stored task set (record_no, id, token_ids)
+    order: np.ndarray  # the plan's item order (task rows)
+    shard_folder: Path
+    pad_token_id: int = 0
+
+
+ProgressFn = Callable[[ExtractionReport], None]
+
+
+def gather_padded(
+    tokens: np.ndarray, offsets: np.ndarray, rows: np.ndarray, seq_len: int, pad_id: int
+) -> PaddedBatch:
+    """Scatter the items' tokens into a `[items, seq_len]` array padded with `pad_id`."""
+    starts = offsets[rows]
+    lengths = offsets[rows + 1] - starts
+    positions = np.arange(seq_len, dtype=np.int64)[None, :]
+    real = positions < lengths[:, None]
+    ids = np.full((rows.size, seq_len), pad_id, dtype=np.int64)
+    ids[real] = tokens[(starts[:, None] + positions)[real]]
+    return PaddedBatch(input_ids=ids, lengths=lengths)
+
+
+def run_worker(
+    db: Engine,
+    engine: ExtractionEngine,
+    job: ExtractionJob,
+    *,
+    owner: str,
+    lease_seconds: float = 600.0,
+    max_attempts: int = 3,
+    progress: ProgressFn | None = None,
+    progress_every_s: float = 5.0,
+) -> ExtractionReport:
+    """Drain the plan's ledger: run every batch this worker can claim, until none is left."""
+    tokens, offsets = flat_tokens(job.tasks)
+    record_no = job.tasks.column("record_no").to_numpy()
+    task_ids = job.tasks.column("id").to_pylist()
+    report = ExtractionReport()
+    started = last_progress = time.perf_counter()
+    while True:
+        lease = claim(db, job.plan_id, owner, lease_seconds)
+        if lease is None:
+            break
+        rows = job.order[lease.item_start : lease.item_start + lease.item_count]
+        try:
+            batch = gather_padded(tokens, offsets, rows, lease.seq_len, job.pad_token_id)
+            output = engine.forward(batch)
+            shard = None
+            if output.hooks:
+                shard = write_shard(
+                    job.shard_folder,
+                    [task_ids[r] for r in rows],
+                    batch.lengths,
+                    output.hooks,
+                    engine.hidden_size,
+                )
+            results = BatchResults(
+                task_set=job.task_set,
+                model_key=job.model_key,
+                task_ids=[task_ids[r] for r in rows],
+                record_no=record_no[rows],
+                lengths=batch.lengths,
+                pooled=output.pooled,
+            )
+            inserted = write_batch(db, lease, results, shard, tuple(output.hooks))
+        except StaleLeaseError as exc:
+            report.stale_acks += 1
+            report.errors.append(str(exc))
+            continue
+        except Exception as exc:  # the engine or the writer failed this batch: retry or fail it
+            _fail(db, job, lease, rows, record_no, task_ids, exc, max_attempts, report)
+            continue
+        report.batches_done += 1
+        report.items_done += lease.item_count
+        report.rows_inserted += inserted
+        report.real_tokens += lease.real_tokens
+        report.padded_tokens += lease.seq_len * lease.item_count
+        now = time.perf_counter()
+        report.seconds = now - started
+        if progress is not None and now - last_progress >= progress_every_s:
+            last_progress = now
+            progress(report)
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _fail(
+    db: Engine,
+    job: ExtractionJob,
+    lease: Lease,
+    rows: np.ndarray,
+    record_no: np.ndarray,
+    task_ids: list[str],
+    exc: Exception,
+    max_attempts: int,
+    report: ExtractionReport,
+) -> None:
+    message = f"{type(exc).__name__}: {exc}"
+    report.errors.append(f"batch {lease.batch_no} (attempt {lease.attempts}): {message}")
+    items = [(int(record_no[r]), task_ids[r]) for r in rows]
+    try:
+        state = report_failure(db, lease, message, max_attempts, items, job.task_set)
+    except StaleLeaseError as stale:
+        report.stale_acks += 1
+        report.errors.append(str(stale))
+        return
+    if state == "failed":
+        report.batches_failed += 1
+    else:
+        report.batches_requeued += 1

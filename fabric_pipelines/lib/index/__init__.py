@@ -1,0 +1,1 @@
+"""Vector indexes: FAISS builds, their quality, and the receipts that reproduce them."""

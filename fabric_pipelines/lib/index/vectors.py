@@ -1,0 +1,74 @@
+"""Reading the vectors an index is built from, in id order, and refusing bad ones."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from sqlalchemy import Connection, func, select
+
+from fabric_pipelines.lib.store.models import Embedding
+
+
+class BadVectorsError(ValueError):
+    """Vectors that would corrupt an index (NaN, Inf, zero norm under cosine), with counts."""
+
+
+@dataclass(frozen=True)
+class VectorSet:
+    model_key: str
+    ids: np.ndarray  # int64, ascending: the embeddings.id of each row
+    vectors: np.ndarray  # float32 [n, dim]
+    task_sets: tuple[str, ...]
+    max_id: int  # the watermark: rows with larger ids are not in this set
+
+    @property
+    def dim(self) -> int:
+        return int(self.vectors.shape[1]) if self.vectors.ndim == 2 else 0
+
+
+def load_vectors(conn: Connection, model_key: str) -> VectorSet:
+    """Every embedding of `model_key`, ascending by id."""
+    max_id = conn.execute(
+        select(func.coalesce(func.max(Embedding.id), 0)).where(Embedding.model_key == model_key)
+    ).scalar_one()
+    rows = conn.execute(
+        select(Embedding.id, Embedding.dim, Embedding.vector)
+        .where(Embedding.model_key == model_key, Embedding.id <= max_id)
+        .order_by(Embedding.id)
+    ).all()
+    task_sets = conn.execute(
+        select(Embedding.task_set).where(Embedding.model_key == model_key).distinct()
+    ).scalars()
+    if not rows:
+        return VectorSet(model_key, np.zeros(0, np.int64), np.zeros((0, 0), np.float32), (), 0)
+    dims = {r.dim for r in rows}
+    if len(dims) != 1:
+        raise BadVectorsError(f"model {model_key}: embeddings of several dimensions {sorted(dims)}")
+    dim = dims.pop()
+    vectors = np.frombuffer(b"".join(r.vector for r in rows), dtype="<f4").reshape(len(rows), dim)
+    ids = np.fromiter((r.id for r in rows), dtype=np.int64, count=len(rows))
+    return VectorSet(
+        model_key, ids, vectors.astype(np.float32), tuple(sorted(task_sets)), int(max_id)
+    )
+
+
+def check_vectors(vectors: np.ndarray, metric: str) -> None:
+    """Raise BadVectorsError naming how many rows are NaN, Inf or (for cosine) zero-norm."""
+    nan_rows = int(np.isnan(vectors).any(axis=1).sum())
+    inf_rows = int(np.isinf(vectors).any(axis=1).sum())
+    problems = []
+    if nan_rows:
+        problems.append(f"{nan_rows} with NaN")
+    if inf_rows:
+        problems.append(f"{inf_rows} with Inf")
+    if metric == "cosine":
+        finite = np.where(np.isfinite(vectors), vectors, 0)
+        zero_rows = int((np.linalg.norm(finite, axis=1) == 0).sum())
+        if zero_rows:
+            problems.append(f"{zero_rows} with zero norm (undefined under cosine)")
+    if problems:
+        raise BadVectorsError(
+            f"refusing to build: of {len(vectors)} vectors, {', '.join(problems)}; "
+            "fix or delete those rows first"
+        )

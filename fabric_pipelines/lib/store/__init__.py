@@ -1,0 +1,1 @@
+"""The results data plane: SQLAlchemy models, the database connection, the result writer."""

@@ -1,0 +1,53 @@
+"""Connecting to the database: PostgreSQL through psycopg 3, or the embedded SQLite file.
+
+SQLite runs in WAL mode, and every transaction starts with BEGIN IMMEDIATE, so a transaction that
+reads the ledger and then claims a batch holds the write lock from its first statement: two
+workers can never claim the same batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.sql.dml import Insert
+
+from fabric_pipelines.lib.store.models import Base
+
+SQLITE_BUSY_TIMEOUT_MS = 60_000
+
+
+def make_engine(url: str) -> Engine:
+    if url.startswith("sqlite"):
+        engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000})
+
+        @event.listens_for(engine, "connect")
+        def _sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
+            # Let SQLAlchemy's "begin" event issue BEGIN itself (pysqlite's own is deferred).
+            dbapi_connection.isolation_level = None
+            cursor = dbapi_connection.cursor()
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA synchronous=NORMAL")
+            cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+            cursor.close()
+
+        @event.listens_for(engine, "begin")
+        def _sqlite_begin(conn: Any) -> None:
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+        return engine
+    return create_engine(url, pool_pre_ping=True)
+
+
+def create_schema(engine: Engine) -> None:
+    Base.metadata.create_all(engine)
+
+
+def insert_ignoring_duplicates(engine: Engine, model: type[Base]) -> Insert:
+    """INSERT ... ON CONFLICT DO NOTHING for this engine's dialect: the idempotent write."""
+    if engine.dialect.name == "postgresql":
+        return postgresql.insert(model).on_conflict_do_nothing()
+    if engine.dialect.name == "sqlite":
+        return sqlite.insert(model).on_conflict_do_nothing()
+    raise NotImplementedError(f"database dialect {engine.dialect.name!r} is not supported")

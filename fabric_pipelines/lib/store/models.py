@@ -1,0 +1,161 @@
+"""Every table of the product's database, in one place.
+
+The database is the source of truth for what happened to each task: task sets and their failures,
+batch plans and the batch ledger, embeddings, hidden-state shard files and index receipts.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from sqlalchemy import (
+    BigInteger,
+    DateTime,
+    Float,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# SQLite only auto-increments a column declared exactly INTEGER PRIMARY KEY.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class TaskSet(Base):
+    """One submitted, tokenised task set. Immutable: the same name never holds other content."""
+
+    __tablename__ = "task_sets"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    source_sha256: Mapped[str] = mapped_column(String(64))  # the submitted file
+    content_sha256: Mapped[str] = mapped_column(String(64))  # the stored Arrow file
+    path: Mapped[str] = mapped_column(Text)
+    model_id: Mapped[str] = mapped_column(String(256))
+    tokenizer_sha256: Mapped[str] = mapped_column(String(64))
+    max_seq_len: Mapped[int] = mapped_column(Integer)
+    n_records: Mapped[int] = mapped_column(BigInteger)  # every record submitted, good or bad
+    n_tasks: Mapped[int] = mapped_column(BigInteger)  # records that became tasks
+    truncated: Mapped[int] = mapped_column(BigInteger, default=0)
+    current_plan_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class TaskFailure(Base):
+    """A record that failed, with a reason a user can act on (at ingest or during extraction)."""
+
+    __tablename__ = "task_failures"
+    __table_args__ = (UniqueConstraint("task_set", "record_no", name="uq_task_failures_record"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    task_set: Mapped[str] = mapped_column(String(64), index=True)
+    record_no: Mapped[int] = mapped_column(BigInteger)
+    task_id: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    stage: Mapped[str] = mapped_column(String(16))  # "ingest" or "extract"
+    reason: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class BatchPlan(Base):
+    """A plan of shape-pure batches for one task set and one consumer profile."""
+
+    __tablename__ = "batch_plans"
+
+    plan_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    task_set: Mapped[str] = mapped_column(String(64), index=True)
+    model_key: Mapped[str] = mapped_column(String(128))
+    profile_json: Mapped[str] = mapped_column(Text)
+    n_batches: Mapped[int] = mapped_column(Integer)
+    n_items: Mapped[int] = mapped_column(BigInteger)
+    real_tokens: Mapped[int] = mapped_column(BigInteger)
+    padded_tokens: Mapped[int] = mapped_column(BigInteger)
+    path: Mapped[str] = mapped_column(Text)
+    sha256: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Batch(Base):
+    """The batch ledger: one row per planned batch, claimed under a lease fenced by its epoch."""
+
+    __tablename__ = "batches"
+    __table_args__ = (Index("ix_batches_plan_state", "plan_id", "state"),)
+
+    plan_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    batch_no: Mapped[int] = mapped_column(Integer, primary_key=True)
+    task_set: Mapped[str] = mapped_column(String(64), index=True)
+    # queued -> leased -> completed | failed; superseded when a newer plan replaces this one
+    state: Mapped[str] = mapped_column(String(16))
+    seq_len: Mapped[int] = mapped_column(Integer)
+    item_start: Mapped[int] = mapped_column(BigInteger)  # into the plan's item order
+    item_count: Mapped[int] = mapped_column(Integer)
+    real_tokens: Mapped[int] = mapped_column(BigInteger)
+    padded_tokens: Mapped[int] = mapped_column(BigInteger)
+    lease_owner: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    lease_epoch: Mapped[int] = mapped_column(Integer, default=0)
+    lease_deadline: Mapped[float | None] = mapped_column(Float, nullable=True)  # unix seconds
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
+class Embedding(Base):
+    """One pooled embedding per (task set, task id, model key): written once, never twice."""
+
+    __tablename__ = "embeddings"
+    __table_args__ = (
+        UniqueConstraint("task_set", "task_id", "model_key", name="uq_embeddings_task_model"),
+        Index("ix_embeddings_model", "model_key", "id"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    task_set: Mapped[str] = mapped_column(String(64))
+    task_id: Mapped[str] = mapped_column(String(256))
+    model_key: Mapped[str] = mapped_column(String(128))
+    record_no: Mapped[int] = mapped_column(BigInteger)
+    n_tokens: Mapped[int] = mapped_column(Integer)
+    dim: Mapped[int] = mapped_column(Integer)
+    vector: Mapped[bytes] = mapped_column(LargeBinary)  # float32, little-endian
+    plan_id: Mapped[str] = mapped_column(String(64))
+    batch_no: Mapped[int] = mapped_column(Integer)
+
+
+class HiddenStateShard(Base):
+    """A content-addressed Arrow file of one batch's hook-layer hidden states."""
+
+    __tablename__ = "hidden_state_shards"
+
+    sha256: Mapped[str] = mapped_column(String(64), primary_key=True)
+    task_set: Mapped[str] = mapped_column(String(64), index=True)
+    model_key: Mapped[str] = mapped_column(String(128))
+    plan_id: Mapped[str] = mapped_column(String(64))
+    batch_no: Mapped[int] = mapped_column(Integer)
+    layers: Mapped[str] = mapped_column(String(256))  # JSON list
+    n_items: Mapped[int] = mapped_column(Integer)
+    n_tokens: Mapped[int] = mapped_column(BigInteger)
+    path: Mapped[str] = mapped_column(Text)
+    bytes: Mapped[int] = mapped_column(BigInteger)
+
+
+class IndexReceipt(Base):
+    """Everything needed to rebuild one vector index, as canonical JSON; its sha256 is the key."""
+
+    __tablename__ = "index_receipts"
+
+    receipt_sha256: Mapped[str] = mapped_column(String(64), primary_key=True)
+    model_key: Mapped[str] = mapped_column(String(128), index=True)
+    index_path: Mapped[str] = mapped_column(Text)
+    index_sha256: Mapped[str] = mapped_column(String(64))
+    n_vectors: Mapped[int] = mapped_column(BigInteger)
+    recall_at_k: Mapped[float] = mapped_column(Float)
+    receipt_json: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -1,0 +1,88 @@
+"""Hidden states too large for rows: one content-addressed Arrow file per batch.
+
+A shard holds one row per item: its task id and, per hook layer, the hidden states of its real
+tokens (float16, `[tokens, hidden]`). The file is named by its sha256 and verified on every read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from fabric_pipelines.lib.tasks.store import CorruptFileError, atomic_write, sha256_file
+
+
+@dataclass(frozen=True)
+class ShardFile:
+    sha256: str
+    path: Path
+    bytes: int
+
+
+def _column(name: str) -> str:
+    return f"layer_{name}"
+
+
+def write_shard(
+    folder: Path,
+    task_ids: list[str],
+    lengths: np.ndarray,
+    hooks: dict[int, np.ndarray],
+    hidden_size: int,
+) -> ShardFile:
+    offsets = np.zeros(len(task_ids) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    arrays: list[pa.Array] = [pa.array(task_ids, type=pa.string())]
+    names = ["task_id"]
+    for layer, states in hooks.items():
+        flat = pa.array(np.ascontiguousarray(states, dtype=np.float16).reshape(-1))
+        tokens = pa.FixedSizeListArray.from_arrays(flat, hidden_size)
+        arrays.append(pa.ListArray.from_arrays(pa.array(offsets), tokens))
+        names.append(_column(str(layer)))
+    table = pa.Table.from_arrays(arrays, names=names).replace_schema_metadata(
+        {"fabric.layers": json.dumps(list(hooks)), "fabric.hidden_size": str(hidden_size)}
+    )
+
+    # Write under a temporary name first, then move to the name its own hash gives it.
+    staging = folder / f".staging-{os.getpid()}.arrow"
+
+    def write(tmp: Path) -> None:
+        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+            writer.write_table(table)
+
+    sha = atomic_write(staging, write)
+    final = folder / sha[:2] / f"{sha}.arrow"
+    final.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(staging, final)
+    return ShardFile(sha, final, final.stat().st_size)
+
+
+def read_shard(path: Path, expected_sha256: str) -> dict[str, list[np.ndarray] | list[str]]:
+    """{'task_id': [...], 'layer_<k>': [array[tokens, hidden] per item]}; checks the hash first."""
+    if not path.is_file():
+        raise FileNotFoundError(f"hidden-state shard {path} is missing")
+    actual = sha256_file(path)
+    if actual != expected_sha256:
+        raise CorruptFileError(
+            f"hidden-state shard {path} is corrupt: sha256 {actual}, expected {expected_sha256}"
+        )
+    with pa.memory_map(str(path), "r") as source:
+        table = pa.ipc.open_file(source).read_all()
+    hidden = int(table.schema.metadata[b"fabric.hidden_size"])
+    out: dict[str, list[np.ndarray] | list[str]] = {"task_id": table.column("task_id").to_pylist()}
+    for name in table.column_names[1:]:
+        column = table.column(name).combine_chunks()
+        flat = column.values.values.to_numpy(zero_copy_only=False).reshape(-1, hidden)
+        offsets = column.offsets.to_numpy()
+        out[name] = [flat[offsets[i] : offsets[i + 1]] for i in range(len(column))]
+    return out
+
+
+def content_hash(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()

@@ -1,0 +1,1 @@
+"""Task sets: reading submitted files, tokenising them, storing them as Arrow IPC."""
