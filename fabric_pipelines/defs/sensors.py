@@ -2,7 +2,12 @@
 
 import dagster as dg
 
-from fabric_pipelines.defs.assets import extraction_outputs, shape_batches, tokenised_tasks
+from fabric_pipelines.defs.assets import (
+    extraction_outputs,
+    shape_batches,
+    tokenised_tasks,
+    vector_index,
+)
 from fabric_pipelines.defs.partitions import TASK_SET_PARTITIONS, task_sets
 from fabric_pipelines.defs.resources import ArtifactStore
 from fabric_pipelines.lib.tasks.inbox import scan
@@ -10,13 +15,12 @@ from fabric_pipelines.lib.tasks.inbox import scan
 extract_task_set = dg.define_asset_job(
     "extract_task_set",
     selection=dg.AssetSelection.assets(tokenised_tasks, shape_batches, extraction_outputs),
-    partitions_def=task_sets,
     description="Tokenise, plan and extract one task set (one partition).",
 )
 
 index_job = dg.define_asset_job(
     "build_vector_index",
-    selection=dg.AssetSelection.keys("vector_index"),
+    selection=dg.AssetSelection.assets(vector_index),
     description="Build the vector index over every embedding of the engine's model.",
 )
 
@@ -46,7 +50,7 @@ def inbox_sensor(context: dg.SensorEvaluationContext, store: ArtifactStore) -> d
 
 index_automation = dg.AutomationConditionSensorDefinition(
     "index_automation",
-    target=dg.AssetSelection.keys("vector_index"),
+    target=dg.AssetSelection.assets(vector_index),
     default_status=dg.DefaultSensorStatus.RUNNING,
     minimum_interval_seconds=30,
     description="Rebuilds vector_index once new extraction outputs land (eager condition).",

@@ -71,14 +71,15 @@ def plan_batches(
     )
     capacity = np.minimum(profile.max_batch_items, profile.max_batch_tokens // bucket_len)
     n_per_bucket = -(-bucket_size // capacity)
-    # Spread each bucket evenly over its batches: sizes differ by at most one item.
-    even = -(-bucket_size // n_per_bucket)
+    # Spread each bucket evenly over its batches: the first (size mod n) batches get one item
+    # more than the rest, so sizes differ by at most one item.
     bucket_of_batch = np.repeat(np.arange(bucket_len.size), n_per_bucket)
     first_batch = np.cumsum(n_per_bucket) - n_per_bucket
     local = np.arange(bucket_of_batch.size) - first_batch[bucket_of_batch]
-    item_start = bucket_first[bucket_of_batch] + local * even[bucket_of_batch]
-    bucket_end = bucket_first[bucket_of_batch] + bucket_size[bucket_of_batch]
-    item_count = np.minimum(even[bucket_of_batch], bucket_end - item_start)
+    base = (bucket_size // n_per_bucket)[bucket_of_batch]
+    extra = (bucket_size % n_per_bucket)[bucket_of_batch]
+    item_start = bucket_first[bucket_of_batch] + local * base + np.minimum(local, extra)
+    item_count = base + (local < extra)
     sorted_lengths = lengths[order]
     real_tokens = (
         np.add.reduceat(sorted_lengths, item_start) if item_start.size else np.zeros(0, np.int64)

@@ -1,0 +1,118 @@
+"""Shared fixtures: data roots, the two databases, the real model's manifest and engine.
+
+PostgreSQL tests run against the server named by FABRIC_TEST_POSTGRES_URL (default: the local
+server, user postgres, database test). Each test session creates its own scratch database there
+and drops it at the end. Where CI=true an unreachable server fails the run instead of skipping.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from sqlalchemy import Engine, create_engine, text
+
+from fabric_gpu.manifest import EngineManifest, HookSpec, manifest_for_model
+from fabric_gpu.model import DEFAULT_MODEL_ID
+from fabric_gpu.profile import ConsumerProfile
+from fabric_pipelines.lib.settings import FabricPaths
+from fabric_pipelines.lib.store.db import create_schema, make_engine
+
+POSTGRES_ADMIN_URL = os.environ.get(
+    "FABRIC_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+IN_CI = os.environ.get("CI", "").lower() == "true"
+
+
+@pytest.fixture
+def paths(tmp_path: Path) -> FabricPaths:
+    return FabricPaths(tmp_path / "fabric").ensure()
+
+
+@pytest.fixture(scope="session")
+def postgres_server_url() -> Iterator[str]:
+    """URL of a scratch database on the PostgreSQL server, for the whole session."""
+    admin = create_engine(POSTGRES_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.execute(text("select 1"))
+    except Exception as exc:
+        if IN_CI:
+            pytest.fail(f"PostgreSQL at {POSTGRES_ADMIN_URL} is required in CI: {exc}")
+        pytest.skip(f"PostgreSQL not reachable at {POSTGRES_ADMIN_URL}: {exc}")
+    name = f"fabric_test_{uuid.uuid4().hex[:12]}"
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    url = POSTGRES_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+    try:
+        yield url
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def _reset(engine: Engine) -> None:
+    from fabric_pipelines.lib.store.models import Base
+
+    Base.metadata.drop_all(engine)
+    create_schema(engine)
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def db_url(request: pytest.FixtureRequest, paths: FabricPaths) -> Iterator[str]:
+    """Each test using this runs twice: on a fresh SQLite file and on a fresh PostgreSQL schema."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{paths.sqlite_path}"
+        return
+    url = request.getfixturevalue("postgres_server_url")
+    engine = make_engine(url)
+    _reset(engine)
+    engine.dispose()
+    yield url
+
+
+@pytest.fixture
+def db(db_url: str) -> Iterator[Engine]:
+    engine = make_engine(db_url)
+    create_schema(engine)
+    yield engine
+    engine.dispose()
+
+
+TEST_PROFILE = ConsumerProfile(
+    max_batch_tokens=4096, max_batch_items=64, max_seq_len=128, seq_granularity=8
+)
+
+
+@pytest.fixture(scope="session")
+def manifest() -> EngineManifest:
+    """The real all-MiniLM-L6-v2 on the CPU engine, with two hook layers."""
+    return manifest_for_model(
+        DEFAULT_MODEL_ID,
+        backend="cpu",
+        dtype="float32",
+        profile=TEST_PROFILE,
+        hooks=HookSpec((2, -1), "mean"),
+    )
+
+
+@pytest.fixture(scope="session")
+def cpu_engine(manifest: EngineManifest):  # type: ignore[no-untyped-def]
+    from fabric_gpu.engines import create_engine as create_extraction_engine
+
+    engine = create_extraction_engine(manifest)
+    yield engine
+    engine.close()
+
+
+def write_jsonl(path: Path, lines: list[str]) -> Path:
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path

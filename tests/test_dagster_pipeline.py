@@ -1,0 +1,135 @@
+"""The whole chain in Dagster, in-process, for one task-set partition, on both databases."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import dagster as dg
+import pytest
+from sqlalchemy import func, select
+
+from fabric_pipelines.defs.assets import (
+    extraction_outputs,
+    shape_batches,
+    tokenised_tasks,
+    vector_index,
+)
+from fabric_pipelines.defs.resources import ArtifactStore, Database, EngineConfig
+from fabric_pipelines.lib.index.receipt import canonical_json, receipt_sha256
+from fabric_pipelines.lib.settings import FabricPaths
+from fabric_pipelines.lib.store.db import make_engine
+from fabric_pipelines.lib.store.models import Embedding, IndexReceipt
+from fabric_pipelines.lib.tasks.inbox import submit
+
+PARTITIONED = [tokenised_tasks, shape_batches, extraction_outputs]
+
+
+def _resources(paths: FabricPaths, db_url: str) -> dict[str, object]:
+    store = ArtifactStore(root=str(paths.root))
+    return {
+        "store": store,
+        "database": Database(store=store, url=db_url),
+        "engine": EngineConfig(
+            max_batch_tokens=4096, max_batch_items=64, max_seq_len=128, hook_layers=[2, -1]
+        ),
+    }
+
+
+def _task_set(tmp_path: Path) -> Path:
+    rows = [
+        {"id": f"doc-{i}", "text": f"Document number {i} talks about topic {i % 7}."}
+        for i in range(60)
+    ]
+    rows += [
+        {"id": "empty", "text": ""},
+        {"id": "spaces", "text": "    "},
+        {"id": "overlong", "text": "many words " * 200},
+        {"id": "doc-1", "text": "a duplicate id"},
+    ]
+    path = tmp_path / "set.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _metadata(result: dg.ExecuteInProcessResult, key: str) -> dict[str, object]:
+    for event in result.get_asset_materialization_events():
+        m = event.materialization
+        if m.asset_key.to_user_string() == key:
+            return {k: v.value for k, v in m.metadata.items()}
+    raise AssertionError(f"no materialization of {key}")
+
+
+@pytest.mark.slow
+def test_materialize_the_chain_then_again(paths: FabricPaths, db_url: str, tmp_path: Path) -> None:
+    instance = dg.DagsterInstance.ephemeral()
+    instance.add_dynamic_partitions("task_set", ["mixed"])
+    submit(_task_set(tmp_path), paths.inbox, "mixed")
+    resources = _resources(paths, db_url)
+
+    first = dg.materialize(
+        PARTITIONED, partition_key="mixed", instance=instance, resources=resources
+    )
+    assert first.success
+    tasks = _metadata(first, "tokenised_tasks")
+    assert (tasks["records"], tasks["tasks"], tasks["failed"]) == (64, 60, 4)
+    failures = str(tasks["failures"])
+    for reason in ("empty text", "only whitespace", "over-long", "duplicate id 'doc-1'"):
+        assert reason in failures
+    checks = {e.check_name: e for e in first.get_asset_check_evaluations()}
+    assert checks["accounting"].passed
+    assert checks["accounting"].metadata["completed"].value == 60
+    assert checks["accounting"].metadata["failed"].value == 4
+
+    index = dg.materialize([vector_index], instance=instance, resources=resources)
+    assert index.success
+    meta = _metadata(index, "vector_index")
+    receipt_path = Path(str(meta["receipt_path"]))
+    receipt = json.loads(receipt_path.read_text())
+    assert receipt_path.read_bytes() == canonical_json(receipt)
+    assert meta["receipt_sha256"] == receipt_sha256(receipt) == receipt_path.stem
+    assert receipt["source"]["watermark"]["rows"] == 60
+    assert receipt["inputs"][0]["partition"] == "mixed"
+    assert receipt["inputs"][0]["run_id"] == first.run_id
+    assert receipt["model"]["weights_sha256"] == EngineConfig().manifest().weights_sha256
+    event = instance.get_latest_materialization_event(dg.AssetKey("vector_index"))
+    assert event is not None and event.asset_materialization is not None
+    assert event.asset_materialization.tags["dagster/data_version"] == meta["receipt_sha256"]
+    index_checks = {e.check_name: e for e in index.get_asset_check_evaluations()}
+    assert index_checks["recall_at_10"].passed
+
+    # The same set again: nothing is extracted twice, no row is duplicated.
+    second = dg.materialize(
+        PARTITIONED, partition_key="mixed", instance=instance, resources=resources
+    )
+    assert second.success
+    assert _metadata(second, "tokenised_tasks")["reused"] is True
+    assert _metadata(second, "shape_batches")["batches"] == 0
+    assert _metadata(second, "extraction_outputs")["rows_inserted"] == 0
+    engine = make_engine(db_url)
+    with engine.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(Embedding)).scalar_one() == 60
+        assert conn.execute(select(func.count()).select_from(IndexReceipt)).scalar_one() == 1
+    engine.dispose()
+
+
+def test_a_replaced_inbox_file_fails_without_retries(paths: FabricPaths, tmp_path: Path) -> None:
+    instance = dg.DagsterInstance.ephemeral()
+    instance.add_dynamic_partitions("task_set", ["s"])
+    source = _task_set(tmp_path)
+    submit(source, paths.inbox, "s")
+    resources = _resources(paths, f"sqlite:///{paths.sqlite_path}")
+    assert dg.materialize(
+        [tokenised_tasks], partition_key="s", instance=instance, resources=resources
+    ).success
+    (paths.inbox / "s.jsonl").write_text('{"id": "x", "text": "other content"}\n')
+    result = dg.materialize(
+        [tokenised_tasks],
+        partition_key="s",
+        instance=instance,
+        resources=resources,
+        raise_on_error=False,
+    )
+    assert not result.success
+    failure = next(e for e in result.all_events if e.is_step_failure)
+    assert "immutable" in str(failure.event_specific_data)

@@ -1,0 +1,81 @@
+"""Task-set names and the inbox: unsafe names and links out of the inbox are refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fabric_pipelines.lib.names import InvalidNameError, validate_task_set_name
+from fabric_pipelines.lib.settings import FabricPaths, redact_url
+from fabric_pipelines.lib.tasks.inbox import scan, submission_path, submit
+from fabric_pipelines.lib.tasks.ingest import SubmissionError
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "",
+        "../etc",
+        "a/b",
+        "a\\b",
+        "..",
+        "x..y",
+        "it's",
+        'a"b',
+        "a b",
+        "a;drop table x",
+        "-lead",
+        "é",
+        "a" * 65,
+        None,
+        3,
+    ],
+)
+def test_unsafe_task_set_names_are_refused(name: object) -> None:
+    with pytest.raises(InvalidNameError, match="is not allowed"):
+        validate_task_set_name(name)
+
+
+@pytest.mark.parametrize("name", ["demo", "set-1", "2026_11_30.part.3", "A" * 64])
+def test_safe_names_pass(name: str) -> None:
+    assert validate_task_set_name(name) == name
+
+
+def test_submit_is_atomic_idempotent_and_immutable(paths: FabricPaths, tmp_path: Path) -> None:
+    source = tmp_path / "x.jsonl"
+    source.write_text('{"id": 1, "text": "hello"}\n')
+    first = submit(source, paths.inbox, "set")
+    assert first.path == paths.inbox / "set.jsonl"
+    assert submit(source, paths.inbox, "set") == first  # the same file again: nothing happens
+    source.write_text('{"id": 1, "text": "changed"}\n')
+    with pytest.raises(SubmissionError, match="immutable"):
+        submit(source, paths.inbox, "set")
+    assert submission_path(paths.inbox, "set") == first.path
+    with pytest.raises(SubmissionError, match="no file in the inbox"):
+        submission_path(paths.inbox, "other")
+
+
+def test_scan_rejects_links_out_of_the_inbox_and_bad_names(
+    paths: FabricPaths, tmp_path: Path
+) -> None:
+    outside = tmp_path / "secret.jsonl"
+    outside.write_text('{"id": 1, "text": "x"}\n')
+    (paths.inbox / "escape.jsonl").symlink_to(outside)
+    (paths.inbox / "fine.jsonl").write_text('{"id": 1, "text": "x"}\n')
+    (paths.inbox / "has space.jsonl").write_text("{}\n")
+    (paths.inbox / "notes.txt").write_text("hi")
+    (paths.inbox / ".fine.jsonl.tmp-1").write_text("partial")
+    accepted, rejected = scan(paths.inbox)
+    assert [a.task_set for a in accepted] == ["fine"]
+    reasons = {r.path.name: r.reason for r in rejected}
+    assert "outside the inbox" in reasons["escape.jsonl"]
+    assert "is not allowed" in reasons["has space.jsonl"]
+    assert "unsupported type" in reasons["notes.txt"]
+    with pytest.raises(SubmissionError, match="outside the inbox"):
+        submission_path(paths.inbox, "escape")
+
+
+def test_database_passwords_never_appear_in_what_is_shown() -> None:
+    shown = redact_url("postgresql+psycopg://fabric:s3cret@db.example:5432/results")
+    assert "s3cret" not in shown and "***" in shown

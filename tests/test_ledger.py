@@ -1,0 +1,129 @@
+"""The batch ledger on both databases: claims, epoch-fenced acks, retries, accounting."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from sqlalchemy import Engine, func, insert, select
+
+from fabric_gpu.profile import ConsumerProfile
+from fabric_pipelines.lib.broker.ledger import (
+    COMPLETED,
+    FAILED,
+    QUEUED,
+    StaleLeaseError,
+    accounting,
+    ack,
+    claim,
+    register_plan,
+    report_failure,
+)
+from fabric_pipelines.lib.broker.planner import plan_batches
+from fabric_pipelines.lib.store.models import Batch, BatchPlan, TaskSet
+
+PROFILE = ConsumerProfile(256, 8, 64, 8)
+
+
+def _setup(db: Engine, n_items: int = 40, name: str = "set") -> tuple[str, int]:
+    lengths = np.random.default_rng(1).integers(1, 65, n_items)
+    plan = plan_batches(lengths, PROFILE)
+    with db.begin() as conn:
+        conn.execute(
+            insert(TaskSet),
+            {
+                "name": name, "source_sha256": "s", "content_sha256": "c", "path": "p",
+                "model_id": "m", "tokenizer_sha256": "t", "max_seq_len": 64,
+                "n_records": n_items, "n_tasks": n_items, "truncated": 0,
+                "current_plan_id": "plan-1",
+            },
+        )  # fmt: skip
+        conn.execute(
+            insert(BatchPlan),
+            {
+                "plan_id": "plan-1", "task_set": name, "model_key": "m", "profile_json": "{}",
+                "n_batches": plan.n_batches, "n_items": n_items, "real_tokens": 0,
+                "padded_tokens": 0, "path": "p", "sha256": "x",
+            },
+        )  # fmt: skip
+        assert register_plan(conn, "plan-1", name, plan) == plan.n_batches
+        assert register_plan(conn, "plan-1", name, plan) == 0  # idempotent
+    return "plan-1", plan.n_batches
+
+
+def test_claim_ack_until_drained_and_accounting_follows(db: Engine) -> None:
+    plan, n = _setup(db)
+    with db.connect() as conn:
+        a = accounting(conn, "set", "m")
+    assert (a.tasks, a.queued, a.in_flight, a.completed) == (40, 40, 0, 0)
+    seen = []
+    while (lease := claim(db, plan, "w1", 60)) is not None:
+        with db.connect() as conn:
+            a = accounting(conn, "set", "m")
+            assert a.in_flight == lease.item_count
+        with db.begin() as conn:
+            ack(conn, lease)
+        seen.append(lease.batch_no)
+    assert sorted(seen) == list(range(n))
+    with db.connect() as conn:
+        states = conn.execute(select(Batch.state, func.count()).group_by(Batch.state)).all()
+    assert dict(states) == {COMPLETED: n}
+
+
+def test_an_expired_lease_is_taken_over_and_the_late_ack_refused(db: Engine) -> None:
+    plan, _ = _setup(db)
+    first = claim(db, plan, "slow-worker", lease_seconds=10, now=1000.0)
+    assert first is not None and first.epoch == 1
+    # Before expiry nobody else gets that batch.
+    other = claim(db, plan, "w2", 10, now=1005.0)
+    assert other is not None and other.batch_no != first.batch_no
+    # After expiry the batch is claimed again with a higher epoch.
+    taken = claim(db, plan, "w3", 10, now=1011.0)
+    assert taken is not None and taken.batch_no == first.batch_no and taken.epoch == 2
+    with pytest.raises(StaleLeaseError, match="epoch 1 is no longer current"), db.begin() as conn:
+        ack(conn, first)
+    with db.begin() as conn:
+        ack(conn, taken)
+    with pytest.raises(StaleLeaseError), db.begin() as conn:
+        ack(conn, taken)  # a second ack of a completed batch is refused too
+
+
+def test_failures_are_retried_then_failed_with_the_items(db: Engine) -> None:
+    plan, _ = _setup(db)
+    items = [(i, f"id-{i}") for i in range(3)]
+    lease = claim(db, plan, "w", 60)
+    assert lease is not None
+    assert report_failure(db, lease, "boom", 2, items, "set") == QUEUED
+    again = claim(db, plan, "w", 60)
+    assert again is not None and again.batch_no == lease.batch_no and again.attempts == 2
+    assert report_failure(db, again, "boom", 2, items, "set") == FAILED
+    with db.connect() as conn:
+        a = accounting(conn, "set", "m")
+        state = conn.execute(select(Batch.state).where(Batch.batch_no == lease.batch_no)).scalar()
+    assert state == FAILED
+    assert a.failed == 3
+
+
+def test_concurrent_claimers_never_share_a_batch(db: Engine) -> None:
+    plan, n = _setup(db, n_items=200)
+    claimed: list[list[int]] = [[] for _ in range(4)]
+
+    def worker(k: int) -> None:
+        while (lease := claim(db, plan, f"w{k}", 60)) is not None:
+            with db.begin() as conn:
+                ack(conn, lease)
+            claimed[k].append(lease.batch_no)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    everything = sorted(b for c in claimed for b in c)
+    assert everything == list(range(n))
+
+
+def test_accounting_of_an_unknown_set_is_an_error(db: Engine) -> None:
+    with db.connect() as conn, pytest.raises(LookupError, match="no task set named 'nope'"):
+        accounting(conn, "nope")

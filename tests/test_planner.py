@@ -1,0 +1,68 @@
+"""Planner properties: every item in exactly one batch, shape-pure, within all four limits."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fabric_gpu.profile import ConsumerProfile
+from fabric_pipelines.lib.broker.planner import plan_batches, plan_id
+
+
+@st.composite
+def profiles_and_lengths(draw):  # type: ignore[no-untyped-def]
+    granularity = draw(st.sampled_from([1, 4, 8, 32]))
+    max_seq_len = granularity * draw(st.integers(1, 64))
+    max_batch_tokens = draw(st.integers(max_seq_len, max_seq_len * 40))
+    max_batch_items = draw(st.integers(1, 300))
+    profile = ConsumerProfile(max_batch_tokens, max_batch_items, max_seq_len, granularity)
+    lengths = draw(st.lists(st.integers(1, max_seq_len), min_size=0, max_size=400))
+    subset = draw(st.booleans())
+    return profile, np.array(lengths, dtype=np.int64), subset
+
+
+@settings(max_examples=300, deadline=None)
+@given(profiles_and_lengths())
+def test_plan_properties(case) -> None:  # type: ignore[no-untyped-def]
+    profile, lengths, subset = case
+    rows = np.arange(lengths.size)[::2] if subset else None
+    plan = plan_batches(lengths, profile, rows)
+    expected = np.arange(lengths.size)[::2] if subset else np.arange(lengths.size)
+    # every item exactly once
+    assert sorted(plan.order.tolist()) == expected.tolist()
+    # batches tile the order without gaps or overlaps
+    assert (
+        plan.item_start.tolist()
+        == np.concatenate([[0], np.cumsum(plan.item_count)[:-1]]).tolist()[: plan.n_batches]
+    )
+    assert int(plan.item_count.sum()) == expected.size
+    for b in range(plan.n_batches):
+        items = plan.order[plan.item_start[b] : plan.item_start[b] + plan.item_count[b]]
+        padded = -(-lengths[items] // profile.seq_granularity) * profile.seq_granularity
+        assert (padded == plan.seq_len[b]).all(), "shape-pure: one padded length per batch"
+        assert 1 <= plan.item_count[b] <= profile.max_batch_items
+        assert plan.seq_len[b] <= profile.max_seq_len
+        assert plan.seq_len[b] * plan.item_count[b] <= profile.max_batch_tokens
+        assert plan.real_tokens[b] == lengths[items].sum()
+
+
+def test_padding_is_only_the_granularity_rounding() -> None:
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(4.3, 0.8, 50_000).astype(np.int64), 8, 512)
+    profile = ConsumerProfile(32768, 1024, 512, 8)
+    plan = plan_batches(lengths, profile)
+    floor = 1 - lengths.sum() / (-(-lengths // 8) * 8).sum()
+    assert abs(plan.padding_fraction - floor) < 1e-12
+    # buckets are split evenly: no batch is less than half the size of its bucket's largest
+    for length in np.unique(plan.seq_len):
+        counts = plan.item_count[plan.seq_len == length]
+        assert counts.max() - counts.min() <= 1
+
+
+def test_plan_id_is_deterministic_and_sensitive() -> None:
+    p = ConsumerProfile(4096, 64, 128, 8)
+    rows = np.arange(10)
+    assert plan_id("a" * 64, "m", p, rows) == plan_id("a" * 64, "m", p, rows)
+    assert plan_id("a" * 64, "m", p, rows) != plan_id("a" * 64, "m", p, rows[:-1])
+    assert plan_id("a" * 64, "m", p, rows) != plan_id("a" * 64, "m2", p, rows)
