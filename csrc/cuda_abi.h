@@ -21,6 +21,10 @@ struct CUfunc_st;
 using CUfunction = CUfunc_st*;
 struct CUstream_st;
 using CUstream = CUstream_st*;
+struct CUevent_st;
+using CUevent = CUevent_st*;
+struct CUgraphExec_st;
+using CUgraphExec = CUgraphExec_st*;
 
 constexpr CUresult CUDA_SUCCESS = 0;
 constexpr CUresult CUDA_ERROR_NOT_READY = 600;
@@ -33,5 +37,15 @@ constexpr int CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76;
 constexpr int CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS = 122;
 
 constexpr cuuint64_t CU_GET_PROC_ADDRESS_DEFAULT = 0;
+
+// cuMemHostAlloc flags
+constexpr unsigned CU_MEMHOSTALLOC_PORTABLE = 0x01;
+constexpr unsigned CU_MEMHOSTALLOC_DEVICEMAP = 0x02;
+constexpr unsigned CU_MEMHOSTALLOC_WRITECOMBINED = 0x04;
+// stream, event and stream-memory-operation flags
+constexpr unsigned CU_STREAM_NON_BLOCKING = 0x1;
+constexpr unsigned CU_EVENT_DISABLE_TIMING = 0x2;
+constexpr unsigned CU_STREAM_WAIT_VALUE_GEQ = 0x0;
+constexpr unsigned CU_STREAM_WRITE_VALUE_DEFAULT = 0x0;
 
 }  // namespace fabric::cu

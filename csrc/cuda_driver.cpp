@@ -46,6 +46,33 @@ CudaDriver::CudaDriver() {
   resolve(get_proc, "cuDeviceGet", api_.cuDeviceGet);
   resolve(get_proc, "cuDeviceGetName", api_.cuDeviceGetName);
   resolve(get_proc, "cuDeviceGetAttribute", api_.cuDeviceGetAttribute);
+  resolve(get_proc, "cuDevicePrimaryCtxRetain", api_.cuDevicePrimaryCtxRetain);
+  resolve(get_proc, "cuDevicePrimaryCtxRelease", api_.cuDevicePrimaryCtxRelease);
+  resolve(get_proc, "cuCtxSetCurrent", api_.cuCtxSetCurrent);
+  resolve(get_proc, "cuMemHostAlloc", api_.cuMemHostAlloc);
+  resolve(get_proc, "cuMemHostGetDevicePointer", api_.cuMemHostGetDevicePointer);
+  resolve(get_proc, "cuMemFreeHost", api_.cuMemFreeHost);
+  resolve(get_proc, "cuMemAlloc", api_.cuMemAlloc);
+  resolve(get_proc, "cuMemFree", api_.cuMemFree);
+  resolve(get_proc, "cuMemsetD8", api_.cuMemsetD8);
+  resolve(get_proc, "cuMemcpyDtoHAsync", api_.cuMemcpyDtoHAsync);
+  resolve(get_proc, "cuMemcpyHtoD", api_.cuMemcpyHtoD);
+  resolve(get_proc, "cuStreamCreate", api_.cuStreamCreate);
+  resolve(get_proc, "cuStreamDestroy", api_.cuStreamDestroy);
+  resolve(get_proc, "cuStreamSynchronize", api_.cuStreamSynchronize);
+  resolve(get_proc, "cuStreamQuery", api_.cuStreamQuery);
+  resolve(get_proc, "cuStreamWaitValue64", api_.cuStreamWaitValue64);
+  resolve(get_proc, "cuStreamWriteValue64", api_.cuStreamWriteValue64);
+  resolve(get_proc, "cuModuleLoadData", api_.cuModuleLoadData);
+  resolve(get_proc, "cuModuleUnload", api_.cuModuleUnload);
+  resolve(get_proc, "cuModuleGetFunction", api_.cuModuleGetFunction);
+  resolve(get_proc, "cuLaunchKernel", api_.cuLaunchKernel);
+  resolve(get_proc, "cuGraphLaunch", api_.cuGraphLaunch);
+  resolve(get_proc, "cuEventCreate", api_.cuEventCreate);
+  resolve(get_proc, "cuEventRecord", api_.cuEventRecord);
+  resolve(get_proc, "cuEventQuery", api_.cuEventQuery);
+  resolve(get_proc, "cuEventSynchronize", api_.cuEventSynchronize);
+  resolve(get_proc, "cuEventDestroy", api_.cuEventDestroy);
   FABRIC_CU_CHECK(*this, cuInit(0));
 }
 

@@ -36,6 +36,39 @@ struct DriverApi {
   cu::CUresult (*cuDeviceGetAttribute)(int*, int, cu::CUdevice);
   cu::CUresult (*cuGetErrorName)(cu::CUresult, const char**);
   cu::CUresult (*cuGetErrorString)(cu::CUresult, const char**);
+  // contexts
+  cu::CUresult (*cuDevicePrimaryCtxRetain)(cu::CUcontext*, cu::CUdevice);
+  cu::CUresult (*cuDevicePrimaryCtxRelease)(cu::CUdevice);
+  cu::CUresult (*cuCtxSetCurrent)(cu::CUcontext);
+  // memory
+  cu::CUresult (*cuMemHostAlloc)(void**, std::size_t, unsigned);
+  cu::CUresult (*cuMemHostGetDevicePointer)(cu::CUdeviceptr*, void*, unsigned);
+  cu::CUresult (*cuMemFreeHost)(void*);
+  cu::CUresult (*cuMemAlloc)(cu::CUdeviceptr*, std::size_t);
+  cu::CUresult (*cuMemFree)(cu::CUdeviceptr);
+  cu::CUresult (*cuMemsetD8)(cu::CUdeviceptr, unsigned char, std::size_t);
+  cu::CUresult (*cuMemcpyDtoHAsync)(void*, cu::CUdeviceptr, std::size_t, cu::CUstream);
+  cu::CUresult (*cuMemcpyHtoD)(cu::CUdeviceptr, const void*, std::size_t);
+  // streams and stream memory operations
+  cu::CUresult (*cuStreamCreate)(cu::CUstream*, unsigned);
+  cu::CUresult (*cuStreamDestroy)(cu::CUstream);
+  cu::CUresult (*cuStreamSynchronize)(cu::CUstream);
+  cu::CUresult (*cuStreamQuery)(cu::CUstream);
+  cu::CUresult (*cuStreamWaitValue64)(cu::CUstream, cu::CUdeviceptr, cu::cuuint64_t, unsigned);
+  cu::CUresult (*cuStreamWriteValue64)(cu::CUstream, cu::CUdeviceptr, cu::cuuint64_t, unsigned);
+  // modules, launches, graphs
+  cu::CUresult (*cuModuleLoadData)(cu::CUmodule*, const void*);
+  cu::CUresult (*cuModuleUnload)(cu::CUmodule);
+  cu::CUresult (*cuModuleGetFunction)(cu::CUfunction*, cu::CUmodule, const char*);
+  cu::CUresult (*cuLaunchKernel)(cu::CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned,
+                                 unsigned, unsigned, cu::CUstream, void**, void**);
+  cu::CUresult (*cuGraphLaunch)(cu::CUgraphExec, cu::CUstream);
+  // events
+  cu::CUresult (*cuEventCreate)(cu::CUevent*, unsigned);
+  cu::CUresult (*cuEventRecord)(cu::CUevent, cu::CUstream);
+  cu::CUresult (*cuEventQuery)(cu::CUevent);
+  cu::CUresult (*cuEventSynchronize)(cu::CUevent);
+  cu::CUresult (*cuEventDestroy)(cu::CUevent);
 };
 
 struct DeviceInfo {

@@ -1,16 +1,94 @@
-// Names and argument layouts shared by the kernels (kernels.cu) and the host code that launches
-// them through the driver API. Kernels are extern "C" so their names are stable in the fatbin.
+// Kernels shared by the CUDA build (kernels.cu) and the host emulation (kernels_host.cpp): their
+// ids, their argument structs (passed by value as the one kernel parameter), and the arithmetic
+// both sides must agree on bit for bit.
 #pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define FABRIC_HD __host__ __device__ __forceinline__
+#else
+#define FABRIC_HD inline
+#endif
 
 namespace fabric::kernels {
 
-// Writes `value` to `*flag` with a system-scope release: the warm-up self test of mapped memory
-// and of the publication protocol.
-constexpr const char* kSelfTestWrite = "fabric_selftest_write";
+enum class KernelId : int {
+  kSelfTestWrite = 0,
+  kSelfTestChecksum = 1,
+  kSelfTestFill = 2,
+  kGatherPadded = 3,
+  kHookCopy = 4,
+  kCount = 5,
+};
 
-// Scatters a packed batch (flat token ids + per-item offsets) into the engine's static padded
-// input: ids[items, seq_len] and mask[items, seq_len]; positions past an item's length get
-// pad_id and mask 0.
-constexpr const char* kGatherPadded = "fabric_gather_padded";
+// extern "C" names in the fatbin, indexed by KernelId.
+constexpr const char* kNames[] = {
+    "fabric_selftest_write", "fabric_selftest_checksum", "fabric_selftest_fill",
+    "fabric_gather_padded", "fabric_hook_copy",
+};
+
+// Writes `value` to `flag` with a system-scope release (the warm-up self test).
+struct SelfTestWriteArgs {
+  std::uint64_t flag;  // device address of a uint64
+  std::uint64_t value;
+};
+
+// Reads one payload slot (descriptor, offsets, tokens) and writes a checksum of its tokens:
+// the stand-in "engine" of the protocol tests, which proves the GPU saw the bytes published.
+struct SelfTestChecksumArgs {
+  std::uint64_t slot;      // device address of the slot in the pinned ring
+  std::uint64_t checksum;  // device address of a uint64 scratch value
+};
+
+// Fills `words` uint64 words at `out` with the self-test pattern of `checksum`, starting at word
+// `first_word` of the batch's output: the stand-in for hook-copy kernels.
+struct SelfTestFillArgs {
+  std::uint64_t out;
+  std::uint64_t words;
+  std::uint64_t first_word;
+  std::uint64_t checksum;  // device address of the value SelfTestChecksum wrote
+};
+
+// Scatters a slot's tokens into padded static inputs: ids[items, seq_len] (int64) and
+// mask[items, seq_len] (int64: 1 real, 0 pad).
+struct GatherPaddedArgs {
+  std::uint64_t slot;
+  std::uint64_t ids;
+  std::uint64_t mask;
+  std::uint32_t seq_len;
+  std::uint32_t items;
+  std::int64_t pad_id;
+};
+
+// Copies the hidden states of real tokens only, items back to back, from a padded
+// [items, seq_len, row_bytes] buffer to `out`; item lengths come from the slot's offsets.
+struct HookCopyArgs {
+  std::uint64_t slot;
+  std::uint64_t src;
+  std::uint64_t out;
+  std::uint32_t seq_len;
+  std::uint32_t items;
+  std::uint32_t row_bytes;  // hidden x element size; a multiple of 16
+  std::uint32_t reserved;
+};
+
+// splitmix64: the mixing function of the checksum and of the fill pattern.
+FABRIC_HD std::uint64_t mix64(std::uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// One token's contribution; the checksum is the wrapping sum over all tokens, so any order of
+// summation (GPU reduction, host loop) gives the same value, and a torn or stale token changes it.
+FABRIC_HD std::uint64_t token_term(std::uint64_t index, std::uint32_t token) {
+  return mix64((index << 32) ^ token);
+}
+
+FABRIC_HD std::uint64_t fill_word(std::uint64_t checksum, std::uint64_t word) {
+  return mix64(checksum ^ (word * 0xD6E8FEB86659FD93ull));
+}
 
 }  // namespace fabric::kernels

@@ -3,6 +3,9 @@
 PostgreSQL tests run against the server named by FABRIC_TEST_POSTGRES_URL (default: the local
 server, user postgres, database test). Each test session creates its own scratch database there
 and drops it at the end. Where CI=true an unreachable server fails the run instead of skipping.
+
+Database and model packages are imported inside the fixtures that need them, so the runtime's
+tests also run on a GPU machine that has only fabric_gpu's own dependencies.
 """
 
 from __future__ import annotations
@@ -11,19 +14,20 @@ import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from fabric_gpu.profile import ConsumerProfile
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
+
+    from fabric_gpu.manifest import EngineManifest
+    from fabric_pipelines.lib.settings import FabricPaths
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-from sqlalchemy import Engine, create_engine, text
-
-from fabric_gpu.manifest import EngineManifest, HookSpec, manifest_for_model
-from fabric_gpu.model import DEFAULT_MODEL_ID
-from fabric_gpu.profile import ConsumerProfile
-from fabric_pipelines.lib.settings import FabricPaths
-from fabric_pipelines.lib.store.db import create_schema, make_engine
 
 POSTGRES_ADMIN_URL = os.environ.get(
     "FABRIC_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -33,12 +37,16 @@ IN_CI = os.environ.get("CI", "").lower() == "true"
 
 @pytest.fixture
 def paths(tmp_path: Path) -> FabricPaths:
+    from fabric_pipelines.lib.settings import FabricPaths
+
     return FabricPaths(tmp_path / "fabric").ensure()
 
 
 @pytest.fixture(scope="session")
 def postgres_server_url() -> Iterator[str]:
     """URL of a scratch database on the PostgreSQL server, for the whole session."""
+    from sqlalchemy import create_engine, text
+
     admin = create_engine(POSTGRES_ADMIN_URL, isolation_level="AUTOCOMMIT")
     try:
         with admin.connect() as conn:
@@ -59,28 +67,27 @@ def postgres_server_url() -> Iterator[str]:
         admin.dispose()
 
 
-def _reset(engine: Engine) -> None:
-    from fabric_pipelines.lib.store.models import Base
-
-    Base.metadata.drop_all(engine)
-    create_schema(engine)
-
-
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def db_url(request: pytest.FixtureRequest, paths: FabricPaths) -> Iterator[str]:
     """Each test using this runs twice: on a fresh SQLite file and on a fresh PostgreSQL schema."""
+    from fabric_pipelines.lib.store.db import create_schema, make_engine
+    from fabric_pipelines.lib.store.models import Base
+
     if request.param == "sqlite":
         yield f"sqlite:///{paths.sqlite_path}"
         return
     url = request.getfixturevalue("postgres_server_url")
     engine = make_engine(url)
-    _reset(engine)
+    Base.metadata.drop_all(engine)
+    create_schema(engine)
     engine.dispose()
     yield url
 
 
 @pytest.fixture
 def db(db_url: str) -> Iterator[Engine]:
+    from fabric_pipelines.lib.store.db import create_schema, make_engine
+
     engine = make_engine(db_url)
     create_schema(engine)
     yield engine
@@ -95,6 +102,9 @@ TEST_PROFILE = ConsumerProfile(
 @pytest.fixture(scope="session")
 def manifest() -> EngineManifest:
     """The real all-MiniLM-L6-v2 on the CPU engine, with two hook layers."""
+    from fabric_gpu.manifest import HookSpec, manifest_for_model
+    from fabric_gpu.model import DEFAULT_MODEL_ID
+
     return manifest_for_model(
         DEFAULT_MODEL_ID,
         backend="cpu",
@@ -105,14 +115,9 @@ def manifest() -> EngineManifest:
 
 
 @pytest.fixture(scope="session")
-def cpu_engine(manifest: EngineManifest):  # type: ignore[no-untyped-def]
-    from fabric_gpu.engines import create_engine as create_extraction_engine
+def cpu_engine(manifest: EngineManifest) -> Iterator[Any]:
+    from fabric_gpu.engines import create_engine
 
-    engine = create_extraction_engine(manifest)
+    engine = create_engine(manifest)
     yield engine
     engine.close()
-
-
-def write_jsonl(path: Path, lines: list[str]) -> Path:
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return path

@@ -1,4 +1,5 @@
-"""Extraction of one task set by one worker: claim a batch, run the engine, write, ack, repeat.
+"""Extraction of one task set by one worker: claim a batch, run it through the runtime, write,
+ack, repeat.
 
 Throughput counts delivered work only: tokens of batches whose results were written and
 acknowledged.
@@ -10,6 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -17,6 +19,7 @@ from sqlalchemy import Engine
 
 from fabric_gpu.engines import Engine as ExtractionEngine
 from fabric_gpu.engines import PaddedBatch
+from fabric_gpu.runtime import BatchResult, EngineRunner
 from fabric_pipelines.lib.broker.ledger import (
     Lease,
     StaleLeaseError,
@@ -40,6 +43,7 @@ class ExtractionReport:
     padded_tokens: int = 0
     seconds: float = 0.0
     errors: list[str] = field(default_factory=list)
+    runtime: dict[str, Any] = field(default_factory=dict)  # the runtime's own counters
 
     @property
     def tokens_per_second(self) -> float:
@@ -81,58 +85,90 @@ def run_worker(
     owner: str,
     lease_seconds: float = 600.0,
     max_attempts: int = 3,
+    max_in_flight: int = 4,
     progress: ProgressFn | None = None,
     progress_every_s: float = 5.0,
 ) -> ExtractionReport:
-    """Drain the plan's ledger: run every batch this worker can claim, until none is left."""
+    """Drain the plan's ledger through the runtime: claim, submit, and on each drained result
+    write the rows and ack the lease (one transaction), until no batch is left."""
     tokens, offsets = flat_tokens(job.tasks)
     record_no = job.tasks.column("record_no").to_numpy()
     task_ids = job.tasks.column("id").to_pylist()
     report = ExtractionReport()
+    in_flight: dict[int, tuple[Lease, np.ndarray]] = {}
     started = last_progress = time.perf_counter()
-    while True:
-        lease = claim(db, job.plan_id, owner, lease_seconds)
-        if lease is None:
-            break
-        rows = job.order[lease.item_start : lease.item_start + lease.item_count]
+
+    def on_result(result: BatchResult) -> None:  # the runtime's drain thread
+        lease, rows = in_flight.pop(result.batch_id)
+        if result.error:
+            _fail(db, job, lease, rows, record_no, task_ids, result.error, max_attempts, report)
+            return
+        assert result.pooled is not None
+        ids = [task_ids[r] for r in rows]
         try:
-            batch = gather_padded(tokens, offsets, rows, lease.seq_len, job.pad_token_id)
-            output = engine.forward(batch)
             shard = None
-            if output.hooks:
+            if result.hooks:
                 shard = write_shard(
-                    job.shard_folder,
-                    [task_ids[r] for r in rows],
-                    batch.lengths,
-                    output.hooks,
-                    engine.hidden_size,
+                    job.shard_folder, ids, result.lengths, result.hooks, engine.hidden_size
                 )
             results = BatchResults(
                 task_set=job.task_set,
                 model_key=job.model_key,
-                task_ids=[task_ids[r] for r in rows],
+                task_ids=ids,
                 record_no=record_no[rows],
-                lengths=batch.lengths,
-                pooled=output.pooled,
+                lengths=result.lengths,
+                pooled=result.pooled,
             )
-            inserted = write_batch(db, lease, results, shard, tuple(output.hooks))
+            inserted = write_batch(db, lease, results, shard, tuple(result.hooks))
         except StaleLeaseError as exc:
             report.stale_acks += 1
             report.errors.append(str(exc))
-            continue
-        except Exception as exc:  # the engine or the writer failed this batch: retry or fail it
-            _fail(db, job, lease, rows, record_no, task_ids, exc, max_attempts, report)
-            continue
+            return
+        except Exception as exc:  # the writer failed this batch: retry or fail it
+            _fail(
+                db,
+                job,
+                lease,
+                rows,
+                record_no,
+                task_ids,
+                f"{type(exc).__name__}: {exc}",
+                max_attempts,
+                report,
+            )
+            return
         report.batches_done += 1
         report.items_done += lease.item_count
         report.rows_inserted += inserted
         report.real_tokens += lease.real_tokens
         report.padded_tokens += lease.seq_len * lease.item_count
-        now = time.perf_counter()
-        report.seconds = now - started
-        if progress is not None and now - last_progress >= progress_every_s:
-            last_progress = now
-            progress(report)
+        report.seconds = time.perf_counter() - started
+
+    submitted = 0
+    with EngineRunner(
+        engine,
+        tokens,
+        offsets,
+        on_result,
+        pad_token_id=job.pad_token_id,
+        max_in_flight=max_in_flight,
+    ) as runner:
+        while True:
+            lease = claim(db, job.plan_id, owner, lease_seconds)
+            if lease is None:
+                runner.finish()  # everything in flight lands; failures may re-queue batches
+                lease = claim(db, job.plan_id, owner, lease_seconds)
+                if lease is None:
+                    break
+            rows = job.order[lease.item_start : lease.item_start + lease.item_count]
+            submitted += 1
+            in_flight[submitted] = (lease, rows)
+            runner.submit(submitted, rows, lease.seq_len)
+            now = time.perf_counter()
+            if progress is not None and now - last_progress >= progress_every_s:
+                last_progress = now
+                progress(report)
+        report.runtime = runner.finish()
     report.seconds = time.perf_counter() - started
     return report
 
@@ -144,11 +180,10 @@ def _fail(
     rows: np.ndarray,
     record_no: np.ndarray,
     task_ids: list[str],
-    exc: Exception,
+    message: str,
     max_attempts: int,
     report: ExtractionReport,
 ) -> None:
-    message = f"{type(exc).__name__}: {exc}"
     report.errors.append(f"batch {lease.batch_no} (attempt {lease.attempts}): {message}")
     items = [(int(record_no[r]), task_ids[r]) for r in rows]
     try:

@@ -1,0 +1,278 @@
+// The emulated GPU: each stream is a host thread executing its operations in order. A wait
+// spins on host memory exactly as cuStreamWaitValue64 polls it; a write is a release store; a
+// kernel runs its host twin. The protocol code above cannot tell the difference, which is the
+// point: CI exercises the same doorbell, publication and drain logic as the GPU.
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+
+#include "atomics.h"
+#include "gpu.h"
+#include "kernels_host.h"
+
+namespace fabric {
+namespace {
+
+struct Op {
+  enum class Kind { kWait, kWrite, kLaunch, kHost, kCopy, kRecord };
+  Op() = default;
+  explicit Op(Kind k) : kind(k) {}
+  Kind kind = Kind::kHost;
+  DevPtr address = 0;
+  std::uint64_t value = 0;
+  kernels::KernelId kernel = kernels::KernelId::kCount;
+  alignas(16) unsigned char args[64] = {};
+  std::function<void()> fn;
+  void* dst = nullptr;
+  std::size_t bytes = 0;
+  int event = 0;
+};
+
+class EmulatedStream {
+ public:
+  explicit EmulatedStream(std::atomic<std::uint64_t>* done_gen)
+      : done_gen_(done_gen), worker_([this] { run(); }) {}
+  ~EmulatedStream() {
+    stop();
+    worker_.join();
+  }
+
+  void push(Op op) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (stopping_) throw std::runtime_error("emulated GPU stopped");
+      queue_.push_back(std::move(op));
+      ++enqueued_;
+    }
+    cv_.notify_all();
+  }
+
+  void synchronize() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    idle_cv_.wait(lock, [&] { return executed_ == enqueued_ || stopping_; });
+  }
+
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    idle_cv_.notify_all();
+  }
+
+  std::string error() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return error_;
+  }
+
+ private:
+  bool stopping() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return stopping_;
+  }
+
+  void run() {
+    for (;;) {
+      Op op;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+        if (stopping_) return;
+        op = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      try {
+        if (!execute(op)) return;
+      } catch (const std::exception& e) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (error_.empty()) error_ = e.what();
+      }
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        ++executed_;
+      }
+      idle_cv_.notify_all();
+    }
+  }
+
+  // Returns false when a wait was abandoned because the GPU is stopping.
+  bool execute(Op& op) {
+    switch (op.kind) {
+      case Op::Kind::kWait: {
+        auto* word = reinterpret_cast<volatile std::uint64_t*>(op.address);
+        // Acquire: once the value is seen, the payload stored before it is visible too.
+        for (std::uint64_t spins = 0; load_acquire(word) < op.value; ++spins) {
+          if (spins < 2048) {
+            cpu_relax();
+          } else {
+            if ((spins & 63) == 0 && stopping()) return false;
+            std::this_thread::sleep_for(std::chrono::microseconds(spins < 4096 ? 0 : 20));
+          }
+        }
+        return true;
+      }
+      case Op::Kind::kWrite:
+        // Release: the stream's earlier work is visible before the value.
+        store_release(reinterpret_cast<volatile std::uint64_t*>(op.address), op.value);
+        return true;
+      case Op::Kind::kLaunch:
+        kernels::run_on_host(op.kernel, op.args);
+        return true;
+      case Op::Kind::kHost:
+        op.fn();
+        return true;
+      case Op::Kind::kCopy:
+        std::memcpy(op.dst, reinterpret_cast<const void*>(op.address), op.bytes);
+        return true;
+      case Op::Kind::kRecord:
+        // Release: the copy before the event is complete when the event reads done.
+        done_gen_[op.event].store(op.value, std::memory_order_release);
+        return true;
+    }
+    return true;
+  }
+
+  std::atomic<std::uint64_t>* done_gen_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::condition_variable idle_cv_;
+  std::deque<Op> queue_;
+  std::uint64_t enqueued_ = 0;
+  std::uint64_t executed_ = 0;
+  bool stopping_ = false;
+  std::string error_;
+  std::thread worker_;  // last: starts after every other member is ready
+};
+
+class EmulatedGpu final : public Gpu {
+ public:
+  EmulatedGpu() {
+    for (int i = 0; i < kEvents; ++i) {
+      recorded_gen_[i].store(0);
+      done_gen_[i].store(0);
+    }
+    streams_[0] = std::make_unique<EmulatedStream>(done_gen_);
+    streams_[1] = std::make_unique<EmulatedStream>(done_gen_);
+  }
+  ~EmulatedGpu() override { stop(); }
+
+  bool emulated() const override { return true; }
+  std::string describe() const override { return "emulated GPU (host threads)"; }
+  void bind_thread() override {}
+
+  HostRegion alloc_host(std::size_t bytes, HostMemoryKind kind) override {
+    HostRegion r;
+    r.bytes = bytes;
+    r.kind = kind;
+    r.host = allocate(bytes);
+    r.device = reinterpret_cast<DevPtr>(r.host);
+    return r;
+  }
+  void free_host(HostRegion& region) override {
+    std::free(region.host);
+    region = HostRegion{};
+  }
+  DevPtr alloc_device(std::size_t bytes) override {
+    return reinterpret_cast<DevPtr>(allocate(bytes));
+  }
+  void free_device(DevPtr ptr) override { std::free(reinterpret_cast<void*>(ptr)); }
+  void* host_view(DevPtr ptr) override { return reinterpret_cast<void*>(ptr); }
+
+  void wait_geq(Stream s, DevPtr address, std::uint64_t value) override {
+    Op op(Op::Kind::kWait);
+    op.address = address;
+    op.value = value;
+    stream(s).push(std::move(op));
+  }
+  void write_value(Stream s, DevPtr address, std::uint64_t value) override {
+    Op op(Op::Kind::kWrite);
+    op.address = address;
+    op.value = value;
+    stream(s).push(std::move(op));
+  }
+  void launch(Stream s, kernels::KernelId kernel, const LaunchShape&, const void* args,
+              std::size_t args_bytes) override {
+    Op op(Op::Kind::kLaunch);
+    if (args_bytes > sizeof(op.args)) throw std::length_error("kernel arguments too large");
+    op.kernel = kernel;
+    std::memcpy(op.args, args, args_bytes);
+    stream(s).push(std::move(op));
+  }
+  void launch_graph(Stream, std::uint64_t) override {
+    throw std::logic_error("CUDA graphs need a real GPU; emulated engines run as host calls");
+  }
+  void host_call(Stream s, std::function<void()> fn) override {
+    Op op(Op::Kind::kHost);
+    op.fn = std::move(fn);
+    stream(s).push(std::move(op));
+  }
+  void copy_to_host(Stream s, void* dst, DevPtr src, std::size_t bytes) override {
+    Op op(Op::Kind::kCopy);
+    op.dst = dst;
+    op.address = src;
+    op.bytes = bytes;
+    stream(s).push(std::move(op));
+  }
+  void record_event(Stream s, int event) override {
+    Op op(Op::Kind::kRecord);
+    op.event = event;
+    op.value = recorded_gen_[event].fetch_add(1) + 1;
+    stream(s).push(std::move(op));
+  }
+  bool event_done(int event) override {
+    return done_gen_[event].load(std::memory_order_acquire) >= recorded_gen_[event].load();
+  }
+  void wait_event(int event) override {
+    for (int spins = 0; !event_done(event); ++spins) {
+      check();
+      if (spins < 1024) {
+        cpu_relax();
+      } else {
+        std::this_thread::sleep_for(std::chrono::microseconds(20));
+      }
+    }
+  }
+  void synchronize(Stream s) override {
+    check_not_hot(s, "synchronize");
+    stream(s).synchronize();
+  }
+  void stop() override {
+    for (auto& s : streams_) {
+      if (s) s->stop();
+    }
+  }
+  void check() override {
+    for (auto& s : streams_) {
+      const std::string error = s->error();
+      if (!error.empty()) throw std::runtime_error("emulated GPU stream failed: " + error);
+    }
+  }
+
+ private:
+  EmulatedStream& stream(Stream s) { return *streams_[static_cast<int>(s)]; }
+
+  void* allocate(std::size_t bytes) {
+    const std::size_t rounded = (bytes + 4095) / 4096 * 4096;
+    void* p = std::aligned_alloc(4096, rounded == 0 ? 4096 : rounded);
+    if (p == nullptr) throw std::bad_alloc();
+    std::memset(p, 0, rounded);  // pre-fault every page now, not in the hot loop
+    count_allocation();
+    return p;
+  }
+
+  std::atomic<std::uint64_t> recorded_gen_[kEvents];
+  std::atomic<std::uint64_t> done_gen_[kEvents];
+  std::unique_ptr<EmulatedStream> streams_[2];
+};
+
+}  // namespace
+
+std::unique_ptr<Gpu> make_emulated_gpu() { return std::make_unique<EmulatedGpu>(); }
+
+}  // namespace fabric
