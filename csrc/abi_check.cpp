@@ -34,6 +34,8 @@ static_assert(c::CU_EVENT_DISABLE_TIMING == CU_EVENT_DISABLE_TIMING);
 static_assert(c::CU_STREAM_WAIT_VALUE_GEQ == CU_STREAM_WAIT_VALUE_GEQ);
 static_assert(c::CU_STREAM_WRITE_VALUE_DEFAULT == CU_STREAM_WRITE_VALUE_DEFAULT);
 static_assert(sizeof(c::CUdeviceptr) == sizeof(CUdeviceptr));
+// The library loader is declared with void* for its option arrays; the real ones are pointers.
+static_assert(sizeof(CUjit_option*) == sizeof(void*) && sizeof(CUlibraryOption*) == sizeof(void*));
 static_assert(sizeof(c::CUdevice) == sizeof(CUdevice));
 static_assert(std::is_same_v<c::CUresult, std::underlying_type_t<CUresult>> ||
               sizeof(c::CUresult) == sizeof(CUresult));

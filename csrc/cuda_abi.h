@@ -25,6 +25,10 @@ struct CUevent_st;
 using CUevent = CUevent_st*;
 struct CUgraphExec_st;
 using CUgraphExec = CUgraphExec_st*;
+struct CUlib_st;
+using CUlibrary = CUlib_st*;
+struct CUkern_st;
+using CUkernel = CUkern_st*;  // accepted by cuLaunchKernel in place of a CUfunction
 
 constexpr CUresult CUDA_SUCCESS = 0;
 constexpr CUresult CUDA_ERROR_NOT_READY = 600;

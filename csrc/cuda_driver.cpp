@@ -63,9 +63,9 @@ CudaDriver::CudaDriver() {
   resolve(get_proc, "cuStreamQuery", api_.cuStreamQuery);
   resolve(get_proc, "cuStreamWaitValue64", api_.cuStreamWaitValue64);
   resolve(get_proc, "cuStreamWriteValue64", api_.cuStreamWriteValue64);
-  resolve(get_proc, "cuModuleLoadData", api_.cuModuleLoadData);
-  resolve(get_proc, "cuModuleUnload", api_.cuModuleUnload);
-  resolve(get_proc, "cuModuleGetFunction", api_.cuModuleGetFunction);
+  resolve(get_proc, "cuLibraryLoadData", api_.cuLibraryLoadData);
+  resolve(get_proc, "cuLibraryUnload", api_.cuLibraryUnload);
+  resolve(get_proc, "cuLibraryGetKernel", api_.cuLibraryGetKernel);
   resolve(get_proc, "cuLaunchKernel", api_.cuLaunchKernel);
   resolve(get_proc, "cuGraphLaunch", api_.cuGraphLaunch);
   resolve(get_proc, "cuEventCreate", api_.cuEventCreate);

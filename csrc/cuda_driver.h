@@ -56,10 +56,11 @@ struct DriverApi {
   cu::CUresult (*cuStreamQuery)(cu::CUstream);
   cu::CUresult (*cuStreamWaitValue64)(cu::CUstream, cu::CUdeviceptr, cu::cuuint64_t, unsigned);
   cu::CUresult (*cuStreamWriteValue64)(cu::CUstream, cu::CUdeviceptr, cu::cuuint64_t, unsigned);
-  // modules, launches, graphs
-  cu::CUresult (*cuModuleLoadData)(cu::CUmodule*, const void*);
-  cu::CUresult (*cuModuleUnload)(cu::CUmodule);
-  cu::CUresult (*cuModuleGetFunction)(cu::CUfunction*, cu::CUmodule, const char*);
+  // libraries (context-independent modules), launches, graphs
+  cu::CUresult (*cuLibraryLoadData)(cu::CUlibrary*, const void*, void*, void**, unsigned, void*,
+                                    void**, unsigned);
+  cu::CUresult (*cuLibraryUnload)(cu::CUlibrary);
+  cu::CUresult (*cuLibraryGetKernel)(cu::CUkernel*, cu::CUlibrary, const char*);
   cu::CUresult (*cuLaunchKernel)(cu::CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned,
                                  unsigned, unsigned, cu::CUstream, void**, void**);
   cu::CUresult (*cuGraphLaunch)(cu::CUgraphExec, cu::CUstream);

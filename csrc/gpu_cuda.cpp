@@ -1,9 +1,11 @@
 // The real GPU through the CUDA driver API. Every call is checked (FABRIC_CU_CHECK names it).
 //
 // At start: the device must support 64-bit stream memory operations and mapped host memory;
-// the kernels' fatbin is loaded and every kernel launched once (eager load: a kernel's first
-// launch must never sit behind a pending doorbell wait, see ARCHITECTURE.md); then a real
-// write-then-wait self test proves the stream holds on a doorbell and resumes when it rings.
+// the kernels' fatbin is loaded as a library (one load serves every device's context) and every
+// kernel is launched once: with lazy loading, a kernel is loaded into a context at its first
+// launch, and a first launch queued behind a pending doorbell wait deadlocks (ARCHITECTURE.md).
+// Then a real write-then-wait self test proves the stream holds on a doorbell and resumes when
+// it rings.
 #include <chrono>
 #include <cstring>
 #include <stdexcept>
@@ -39,9 +41,10 @@ class CudaGpu final : public Gpu {
           "this build of fabric_gpu carries no CUDA kernels (nvcc was not found when it was "
           "built); rebuild where nvcc is installed");
     }
-    FABRIC_CU_CHECK(drv_, cuModuleLoadData(&module_, kKernelImage.data));
+    FABRIC_CU_CHECK(drv_, cuLibraryLoadData(&library_, kKernelImage.data, nullptr, nullptr, 0,
+                                            nullptr, nullptr, 0));
     for (int k = 0; k < static_cast<int>(KernelId::kCount); ++k) {
-      FABRIC_CU_CHECK(drv_, cuModuleGetFunction(&functions_[k], module_, kernels::kNames[k]));
+      FABRIC_CU_CHECK(drv_, cuLibraryGetKernel(&kernels_[k], library_, kernels::kNames[k]));
     }
     FABRIC_CU_CHECK(drv_, cuStreamCreate(&streams_[0], cu::CU_STREAM_NON_BLOCKING));
     FABRIC_CU_CHECK(drv_, cuStreamCreate(&streams_[1], cu::CU_STREAM_NON_BLOCKING));
@@ -66,7 +69,7 @@ class CudaGpu final : public Gpu {
         if (s) drv_.api().cuStreamDestroy(s);
       }
       if (scratch_.host) drv_.api().cuMemFreeHost(scratch_.host);
-      if (module_) drv_.api().cuModuleUnload(module_);
+      if (library_) drv_.api().cuLibraryUnload(library_);
       if (context_) drv_.api().cuDevicePrimaryCtxRelease(device_);
     } catch (...) {
       // destructors never throw; the process is tearing the runtime down
@@ -121,7 +124,9 @@ class CudaGpu final : public Gpu {
   void launch(Stream s, KernelId kernel, const LaunchShape& shape, const void* args,
               std::size_t) override {
     void* params[] = {const_cast<void*>(args)};  // one by-value struct parameter
-    FABRIC_CU_CHECK(drv_, cuLaunchKernel(functions_[static_cast<int>(kernel)], shape.grid_x,
+    // A CUkernel launches as a CUfunction in the current context (loaded there on first launch).
+    auto* function = reinterpret_cast<cu::CUfunction>(kernels_[static_cast<int>(kernel)]);
+    FABRIC_CU_CHECK(drv_, cuLaunchKernel(function, shape.grid_x,
                                          shape.grid_y, shape.grid_z, shape.block_x, shape.block_y,
                                          shape.block_z, 0, stream(s), params, nullptr));
   }
@@ -234,8 +239,8 @@ class CudaGpu final : public Gpu {
   int ordinal_ = 0;
   std::string name_;
   cu::CUcontext context_ = nullptr;
-  cu::CUmodule module_ = nullptr;
-  cu::CUfunction functions_[static_cast<int>(KernelId::kCount)] = {};
+  cu::CUlibrary library_ = nullptr;
+  cu::CUkernel kernels_[static_cast<int>(KernelId::kCount)] = {};
   cu::CUstream streams_[2] = {nullptr, nullptr};
   cu::CUevent events_[kEvents] = {};
   HostRegion scratch_;
