@@ -7,7 +7,7 @@ system-scope write:
   - launch + poll: the host launches the same kernel, then polls for its write;
   - launch + sync: the host launches it, then cuStreamSynchronize.
 Bandwidth: the runtime's drain (payload ring -> pinned staging, 32 MB outputs; each checked by its
-payload checksum and order, every word of one batch in 48) against a plain pinned
+payload checksum and order, every word of one batch in 128; 12 GiB in all) against a plain pinned
 cuMemcpyDtoHAsync of 1 GiB measured in the same run.
 
     python bench/handoff.py [--iterations 20000]
@@ -37,10 +37,10 @@ def main() -> None:
     h = _runtime.measure_handoff(args.device, args.iterations)
     bell, poll, sync = (np.array(h[k]) for k in ("doorbell_us", "launch_poll_us", "launch_sync_us"))
 
-    batches, out_bytes = 96, 32 << 20
+    batches, out_bytes = 384, 32 << 20
     drain = _runtime.selftest(
         emulated=False, device=args.device, batches=batches, seed=1, max_tokens=64, max_items=8,
-        max_output_bytes=out_bytes, max_hooks=4, verify_every=48,
+        max_output_bytes=out_bytes, max_hooks=4, verify_every=128,
         runtime_config={"payload_ring_bytes": 512 << 20, "max_output_bytes": out_bytes,
                         "staging_buffers": 4},
     )  # fmt: skip

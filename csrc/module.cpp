@@ -280,7 +280,8 @@ nb::dict run_selftest(bool emulated, int device, std::uint64_t batches, std::uin
                       std::uint64_t max_tokens, std::uint32_t max_items,
                       std::uint64_t max_output_bytes, std::uint32_t max_hooks,
                       std::uint64_t slow_drain_every, std::uint64_t slow_drain_us,
-                      std::uint64_t verify_every, nb::dict runtime_config) {
+                      std::uint64_t verify_every, bool gpu_sized, std::uint64_t oversize_batch,
+                      nb::dict runtime_config) {
   fabric::SelfTestConfig c;
   c.emulated = emulated;
   c.device = device;
@@ -293,6 +294,8 @@ nb::dict run_selftest(bool emulated, int device, std::uint64_t batches, std::uin
   c.slow_drain_every = slow_drain_every;
   c.slow_drain_us = slow_drain_us;
   c.verify_every = verify_every == 0 ? 1 : verify_every;
+  c.gpu_sized = gpu_sized;
+  c.oversize_batch = oversize_batch;
   c.runtime = make_config(runtime_config);
   fabric::SelfTestResult r;
   {
@@ -381,7 +384,8 @@ NB_MODULE(_runtime, m) {
   m.def("selftest", &run_selftest, "emulated"_a, "device"_a = 0, "batches"_a = 10000, "seed"_a = 1,
         "max_tokens"_a = 4096, "max_items"_a = 256, "max_output_bytes"_a = 1 << 16,
         "max_hooks"_a = 8, "slow_drain_every"_a = 0, "slow_drain_us"_a = 0,
-        "verify_every"_a = 1, "runtime_config"_a = nb::dict(),
+        "verify_every"_a = 1, "gpu_sized"_a = false, "oversize_batch"_a = 0,
+        "runtime_config"_a = nb::dict(),
         "Push batches of random size through filler -> doorbell -> stage -> payload ring -> "
         "drain, verifying every byte; returns counts of anything lost, reordered or torn.");
   m.def(

@@ -46,6 +46,7 @@ Runtime::~Runtime() {
     for (auto& region : staging_) gpu_->free_host(region);
     if (payload_mem_) gpu_->free_device(payload_mem_);
     gpu_->free_host(counters_mem_);
+    gpu_->free_host(sizes_mem_);
     gpu_->free_host(bell_mem_);
     gpu_->free_host(ring_mem_);
   } catch (...) {
@@ -62,6 +63,8 @@ void Runtime::start() {
   ring_mem_ = gpu_->alloc_host(config_.ring_bytes, ring_kind);
   bell_mem_ = gpu_->alloc_host(4096, HostMemoryKind::kMapped);
   counters_mem_ = gpu_->alloc_host(4096, HostMemoryKind::kMapped);
+  // One cache line per in-flight batch for sizes resolved on the GPU.
+  sizes_mem_ = gpu_->alloc_host(64ull * config_.max_in_flight, HostMemoryKind::kMapped);
   payload_mem_ = gpu_->alloc_device(config_.payload_ring_bytes);
   for (std::uint32_t i = 0; i < config_.staging_buffers; ++i) {
     staging_.push_back(gpu_->alloc_host(config_.max_output_bytes, HostMemoryKind::kOrdinary));
@@ -80,6 +83,11 @@ void Runtime::start() {
   filler_ = std::thread([this] { filler_loop(); });
   drain_ = std::thread([this] { drain_loop(); });
   gpu_->set_hot(true);
+}
+
+volatile std::uint64_t* Runtime::size_slot(std::uint64_t seq) const {
+  return reinterpret_cast<volatile std::uint64_t*>(static_cast<char*>(sizes_mem_.host) +
+                                                   64 * (seq % config_.max_in_flight));
 }
 
 void Runtime::reclaim_slots() {
@@ -136,6 +144,9 @@ void Runtime::submit(const BatchSpec& spec, const std::int64_t* rows) {
   }
   ++next_seq_;
   slots_[slots_head_++ % slots_.size()] = SlotRecord{seq, *slot};
+  // Mark the size slot unwritten; the hand-off to the filler orders this before the doorbell,
+  // so the GPU's write of the real size comes after it.
+  if (spec.output_size_on_gpu) *size_slot(seq) = kNoSize;
 
   // Enqueue the batch's GPU work now, ahead of its payload: the stream holds on the doorbell.
   Gpu& gpu = *gpu_;
@@ -164,6 +175,7 @@ void Runtime::submit(const BatchSpec& spec, const std::int64_t* rows) {
                      static_cast<char*>(ring_mem_.host) + slot->offset,
                      payload_mem_ + out->offset,
                      gpu.host_view(payload_mem_ + out->offset),
+                     sizes_mem_.device + 64 * (seq % config_.max_in_flight),
                      release_slot,
                      [&](std::uint64_t bytes_done) {
                        release_slot();
@@ -181,7 +193,7 @@ void Runtime::submit(const BatchSpec& spec, const std::int64_t* rows) {
   if (!end_published) publish(out->end());
 
   const std::uint64_t o = out_head_.load(std::memory_order_relaxed);
-  outputs_[o % outputs_.size()] = OutputRecord{seq, spec.batch_id, *out};
+  outputs_[o % outputs_.size()] = OutputRecord{seq, spec.batch_id, *out, spec.output_size_on_gpu};
   out_head_.store(o + 1, std::memory_order_release);  // order the record before its index
   drain_gate_.notify();
 
@@ -242,6 +254,7 @@ void Runtime::drain_loop() {
   struct InFlight {
     OutputRecord record;
     std::uint32_t staging;
+    std::uint64_t bytes;  // what was copied: the reservation, or the size the GPU reported
   };
   try {
     gpu_->bind_thread();
@@ -266,11 +279,25 @@ void Runtime::drain_loop() {
         const OutputRecord& record = outputs_[started % outputs_.size()];
         if (record.out.end() > head) break;
         const auto k = static_cast<std::uint32_t>(started % flight.size());
+        std::uint64_t bytes = record.out.length;
+        if (record.size_on_gpu) {
+          // Acquire (through published_head above): the stage wrote the size before publishing.
+          bytes = load_acquire(size_slot(record.seq));
+          if (bytes == kNoSize) {
+            throw std::runtime_error("batch " + std::to_string(record.batch_id) +
+                                     ": the stage published without writing its output size");
+          }
+          if (bytes > record.out.length) {
+            throw std::runtime_error("batch " + std::to_string(record.batch_id) + ": the stage "
+                                     "reported " + std::to_string(bytes) + " output bytes, more "
+                                     "than the " + std::to_string(record.out.length) + " reserved");
+          }
+        }
         if (started == completed) copy_clock = std::chrono::steady_clock::now();
         gpu_->copy_to_host(Stream::kDrain, staging_[k].host, payload_mem_ + record.out.offset,
-                           record.out.length);
+                           bytes);
         gpu_->record_event(Stream::kDrain, static_cast<int>(k));
-        flight[k] = InFlight{record, k};
+        flight[k] = InFlight{record, k, bytes};
         ++started;
         progress = true;
       }
@@ -278,12 +305,12 @@ void Runtime::drain_loop() {
         const InFlight& f = flight[completed % flight.size()];
         if (!gpu_->event_done(static_cast<int>(f.staging))) break;
         DrainedBatch batch{f.record.seq, f.record.batch_id,
-                           static_cast<const std::uint8_t*>(staging_[f.staging].host),
-                           f.record.out.length, stage_->take_error(f.record.seq)};
+                           static_cast<const std::uint8_t*>(staging_[f.staging].host), f.bytes,
+                           stage_->take_error(f.record.seq)};
         sink_(batch);
         // Free the payload-ring bytes only now: the copy is complete and the sink is done.
         payload_ring_->release(f.record.out);
-        bytes_out_.fetch_add(f.record.out.length, std::memory_order_relaxed);
+        bytes_out_.fetch_add(f.bytes, std::memory_order_relaxed);
         ++completed;
         if (completed == started) copy_ns += elapsed_ns(copy_clock);
         drained_.store(drained_.load() + 1, std::memory_order_release);

@@ -54,8 +54,12 @@ struct BatchSpec {
   std::uint32_t item_count = 0;
   std::uint64_t real_tokens = 0;
   std::uint32_t shape_epoch = 0;
-  std::uint64_t output_bytes = 0;  // exact size of this batch's outputs (known to the CPU)
-  std::uint32_t hooks = 1;         // output pieces the stage writes (publication granularity)
+  // Sizes known to the CPU: the exact output size. Sizes resolved on the GPU
+  // (output_size_on_gpu): the reservation, an upper bound; the stage writes the real size into
+  // the batch's size slot and the drain copies that many bytes, refusing more than reserved.
+  std::uint64_t output_bytes = 0;
+  bool output_size_on_gpu = false;
+  std::uint32_t hooks = 1;  // output pieces the stage writes (publication granularity)
 };
 
 // A batch whose outputs reached the host. `data` is valid only during the sink call.
@@ -87,6 +91,7 @@ class Stage {
     void* slot_host;    // the same slot, as the host addresses it
     DevPtr out;         // the batch's output region in the payload ring
     void* out_host;     // host view of it (emulation only; nullptr on a GPU)
+    DevPtr size_slot;   // where to write the output size when spec.output_size_on_gpu
     // Call once the enqueued work no longer reads the slot (after the gather): the slot's bytes
     // go back to the ring as soon as the GPU gets there. Called by the runtime after enqueue()
     // if the stage did not.
@@ -157,7 +162,10 @@ class Runtime {
     std::uint64_t seq;
     std::uint64_t batch_id;
     Reservation out;
+    bool size_on_gpu;
   };
+  static constexpr std::uint64_t kNoSize = ~0ull;  // a size slot the stage has not written
+  volatile std::uint64_t* size_slot(std::uint64_t seq) const;
 
   void filler_loop();
   void drain_loop();
@@ -172,7 +180,7 @@ class Runtime {
   std::unique_ptr<Stage> stage_;
   Sink sink_;
 
-  HostRegion ring_mem_, bell_mem_, counters_mem_;
+  HostRegion ring_mem_, bell_mem_, counters_mem_, sizes_mem_;
   DevPtr payload_mem_ = 0;
   std::vector<HostRegion> staging_;
   std::unique_ptr<ByteRing> ring_, payload_ring_;

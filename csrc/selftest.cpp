@@ -24,6 +24,7 @@ double micros(Clock::time_point a, Clock::time_point b) {
 SelfTestResult run_selftest(const SelfTestConfig& config) {
   SelfTestResult result;
   auto source = std::make_unique<SelfTestSource>(config.seed);
+  std::vector<std::uint64_t> reserved(1 << 16, 0);  // reservation per seq (mod), for the verifier
   SelfTestSource* source_view = source.get();
   std::uint64_t expected_seq = 1;
   auto sink = [&](const DrainedBatch& batch) {
@@ -39,6 +40,14 @@ SelfTestResult run_selftest(const SelfTestConfig& config) {
         source_view->expected(batch.batch_id) + kernels::mix64(batch.publish_seq << 1);
     const auto* words = reinterpret_cast<const std::uint64_t*>(batch.data);
     const std::uint64_t n = batch.bytes / 8;
+    const std::uint64_t reserved_words = reserved[batch.publish_seq % reserved.size()] / 8;
+    const bool sized_on_gpu = config.gpu_sized && batch.publish_seq % 2 == 0;
+    const std::uint64_t expected_words =
+        sized_on_gpu ? selftest_output_words(batch.batch_id, reserved_words) : reserved_words;
+    if (n != expected_words && result.output_mismatches++ == 0 && result.first_error.empty()) {
+      result.first_error = "batch " + std::to_string(batch.publish_seq) + ": drained " +
+                           std::to_string(n) + " words, expected " + std::to_string(expected_words);
+    }
     // Word 0 tells whether the GPU read the right payload; the rest whether outputs arrived whole.
     if (n > 0 && words[0] != kernels::fill_word(checksum, 0)) {
       if (result.checksum_mismatches++ == 0 && result.first_error.empty()) {
@@ -65,7 +74,8 @@ SelfTestResult run_selftest(const SelfTestConfig& config) {
   RuntimeConfig rc = config.runtime;
   rc.max_items = std::max(rc.max_items, config.max_items);
   rc.max_output_bytes = std::max(rc.max_output_bytes, config.max_output_bytes);
-  Runtime runtime(std::move(gpu), rc, std::move(source), std::make_unique<SelfTestStage>(), sink);
+  Runtime runtime(std::move(gpu), rc, std::move(source),
+                  std::make_unique<SelfTestStage>(config.oversize_batch), sink);
   runtime.start();
   std::mt19937_64 rng(config.seed);
   std::vector<std::int64_t> rows(rc.max_items, 0);
@@ -80,6 +90,8 @@ SelfTestResult run_selftest(const SelfTestConfig& config) {
     spec.output_bytes = 8 * (1 + rng() % (config.max_output_bytes / 8));
     spec.hooks = static_cast<std::uint32_t>(1 + rng() % config.max_hooks);
     spec.lane = static_cast<std::uint32_t>(i % 4);
+    spec.output_size_on_gpu = config.gpu_sized && i % 2 == 0;
+    reserved[i % reserved.size()] = spec.output_bytes;
     runtime.submit(spec, rows.data());
   }
   runtime.finish();

@@ -24,6 +24,8 @@ struct SelfTestConfig {
   // their first word (payload checksum) and their order. Bandwidth runs verify sparsely so the
   // check does not become the drain's bottleneck.
   std::uint64_t verify_every = 1;
+  bool gpu_sized = false;            // every other batch's output size is resolved on the GPU
+  std::uint64_t oversize_batch = 0;  // that batch id reports more than its reservation
   RuntimeConfig runtime;
 };
 

@@ -96,6 +96,8 @@ def selftest(
     slow_drain_every: int = 0,
     slow_drain_us: int = 0,
     verify_every: int = 1,
+    gpu_sized: bool = False,
+    oversize_batch: int = 0,
     runtime_config: dict[str, Any] = ...,
 ) -> dict[str, Any]: ...
 def measure_handoff(device: int, iterations: int) -> dict[str, Any]: ...

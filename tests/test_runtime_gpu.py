@@ -105,3 +105,13 @@ def test_drain_copies_of_large_payloads_run_near_pcie_speed() -> None:
                         "staging_buffers": 3},
     )  # fmt: skip
     assert r["verified"] == 64 and r["output_mismatches"] == r["checksum_mismatches"] == 0, r
+
+
+def test_sizes_resolved_on_the_gpu_respect_the_reservation() -> None:
+    r = _runtime.selftest(
+        emulated=False, batches=20_000, seed=4, max_tokens=1024, max_output_bytes=1 << 16,
+        gpu_sized=True, runtime_config={"max_output_bytes": 1 << 16},
+    )  # fmt: skip
+    assert r["verified"] == 20_000 and r["first_error"] == "", r
+    with pytest.raises(RuntimeError, match="more than the"):
+        _runtime.selftest(emulated=False, batches=100, gpu_sized=True, oversize_batch=20 * 7 + 3)

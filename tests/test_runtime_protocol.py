@@ -270,3 +270,21 @@ def test_rows_outside_the_task_set_fail_the_runtime_with_the_batch_named() -> No
     with pytest.raises(RuntimeError, match="batch 41: row 5 is outside the task set"):
         rt.finish()
     rt.shutdown()
+
+
+def test_sizes_resolved_on_the_gpu_are_drained_exactly() -> None:
+    r = selftest(
+        emulated=True, batches=5000, seed=9, max_tokens=500, max_output_bytes=1 << 14,
+        gpu_sized=True, runtime_config={"ring_bytes": 1 << 18, "payload_ring_bytes": 1 << 18,
+                                        "max_output_bytes": 1 << 14},
+    )  # fmt: skip
+    assert r["verified"] == 5000 and r["first_error"] == "", r
+    assert r["output_mismatches"] == r["checksum_mismatches"] == r["order_errors"] == 0
+    assert r["bytes_out"] < 5000 * (1 << 14)  # sized batches copied less than they reserved
+
+
+def test_a_size_beyond_the_reservation_is_refused_naming_the_batch() -> None:
+    with pytest.raises(
+        RuntimeError, match=r"batch 143: the stage reported \d+ output bytes, more than"
+    ):
+        selftest(emulated=True, batches=100, gpu_sized=True, oversize_batch=20 * 7 + 3)
