@@ -103,7 +103,7 @@ void Runtime::reclaim_slots() {
 
 void Runtime::submit(const BatchSpec& spec, const std::int64_t* rows) {
   rethrow_failure();
-  if (!running_.load() || stopped_.load()) throw std::runtime_error("runtime is not running");
+  if (!running_.load() || stopped_.load()) stopped("submitting");
   if (spec.item_count == 0 || spec.item_count > config_.max_items) {
     throw std::invalid_argument("batch " + std::to_string(spec.batch_id) + " has " +
                                 std::to_string(spec.item_count) + " items; allowed 1.." +
@@ -119,7 +119,7 @@ void Runtime::submit(const BatchSpec& spec, const std::int64_t* rows) {
   // At most max_in_flight batches between submit and drain (the queues are that deep).
   auto room = [&] { return seq - 1 - drained_.load(std::memory_order_acquire) < config_.max_in_flight; };
   std::uint64_t ignored = 0;
-  if (!wait_ladder(done_gate_, room, ignored)) throw std::runtime_error("runtime shut down");
+  if (!wait_ladder(done_gate_, room, ignored)) stopped("waiting for a batch to drain");
 
   std::optional<Reservation> slot;
   auto slot_ready = [&] {
@@ -129,8 +129,7 @@ void Runtime::submit(const BatchSpec& spec, const std::int64_t* rows) {
     return slot.has_value();
   };
   if (!wait_retry_then_block(ring_gate_, slot_ready, ring_retries_, ring_blocked_)) {
-    rethrow_failure();
-    throw std::runtime_error("runtime shut down while waiting for ring space");
+    stopped("waiting for ring space");
   }
   std::optional<Reservation> out = payload_ring_->try_reserve(spec.output_bytes);
   if (!out) ++payload_waits_;
@@ -139,8 +138,7 @@ void Runtime::submit(const BatchSpec& spec, const std::int64_t* rows) {
     return out.has_value();
   };
   if (!wait_ladder(payload_gate_, out_ready, payload_blocked_)) {
-    rethrow_failure();
-    throw std::runtime_error("runtime shut down while waiting for payload-ring space");
+    stopped("waiting for payload-ring space");
   }
   ++next_seq_;
   slots_[slots_head_++ % slots_.size()] = SlotRecord{seq, *slot};
@@ -359,6 +357,11 @@ void Runtime::fail(const std::string& what) {
   for (Gate* gate : {&ring_gate_, &payload_gate_, &fill_gate_, &drain_gate_, &done_gate_}) {
     gate->close();
   }
+}
+
+void Runtime::stopped(const char* while_doing) {
+  rethrow_failure();  // a thread's failure explains the stop better than the stop itself
+  throw std::runtime_error(std::string("runtime shut down while ") + while_doing);
 }
 
 void Runtime::rethrow_failure() {

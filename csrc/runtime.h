@@ -172,6 +172,7 @@ class Runtime {
   void reclaim_slots();
   void fail(const std::string& what);
   void rethrow_failure();
+  [[noreturn]] void stopped(const char* while_doing);
   void release_unpublished();
 
   std::unique_ptr<Gpu> gpu_;
