@@ -186,7 +186,7 @@ class CudaGpu final : public Gpu {
   // Launch every kernel once, with nothing pending on the stream: this loads each one.
   void warm_up() {
     const DevPtr slot = scratch_slot();
-    const DevPtr word = scratch_.device + 1024;
+    const DevPtr word = scratch_.device + 1024;  // 1024..1279 is scratch for the warm-up
     const LaunchShape one{1, 1, 1, 32, 1, 1};
     kernels::SelfTestWriteArgs w{word, 0};
     launch(Stream::kCompute, KernelId::kSelfTestWrite, one, &w, sizeof(w));
@@ -198,6 +198,11 @@ class CudaGpu final : public Gpu {
     launch(Stream::kCompute, KernelId::kGatherPadded, one, &g, sizeof(g));
     kernels::HookCopyArgs h{slot, word, word, 0, 0, 16, 0};
     launch(Stream::kCompute, KernelId::kHookCopy, one, &h, sizeof(h));
+    // capacity 0, max_items 0: writes only cu_seqlens[0..1] (two int32 in the scratch page)
+    kernels::GatherPackedArgs p{slot, word, word, word, word + 64, 0, 0, 0};
+    launch(Stream::kCompute, KernelId::kGatherPacked, LaunchShape{1, 1, 1, 32, 1, 1}, &p, sizeof(p));
+    kernels::CopyBytesArgs b{word, word + 128, 0};
+    launch(Stream::kCompute, KernelId::kCopyBytes, one, &b, sizeof(b));
     FABRIC_CU_CHECK(drv_, cuStreamSynchronize(stream(Stream::kCompute)));
   }
 

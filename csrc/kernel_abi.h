@@ -19,13 +19,15 @@ enum class KernelId : int {
   kSelfTestFill = 2,
   kGatherPadded = 3,
   kHookCopy = 4,
-  kCount = 5,
+  kGatherPacked = 5,
+  kCopyBytes = 6,
+  kCount = 7,
 };
 
 // extern "C" names in the fatbin, indexed by KernelId.
 constexpr const char* kNames[] = {
     "fabric_selftest_write", "fabric_selftest_checksum", "fabric_selftest_fill",
-    "fabric_gather_padded", "fabric_hook_copy",
+    "fabric_gather_padded", "fabric_hook_copy", "fabric_gather_packed", "fabric_copy_bytes",
 };
 
 // Writes `value` to `flag` with a system-scope release (the warm-up self test).
@@ -71,6 +73,30 @@ struct HookCopyArgs {
   std::uint32_t items;
   std::uint32_t row_bytes;  // hidden x element size; a multiple of 16
   std::uint32_t reserved;
+};
+
+// Lays a slot's tokens out for a packed engine (all tokens of the batch in one sequence axis):
+// ids[capacity] (int64; pad_id past the real tokens), positions[capacity] (int64: position
+// inside the item), seq_ids[capacity] (int64: the item of each token; `max_items` for the padded
+// tail), cu_seqlens[max_items + 2] (int32 prefix sums; the padded tail is one more sequence, and
+// unused entries repeat `capacity`, i.e. empty sequences). Grid: (blocks, item_count + 1).
+struct GatherPackedArgs {
+  std::uint64_t slot;
+  std::uint64_t ids;
+  std::uint64_t positions;
+  std::uint64_t seq_ids;
+  std::uint64_t cu_seqlens;
+  std::uint32_t capacity;
+  std::uint32_t max_items;
+  std::int64_t pad_id;
+};
+
+// Copies `bytes` (a multiple of 16) from src to out: contiguous outputs (pooled rows, packed
+// hook layers whose real tokens are the first rows).
+struct CopyBytesArgs {
+  std::uint64_t src;
+  std::uint64_t out;
+  std::uint64_t bytes;
 };
 
 // splitmix64: the mixing function of the checksum and of the fill pattern.

@@ -104,3 +104,50 @@ extern "C" __global__ void fabric_hook_copy(HookCopyArgs a) {
     out[v] = src[v];  // rows of one item are contiguous in both buffers
   }
 }
+
+// Grid: (blocks, item_count + 1): block row y < items writes item y's tokens; row y == items
+// writes the padded tail and the unused cu_seqlens entries.
+extern "C" __global__ void fabric_gather_packed(GatherPackedArgs a) {
+  const BatchDescriptor& d = descriptor_of(a.slot);
+  const unsigned items = d.item_count;
+  const unsigned row = blockIdx.y;
+  if (row > items || items > a.max_items) return;
+  const std::int64_t* offsets = offsets_of(a.slot);
+  const std::int32_t* tokens = tokens_of(a.slot);
+  auto* ids = reinterpret_cast<std::int64_t*>(a.ids);
+  auto* positions = reinterpret_cast<std::int64_t*>(a.positions);
+  auto* seq_ids = reinterpret_cast<std::int64_t*>(a.seq_ids);
+  auto* cu = reinterpret_cast<std::int32_t*>(a.cu_seqlens);
+  const std::uint64_t stride = static_cast<std::uint64_t>(gridDim.x) * blockDim.x;
+  const std::uint64_t first = blockIdx.x * blockDim.x + threadIdx.x;
+  if (row < items) {
+    const std::int64_t begin = offsets[row];
+    const std::int64_t length = offsets[row + 1] - begin;
+    if (first == 0) cu[row] = static_cast<std::int32_t>(begin);
+    for (std::uint64_t t = first; t < static_cast<std::uint64_t>(length); t += stride) {
+      ids[begin + t] = tokens[begin + t];
+      positions[begin + t] = static_cast<std::int64_t>(t);
+      seq_ids[begin + t] = row;
+    }
+    return;
+  }
+  const std::uint64_t real = d.real_tokens;
+  for (std::uint64_t t = real + first; t < a.capacity; t += stride) {
+    ids[t] = a.pad_id;
+    positions[t] = 0;
+    seq_ids[t] = a.max_items;
+  }
+  for (std::uint64_t i = items + first; i <= a.max_items + 1; i += stride) {
+    cu[i] = static_cast<std::int32_t>(i == items ? real : a.capacity);
+  }
+}
+
+extern "C" __global__ void fabric_copy_bytes(CopyBytesArgs a) {
+  const auto* src = reinterpret_cast<const uint4*>(a.src);
+  auto* out = reinterpret_cast<uint4*>(a.out);
+  const std::uint64_t n = a.bytes / 16;
+  for (std::uint64_t v = blockIdx.x * blockDim.x + threadIdx.x; v < n;
+       v += static_cast<std::uint64_t>(gridDim.x) * blockDim.x) {
+    out[v] = src[v];
+  }
+}

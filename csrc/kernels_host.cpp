@@ -71,6 +71,37 @@ void hook_copy(const HookCopyArgs& a) {
   }
 }
 
+void gather_packed(const GatherPackedArgs& a) {
+  const BatchDescriptor& d = descriptor_of(a.slot);
+  if (d.item_count > a.max_items) return;
+  const auto* offsets = at<const std::int64_t>(a.slot + d.offsets_at);
+  const auto* tokens = at<const std::int32_t>(a.slot + d.tokens_at);
+  auto* ids = at<std::int64_t>(a.ids);
+  auto* positions = at<std::int64_t>(a.positions);
+  auto* seq_ids = at<std::int64_t>(a.seq_ids);
+  auto* cu = at<std::int32_t>(a.cu_seqlens);
+  for (std::uint32_t item = 0; item < d.item_count; ++item) {
+    cu[item] = static_cast<std::int32_t>(offsets[item]);
+    for (std::int64_t t = offsets[item]; t < offsets[item + 1]; ++t) {
+      ids[t] = tokens[t];
+      positions[t] = t - offsets[item];
+      seq_ids[t] = item;
+    }
+  }
+  for (std::uint64_t t = d.real_tokens; t < a.capacity; ++t) {
+    ids[t] = a.pad_id;
+    positions[t] = 0;
+    seq_ids[t] = a.max_items;
+  }
+  for (std::uint64_t i = d.item_count; i <= a.max_items + 1ull; ++i) {
+    cu[i] = static_cast<std::int32_t>(i == d.item_count ? d.real_tokens : a.capacity);
+  }
+}
+
+void copy_bytes(const CopyBytesArgs& a) {
+  std::memcpy(at<char>(a.out), at<const char>(a.src), a.bytes);
+}
+
 }  // namespace
 
 void run_on_host(KernelId id, const void* args) {
@@ -85,6 +116,10 @@ void run_on_host(KernelId id, const void* args) {
       return gather_padded(*static_cast<const GatherPaddedArgs*>(args));
     case KernelId::kHookCopy:
       return hook_copy(*static_cast<const HookCopyArgs*>(args));
+    case KernelId::kGatherPacked:
+      return gather_packed(*static_cast<const GatherPackedArgs*>(args));
+    case KernelId::kCopyBytes:
+      return copy_bytes(*static_cast<const CopyBytesArgs*>(args));
     case KernelId::kCount:
       break;
   }

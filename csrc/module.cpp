@@ -197,6 +197,64 @@ class PyRuntime {
     stage_ = std::make_unique<PythonStage>(stage_fn_.ptr());
   }
   void set_selftest_stage() { stage_ = std::make_unique<fabric::SelfTestStage>(); }
+  void set_graph_stage() {
+    auto stage = std::make_unique<fabric::GraphStage>();
+    graph_stage_ = stage.get();
+    stage_ = std::move(stage);
+  }
+  // Registers one shape of the engine (see fabric::ShapeGraph). `host_fn(publish_seq, items)`
+  // runs the engine on the emulated GPU; on a GPU, `graph_exec` is a CUgraphExec handle.
+  void add_shape(std::uint32_t epoch, const std::string& layout, std::uint32_t items,
+                 std::uint32_t seq_len, std::int64_t pad_id, std::uint64_t graph_exec,
+                 nb::object host_fn, std::uint64_t input_ids, std::uint64_t aux0,
+                 std::uint64_t aux1, std::uint64_t aux2, std::uint64_t pooled,
+                 std::uint32_t pooled_row_bytes, std::vector<fabric::DevPtr> hooks,
+                 std::uint32_t hook_row_bytes) {
+    if (graph_stage_ == nullptr || runtime_) {
+      throw std::logic_error("add_shape() goes between set_graph_stage() and start()");
+    }
+    fabric::ShapeGraph s;
+    s.epoch = epoch;
+    if (layout == "padded") {
+      s.layout = fabric::InputLayout::kPadded;
+    } else if (layout == "packed") {
+      s.layout = fabric::InputLayout::kPacked;
+    } else {
+      throw std::invalid_argument("layout must be 'padded' or 'packed', got '" + layout + "'");
+    }
+    s.items = items;
+    s.seq_len = seq_len;
+    s.pad_id = pad_id;
+    s.graph_exec = graph_exec;
+    if (!host_fn.is_none()) {
+      host_fns_.push_back(host_fn);
+      PyObject* fn = host_fn.ptr();
+      s.host_graph = [fn](std::uint64_t seq, std::uint32_t n) -> std::string {
+        nb::gil_scoped_acquire gil;
+        try {
+          nb::handle h(fn);
+          h(seq, n);
+          return {};
+        } catch (nb::python_error& e) {
+          return e.what();
+        }
+      };
+    } else if (emulated_) {
+      throw std::invalid_argument("shape epoch " + std::to_string(epoch) +
+                                  ": the emulated GPU needs a host_fn for each shape");
+    } else if (graph_exec == 0) {
+      throw std::invalid_argument("shape epoch " + std::to_string(epoch) + " needs a graph_exec");
+    }
+    s.input_ids = input_ids;
+    s.aux0 = aux0;
+    s.aux1 = aux1;
+    s.aux2 = aux2;
+    s.pooled = pooled;
+    s.pooled_row_bytes = pooled_row_bytes;
+    s.hooks = std::move(hooks);
+    s.hook_row_bytes = hook_row_bytes;
+    graph_stage_->add_shape(std::move(s));
+  }
   void set_sink(nb::callable fn) { sink_fn_ = fn; }
 
   void start() {
@@ -252,6 +310,7 @@ class PyRuntime {
     if (runtime_) {
       stage_fn_ = nb::object();
       sink_fn_ = nb::object();
+      host_fns_.clear();
     }
   }
   void synchronize_compute() {
@@ -273,6 +332,8 @@ class PyRuntime {
   std::unique_ptr<fabric::PayloadSource> source_;
   std::unique_ptr<fabric::Stage> stage_;
   nb::object tokens_, offsets_, stage_fn_, sink_fn_;
+  std::vector<nb::object> host_fns_;
+  fabric::GraphStage* graph_stage_ = nullptr;  // owned by stage_, then by the runtime
   std::unique_ptr<fabric::Runtime> runtime_;  // last: destroyed first
 };
 
@@ -371,6 +432,10 @@ NB_MODULE(_runtime, m) {
       .def("set_selftest_source", &PyRuntime::set_selftest_source, "seed"_a)
       .def("set_python_stage", &PyRuntime::set_python_stage, "fn"_a)
       .def("set_selftest_stage", &PyRuntime::set_selftest_stage)
+      .def("set_graph_stage", &PyRuntime::set_graph_stage)
+      .def("add_shape", &PyRuntime::add_shape, "epoch"_a, "layout"_a, "items"_a, "seq_len"_a,
+           "pad_id"_a, "graph_exec"_a, "host_fn"_a, "input_ids"_a, "aux0"_a, "aux1"_a, "aux2"_a,
+           "pooled"_a, "pooled_row_bytes"_a, "hooks"_a, "hook_row_bytes"_a)
       .def("set_sink", &PyRuntime::set_sink, "fn"_a)
       .def("start", &PyRuntime::start)
       .def("submit", &PyRuntime::submit, "batch_id"_a, "rows"_a, "bucket_max"_a, "real_tokens"_a,

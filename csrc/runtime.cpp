@@ -161,8 +161,7 @@ void Runtime::submit(const BatchSpec& spec, const std::int64_t* rows) {
   };
   auto release_slot = [&] {
     if (slot_released) return;
-    // The slot is no longer read: hand its bytes back to the caller's ring. Always before any
-    // publication of this batch, so a drained batch has always released its slot.
+    // The slot is no longer read: hand its bytes back to the caller's ring.
     gpu.write_value(Stream::kCompute, consumed_seq, seq);
     slot_released = true;
   };
@@ -176,7 +175,6 @@ void Runtime::submit(const BatchSpec& spec, const std::int64_t* rows) {
                      sizes_mem_.device + 64 * (seq % config_.max_in_flight),
                      release_slot,
                      [&](std::uint64_t bytes_done) {
-                       release_slot();
                        const bool last = bytes_done >= spec.output_bytes;
                        // Batched publication: one release per K hook outputs, and the batch end.
                        if (++hooks_since_publish_ % config_.publish_every == 0 || last) {

@@ -92,9 +92,9 @@ class Stage {
     DevPtr out;         // the batch's output region in the payload ring
     void* out_host;     // host view of it (emulation only; nullptr on a GPU)
     DevPtr size_slot;   // where to write the output size when spec.output_size_on_gpu
-    // Call once the enqueued work no longer reads the slot (after the gather): the slot's bytes
-    // go back to the ring as soon as the GPU gets there. Called by the runtime after enqueue()
-    // if the stage did not.
+    // Call once the enqueued work no longer reads the slot (after the last kernel that reads it):
+    // the slot's bytes go back to the ring as soon as the GPU gets there. Called by the runtime
+    // after enqueue() if the stage did not.
     std::function<void()> slot_done;
     // Call after each hook output is enqueued with the bytes of output complete so far;
     // the runtime publishes every K calls, and at the end of the batch.

@@ -2,6 +2,11 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
 
 #include "runtime.h"
 
@@ -24,6 +29,52 @@ class SelfTestStage final : public Stage {
   std::uint64_t oversize_batch_;
   Gpu* gpu_ = nullptr;
   DevPtr scratch_ = 0;  // one checksum per in-flight batch
+};
+
+// How an engine takes its input.
+enum class InputLayout : std::uint32_t {
+  kPadded = 0,  // ids and mask [items, seq_len]; hidden states [items, seq_len, hidden]
+  kPacked = 1,  // ids, positions, seq ids [capacity]; cu_seqlens; hidden states [capacity, hidden]
+};
+
+// One captured shape of an engine: its graph (or, on the emulated GPU, a host function) and the
+// static buffers the graph reads and writes. Registered before start; keyed by shape epoch.
+struct ShapeGraph {
+  std::uint32_t epoch = 0;
+  InputLayout layout = InputLayout::kPadded;
+  std::uint32_t items = 0;     // padded: rows; packed: most sequences (cu_seqlens holds items + 2)
+  std::uint32_t seq_len = 0;   // padded: columns; packed: token capacity of the shape
+  std::int64_t pad_id = 0;
+  std::uint64_t graph_exec = 0;  // CUgraphExec on a GPU
+  // Emulated GPU: runs the engine on the static buffers for a batch of `items` items; returns ""
+  // or an error message.
+  std::function<std::string(std::uint64_t publish_seq, std::uint32_t items)> host_graph;
+  DevPtr input_ids = 0;  // int64
+  DevPtr aux0 = 0;       // padded: mask int64 [items, seq_len]; packed: positions int64
+  DevPtr aux1 = 0;       // packed: seq ids int64
+  DevPtr aux2 = 0;       // packed: cu_seqlens int32
+  DevPtr pooled = 0;     // [rows, pooled_row_bytes], row i = item i
+  std::uint32_t pooled_row_bytes = 0;
+  std::vector<DevPtr> hooks;  // per hook layer: padded [items, seq_len, row]; packed [capacity, row]
+  std::uint32_t hook_row_bytes = 0;
+};
+
+// The production stage: gather the slot into the shape's static inputs, release the slot,
+// launch the shape's graph, then copy the pooled rows and each hook layer's real-token rows into
+// the batch's output region, in the layout [pooled items x pooled_row][hook 1: real x row]...
+class GraphStage final : public Stage {
+ public:
+  void add_shape(ShapeGraph shape);
+  void enqueue(Context& ctx) override;
+  std::string take_error(std::uint64_t publish_seq) override;
+  // Bytes of a batch's output for `items` items and `real_tokens` tokens in shape `epoch`.
+  std::uint64_t output_bytes(std::uint32_t epoch, std::uint32_t items, std::uint64_t real_tokens) const;
+
+ private:
+  const ShapeGraph& shape(std::uint32_t epoch) const;
+  std::map<std::uint32_t, ShapeGraph> shapes_;
+  std::mutex errors_mutex_;
+  std::map<std::uint64_t, std::string> errors_;
 };
 
 // Words the self-test stage writes for a batch whose size the GPU resolves: fewer than reserved.

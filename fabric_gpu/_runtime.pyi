@@ -64,6 +64,25 @@ class Runtime:
     def set_selftest_source(self, seed: int) -> None: ...
     def set_python_stage(self, fn: Any) -> None: ...
     def set_selftest_stage(self) -> None: ...
+    def set_graph_stage(self) -> None: ...
+    def add_shape(
+        self,
+        epoch: int,
+        layout: str,
+        items: int,
+        seq_len: int,
+        pad_id: int,
+        graph_exec: int,
+        host_fn: Any,
+        input_ids: int,
+        aux0: int,
+        aux1: int,
+        aux2: int,
+        pooled: int,
+        pooled_row_bytes: int,
+        hooks: list[int],
+        hook_row_bytes: int,
+    ) -> None: ...
     def set_sink(self, fn: Any) -> None: ...
     def start(self) -> None: ...
     def submit(

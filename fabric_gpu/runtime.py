@@ -130,8 +130,13 @@ ResultFn = Callable[[BatchResult], None]
 class EngineRunner:
     """One engine behind one runtime. Use as a context manager; `finish()` waits for the drain.
 
+    The runtime's graph stage drives the engine: per batch, the gather kernel fills the engine's
+    static inputs from the ring slot, the engine runs (its CUDA graph for that shape; on the
+    emulated GPU, a host function), and the hook-copy kernels move pooled rows and real-token
+    hidden states into the payload ring. One shape epoch per bucket length.
+
     `on_result` runs on the runtime's drain thread, in submission order; an exception it raises
-    is kept and re-raised by the next `submit` or `finish`, and the runner stops.
+    is kept and re-raised by the next `submit` or `finish`.
     """
 
     def __init__(
@@ -145,33 +150,37 @@ class EngineRunner:
         max_in_flight: int = 4,
         ring_bytes: int = 16 << 20,
     ) -> None:
-        profile = engine.profile
-        if engine.input_location is not InputLocation.HOST:
+        if engine.input_location is not InputLocation.HOST or not hasattr(engine, "forward_hidden"):
             raise NotImplementedError(
-                f"{type(engine).__name__} reads its inputs on the device; the graph stage that "
-                "drives such engines is not part of this runner"
+                f"{type(engine).__name__}: this runner drives engines that run on the CPU "
+                "(forward_hidden); GPU engines register their CUDA graphs instead"
             )
+        profile = engine.profile
+        hidden = engine.hidden_size
         self.engine = engine
         self.layers = tuple(engine.manifest.hooks.layers)
-        self.pad_token_id = pad_token_id
         self._on_result = on_result
         self._pending: dict[int, OutputLayout] = {}
         self._lengths: dict[int, np.ndarray] = {}
         self._error: BaseException | None = None
         self._tokens = np.ascontiguousarray(tokens, dtype=np.int32)
         self._offsets = np.ascontiguousarray(offsets, dtype=np.int64)
-        max_output = OutputLayout(
-            profile.max_batch_items, profile.max_batch_tokens, engine.hidden_size, self.layers
-        ).total_bytes
-        slot_max = _runtime.slot_bytes(profile.max_batch_items, profile.max_batch_tokens)
+        # The engine's static buffers, shared by every shape (one batch runs at a time).
+        capacity, items_max = profile.max_batch_tokens, profile.max_batch_items
+        self._ids = np.zeros(capacity, np.int64)
+        self._mask = np.zeros(capacity, np.int64)
+        self._pooled = np.zeros((items_max, hidden), np.float32)
+        self._hooks = {layer: np.zeros((capacity, hidden), np.float16) for layer in self.layers}
+        max_output = OutputLayout(items_max, capacity, hidden, self.layers).total_bytes
+        slot_max = _runtime.slot_bytes(items_max, capacity)
         self._rt: Any = _runtime.Runtime(
-            emulated=True,  # host-reading engines run in stream order on the emulated GPU
+            emulated=True,  # engines that run on the CPU run in stream order on the emulated GPU
             device=0,
             config={
                 "ring_bytes": _round_up(max(ring_bytes, 2 * slot_max + 4096), 256),
                 "payload_ring_bytes": _round_up(2 * max_output + 4096, 256),
                 "max_output_bytes": max_output,
-                "max_items": profile.max_batch_items,
+                "max_items": items_max,
                 "max_in_flight": max_in_flight,
                 "staging_buffers": 2,
                 "input_location": "host",
@@ -179,15 +188,43 @@ class EngineRunner:
             },
         )
         self._rt.set_token_table(self._tokens, self._offsets)
-        self._rt.set_python_stage(self._stage)
+        self._rt.set_graph_stage()
+        g = profile.seq_granularity
+        for seq_len in range(g, profile.max_seq_len + 1, g):
+            self._rt.add_shape(
+                epoch=seq_len,
+                layout="padded",
+                items=min(items_max, capacity // seq_len),
+                seq_len=seq_len,
+                pad_id=pad_token_id,
+                graph_exec=0,
+                host_fn=self._host_graph(seq_len),
+                input_ids=self._ids.ctypes.data,
+                aux0=self._mask.ctypes.data,
+                aux1=0,
+                aux2=0,
+                pooled=self._pooled.ctypes.data,
+                pooled_row_bytes=hidden * 4,
+                hooks=[self._hooks[layer].ctypes.data for layer in self.layers],
+                hook_row_bytes=hidden * 2,
+            )
         self._rt.set_sink(self._sink)
         self._rt.start()
 
     # -- runtime callbacks (runtime threads, GIL held) --------------------------------------
-    def _stage(self, seq: int, batch_id: int, slot: np.ndarray, out: np.ndarray) -> None:
-        parsed = Slot.parse(slot)
-        output = self.engine.forward(parsed.padded(self.pad_token_id))
-        self._pending[batch_id].write(out, output.pooled, output.hooks)
+    def _host_graph(self, seq_len: int) -> Callable[[int, int], None]:
+        """The "graph" of one shape on the emulated GPU: the engine on the static buffers."""
+
+        def run(publish_seq: int, items: int) -> None:
+            n = items * seq_len
+            ids = self._ids[:n].reshape(items, seq_len)
+            lengths = self._mask[:n].reshape(items, seq_len).sum(axis=1)
+            pooled, hidden = self.engine.forward_hidden(ids, lengths)  # type: ignore[attr-defined]
+            self._pooled[:items] = pooled
+            for layer in self.layers:
+                self._hooks[layer][:n] = hidden[layer].reshape(n, -1)
+
+        return run
 
     def _sink(self, seq: int, batch_id: int, data: np.ndarray, error: str) -> None:
         layout = self._pending.pop(batch_id)
@@ -219,7 +256,8 @@ class EngineRunner:
             bucket_max=bucket_max,
             real_tokens=layout.real_tokens,
             output_bytes=layout.total_bytes,
-            hooks=max(1, len(self.layers)),
+            shape_epoch=bucket_max,
+            hooks=1 + len(self.layers),
         )
 
     def finish(self) -> dict[str, Any]:

@@ -58,11 +58,15 @@ class CpuEngine:
         return self.manifest.profile
 
     @torch.inference_mode()
-    def forward(self, batch: PaddedBatch) -> EngineOutput:
-        check_batch(self.profile, batch)
-        ids = torch.from_numpy(np.ascontiguousarray(batch.input_ids, dtype=np.int64))
-        lengths = torch.from_numpy(np.asarray(batch.lengths, dtype=np.int64))
-        mask = torch.arange(batch.seq_len)[None, :] < lengths[:, None]
+    def forward_hidden(
+        self, input_ids: np.ndarray, lengths: np.ndarray
+    ) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+        """Pooled embeddings [items, hidden] (float32) and each hook layer's hidden states for
+        every position, padding included ([items, seq_len, hidden], float16)."""
+        ids = torch.from_numpy(np.ascontiguousarray(input_ids, dtype=np.int64))
+        lengths_t = torch.from_numpy(np.asarray(lengths, dtype=np.int64))
+        items, seq_len = ids.shape
+        mask = torch.arange(seq_len)[None, :] < lengths_t[:, None]
         out = self.model(
             input_ids=ids,
             attention_mask=mask.to(torch.int64),
@@ -77,12 +81,18 @@ class CpuEngine:
         elif pooling == "cls":
             pooled = last[:, 0]
         else:  # "last": the last real token of each item
-            pooled = last[torch.arange(batch.items), lengths - 1]
+            pooled = last[torch.arange(items), (lengths_t - 1).clamp(min=0)]
         hooks = {
-            layer: out.hidden_states[index][mask].to(torch.float16).numpy()
+            layer: out.hidden_states[index].to(torch.float16).numpy()
             for layer, index in zip(self.manifest.hooks.layers, self.hook_indices, strict=True)
         }
-        return EngineOutput(pooled=pooled.float().numpy(), hooks=hooks)
+        return pooled.float().numpy(), hooks
+
+    def forward(self, batch: PaddedBatch) -> EngineOutput:
+        check_batch(self.profile, batch)
+        pooled, padded = self.forward_hidden(batch.input_ids, batch.lengths)
+        real = np.arange(batch.seq_len)[None, :] < batch.lengths[:, None]
+        return EngineOutput(pooled=pooled, hooks={k: v[real] for k, v in padded.items()})
 
     def close(self) -> None:
         del self.model
