@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 import fabric_gpu._runtime as _runtime
-from fabric_gpu.engines.base import Engine, InputLocation, PaddedBatch
+from fabric_gpu.engines.base import Engine, HostEngine, InputLocation, PaddedBatch
 
 # The layout of csrc/protocol.h's BatchDescriptor (128 bytes).
 DESCRIPTOR_DTYPE = np.dtype(
@@ -141,7 +141,7 @@ class EngineRunner:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: HostEngine,
         tokens: np.ndarray,
         offsets: np.ndarray,
         on_result: ResultFn,
@@ -150,11 +150,6 @@ class EngineRunner:
         max_in_flight: int = 4,
         ring_bytes: int = 16 << 20,
     ) -> None:
-        if engine.input_location is not InputLocation.HOST or not hasattr(engine, "forward_hidden"):
-            raise NotImplementedError(
-                f"{type(engine).__name__}: this runner drives engines that run on the CPU "
-                "(forward_hidden); GPU engines register their CUDA graphs instead"
-            )
         profile = engine.profile
         hidden = engine.hidden_size
         self.engine = engine
@@ -219,7 +214,7 @@ class EngineRunner:
             n = items * seq_len
             ids = self._ids[:n].reshape(items, seq_len)
             lengths = self._mask[:n].reshape(items, seq_len).sum(axis=1)
-            pooled, hidden = self.engine.forward_hidden(ids, lengths)  # type: ignore[attr-defined]
+            pooled, hidden = self.engine.forward_hidden(ids, lengths)
             self._pooled[:items] = pooled
             for layer in self.layers:
                 self._hooks[layer][:n] = hidden[layer].reshape(n, -1)
@@ -286,6 +281,30 @@ class EngineRunner:
         if self._error is not None:
             error, self._error = self._error, None
             raise error
+
+
+def open_runner(
+    engine: Engine,
+    tokens: np.ndarray,
+    offsets: np.ndarray,
+    on_result: ResultFn,
+    *,
+    pad_token_id: int = 0,
+    max_in_flight: int = 4,
+) -> EngineRunner:
+    """The runner for `engine`: engines that read on the CPU run on the emulated GPU."""
+    if engine.input_location is InputLocation.HOST and hasattr(engine, "forward_hidden"):
+        return EngineRunner(
+            cast(HostEngine, engine),
+            tokens,
+            offsets,
+            on_result,
+            pad_token_id=pad_token_id,
+            max_in_flight=max_in_flight,
+        )
+    raise NotImplementedError(
+        f"{type(engine).__name__} reads its inputs on the GPU; it needs a GPU engine runner"
+    )
 
 
 def _round_up(n: int, to: int) -> int:

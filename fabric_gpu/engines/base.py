@@ -73,6 +73,15 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
+class HostEngine(Engine, Protocol):
+    """An engine that reads its inputs on the CPU and can return every position's hidden state:
+    the runtime's graph stage runs it on the emulated GPU, on the stage's static buffers."""
+
+    def forward_hidden(
+        self, input_ids: np.ndarray, lengths: np.ndarray
+    ) -> tuple[np.ndarray, dict[int, np.ndarray]]: ...
+
+
 def check_batch(profile: ConsumerProfile, batch: PaddedBatch) -> None:
     """Refuse a batch outside the consumer's limits: the broker should never plan one."""
     if batch.items == 0:

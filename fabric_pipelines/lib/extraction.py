@@ -19,7 +19,7 @@ from sqlalchemy import Engine
 
 from fabric_gpu.engines import Engine as ExtractionEngine
 from fabric_gpu.engines import PaddedBatch
-from fabric_gpu.runtime import BatchResult, EngineRunner
+from fabric_gpu.runtime import BatchResult, open_runner
 from fabric_pipelines.lib.broker.ledger import (
     Lease,
     StaleLeaseError,
@@ -145,7 +145,7 @@ def run_worker(
         report.seconds = time.perf_counter() - started
 
     submitted = 0
-    with EngineRunner(
+    with open_runner(
         engine,
         tokens,
         offsets,
