@@ -17,7 +17,7 @@ from typing import Any, cast
 import numpy as np
 
 import fabric_gpu._runtime as _runtime
-from fabric_gpu.engines.base import Engine, HostEngine, InputLocation, PaddedBatch
+from fabric_gpu.engines.base import DeviceEngine, Engine, HostEngine, InputLocation, PaddedBatch
 
 # The layout of csrc/protocol.h's BatchDescriptor (128 bytes).
 DESCRIPTOR_DTYPE = np.dtype(
@@ -79,14 +79,19 @@ class OutputLayout:
     real_tokens: int
     hidden: int
     layers: tuple[int, ...]
+    hook_dtype: str = "float16"  # float16 or bfloat16 (2 bytes), or float32
 
     @property
     def pooled_bytes(self) -> int:
         return self.items * self.hidden * 4
 
     @property
+    def hook_itemsize(self) -> int:
+        return 4 if self.hook_dtype == "float32" else 2
+
+    @property
     def hook_bytes(self) -> int:
-        return self.real_tokens * self.hidden * 2
+        return self.real_tokens * self.hidden * self.hook_itemsize
 
     @property
     def total_bytes(self) -> int:
@@ -102,16 +107,22 @@ class OutputLayout:
             out[at : at + self.hook_bytes] = states
             at += self.hook_bytes
 
-    def read(self, data: np.ndarray) -> tuple[np.ndarray, dict[int, np.ndarray]]:
-        """Copies out of `data` (which is only valid during the sink call)."""
-        pooled = data[: self.pooled_bytes].view("<f4").reshape(self.items, self.hidden).copy()
+    def read(self, data: np.ndarray, copy: bool = True) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+        """Pooled [items, hidden] float32 and hooks [real_tokens, hidden] per layer (bfloat16 is
+        widened to float32). Without `copy`, views of `data`, valid only during the sink call."""
+        pooled = data[: self.pooled_bytes].view("<f4").reshape(self.items, self.hidden)
         hooks = {}
         at = self.pooled_bytes
         for layer in self.layers:
-            chunk = data[at : at + self.hook_bytes].view("<f2")
-            hooks[layer] = chunk.reshape(self.real_tokens, self.hidden).copy()
+            chunk = data[at : at + self.hook_bytes]
+            if self.hook_dtype == "bfloat16":
+                states = (chunk.view("<u2").astype(np.uint32) << 16).view("<f4")
+            else:
+                states = chunk.view("<f2" if self.hook_dtype == "float16" else "<f4")
+                states = states.copy() if copy else states
+            hooks[layer] = states.reshape(self.real_tokens, self.hidden)
             at += self.hook_bytes
-        return pooled, hooks
+        return (pooled.copy() if copy else pooled), hooks
 
 
 @dataclass(frozen=True)
@@ -127,16 +138,109 @@ class BatchResult:
 ResultFn = Callable[[BatchResult], None]
 
 
-class EngineRunner:
-    """One engine behind one runtime. Use as a context manager; `finish()` waits for the drain.
+class _Runner:
+    """What both runners share: submitting batches by task rows, and the drain-side sink that
+    turns each batch's output bytes into a BatchResult for `on_result`."""
 
-    The runtime's graph stage drives the engine: per batch, the gather kernel fills the engine's
-    static inputs from the ring slot, the engine runs (its CUDA graph for that shape; on the
-    emulated GPU, a host function), and the hook-copy kernels move pooled rows and real-token
-    hidden states into the payload ring. One shape epoch per bucket length.
+    _rt: Any
 
-    `on_result` runs on the runtime's drain thread, in submission order; an exception it raises
-    is kept and re-raised by the next `submit` or `finish`.
+    def __init__(
+        self,
+        hidden: int,
+        layers: tuple[int, ...],
+        hook_dtype: str,
+        tokens: np.ndarray,
+        offsets: np.ndarray,
+        on_result: ResultFn,
+        copy_outputs: bool,
+    ) -> None:
+        self.hidden = hidden
+        self.layers = layers
+        self.hook_dtype = hook_dtype
+        self._on_result = on_result
+        self._copy = copy_outputs
+        self._pending: dict[int, OutputLayout] = {}
+        self._lengths: dict[int, np.ndarray] = {}
+        self._error: BaseException | None = None
+        self._tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+        self._offsets = np.ascontiguousarray(offsets, dtype=np.int64)
+
+    def layout(self, items: int, real_tokens: int) -> OutputLayout:
+        return OutputLayout(items, real_tokens, self.hidden, self.layers, self.hook_dtype)
+
+    # -- the drain thread (GIL held) --------------------------------------------------------
+    def _sink(self, seq: int, batch_id: int, data: np.ndarray, error: str) -> None:
+        layout = self._pending.pop(batch_id)
+        lengths = self._lengths.pop(batch_id)
+        if self._error is not None:
+            return
+        try:
+            if error:
+                result = BatchResult(batch_id, seq, None, {}, lengths, error)
+            else:
+                pooled, hooks = layout.read(data, copy=self._copy)
+                result = BatchResult(batch_id, seq, pooled, hooks, lengths, "")
+            self._on_result(result)
+        except BaseException as exc:  # kept for the caller's thread; the drain must go on
+            self._error = exc
+
+    # -- caller API -------------------------------------------------------------------------
+    def submit(self, batch_id: int, rows: np.ndarray, shape: int) -> None:
+        """Queue one batch of task rows for shape epoch `shape` (the ledger's seq_len: the
+        padded length, or the packed token capacity); blocks while the rings are full."""
+        self._raise_kept()
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
+        lengths = self._offsets[rows + 1] - self._offsets[rows]
+        layout = self.layout(rows.size, int(lengths.sum()))
+        self._pending[batch_id] = layout
+        self._lengths[batch_id] = lengths
+        self._runtime().submit(
+            batch_id=batch_id,
+            rows=rows,
+            bucket_max=shape,
+            real_tokens=layout.real_tokens,
+            output_bytes=layout.total_bytes,
+            shape_epoch=shape,
+            hooks=1 + len(self.layers),
+        )
+
+    def finish(self) -> dict[str, Any]:
+        self._runtime().finish()
+        self._raise_kept()
+        return dict(self._runtime().stats())
+
+    def close(self) -> None:
+        """Stop the runtime's threads; drop it, which breaks the runner <-> runtime cycle."""
+        if self._rt is not None:
+            self._rt.shutdown()
+            self._rt = None
+
+    def _runtime(self) -> Any:
+        if self._rt is None:
+            raise RuntimeError("the engine runner is closed")
+        return self._rt
+
+    def __enter__(self) -> _Runner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _raise_kept(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+
+class EngineRunner(_Runner):
+    """An engine that runs on the CPU, behind a runtime on the emulated GPU.
+
+    The runtime's graph stage drives it exactly as it drives a GPU engine: per batch, the gather
+    kernel fills the engine's static inputs from the ring slot, the engine runs (here a host
+    function in stream order, where a GPU runs the shape's CUDA graph), and the hook-copy kernels
+    move pooled rows and real-token hidden states into the payload ring. One shape epoch per
+    bucket length. `on_result` runs on the drain thread, in submission order; an exception it
+    raises is kept and re-raised by the next `submit` or `finish`.
     """
 
     def __init__(
@@ -149,26 +253,24 @@ class EngineRunner:
         pad_token_id: int = 0,
         max_in_flight: int = 4,
         ring_bytes: int = 16 << 20,
+        copy_outputs: bool = True,
     ) -> None:
+        super().__init__(
+            engine.hidden_size, tuple(engine.manifest.hooks.layers), "float16", tokens, offsets,
+            on_result, copy_outputs,
+        )  # fmt: skip
         profile = engine.profile
         hidden = engine.hidden_size
         self.engine = engine
-        self.layers = tuple(engine.manifest.hooks.layers)
-        self._on_result = on_result
-        self._pending: dict[int, OutputLayout] = {}
-        self._lengths: dict[int, np.ndarray] = {}
-        self._error: BaseException | None = None
-        self._tokens = np.ascontiguousarray(tokens, dtype=np.int32)
-        self._offsets = np.ascontiguousarray(offsets, dtype=np.int64)
         # The engine's static buffers, shared by every shape (one batch runs at a time).
         capacity, items_max = profile.max_batch_tokens, profile.max_batch_items
         self._ids = np.zeros(capacity, np.int64)
         self._mask = np.zeros(capacity, np.int64)
         self._pooled = np.zeros((items_max, hidden), np.float32)
         self._hooks = {layer: np.zeros((capacity, hidden), np.float16) for layer in self.layers}
-        max_output = OutputLayout(items_max, capacity, hidden, self.layers).total_bytes
+        max_output = self.layout(items_max, capacity).total_bytes
         slot_max = _runtime.slot_bytes(items_max, capacity)
-        self._rt: Any = _runtime.Runtime(
+        self._rt = _runtime.Runtime(
             emulated=True,  # engines that run on the CPU run in stream order on the emulated GPU
             device=0,
             config={
@@ -206,7 +308,6 @@ class EngineRunner:
         self._rt.set_sink(self._sink)
         self._rt.start()
 
-    # -- runtime callbacks (runtime threads, GIL held) --------------------------------------
     def _host_graph(self, seq_len: int) -> Callable[[int, int], None]:
         """The "graph" of one shape on the emulated GPU: the engine on the static buffers."""
 
@@ -221,66 +322,53 @@ class EngineRunner:
 
         return run
 
-    def _sink(self, seq: int, batch_id: int, data: np.ndarray, error: str) -> None:
-        layout = self._pending.pop(batch_id)
-        lengths = self._lengths.pop(batch_id)
-        if self._error is not None:
-            return
-        try:
-            if error:
-                result = BatchResult(batch_id, seq, None, {}, lengths, error)
-            else:
-                pooled, hooks = layout.read(data)
-                result = BatchResult(batch_id, seq, pooled, hooks, lengths, "")
-            self._on_result(result)
-        except BaseException as exc:  # kept for the caller's thread; the drain must go on
-            self._error = exc
 
-    # -- caller API -------------------------------------------------------------------------
-    def submit(self, batch_id: int, rows: np.ndarray, bucket_max: int) -> None:
-        """Queue one batch (task rows, padded to `bucket_max`); blocks while the rings are full."""
-        self._raise_kept()
-        rows = np.ascontiguousarray(rows, dtype=np.int64)
-        lengths = self._offsets[rows + 1] - self._offsets[rows]
-        layout = OutputLayout(rows.size, int(lengths.sum()), self.engine.hidden_size, self.layers)
-        self._pending[batch_id] = layout
-        self._lengths[batch_id] = lengths
-        self._runtime().submit(
-            batch_id=batch_id,
-            rows=rows,
-            bucket_max=bucket_max,
-            real_tokens=layout.real_tokens,
-            output_bytes=layout.total_bytes,
-            shape_epoch=bucket_max,
-            hooks=1 + len(self.layers),
+class GpuEngineRunner(_Runner):
+    """A GPU engine (torch) behind a runtime on the real GPU: the engine's CUDA graphs, one per
+    shape the plan needs, captured before the runtime starts and launched by its graph stage."""
+
+    def __init__(
+        self,
+        engine: DeviceEngine,
+        tokens: np.ndarray,
+        offsets: np.ndarray,
+        on_result: ResultFn,
+        *,
+        shapes: list[tuple[int, int]],
+        max_in_flight: int = 8,
+        ring_bytes: int = 64 << 20,
+        copy_outputs: bool = True,
+        device: int = 0,
+    ) -> None:
+        super().__init__(
+            engine.hidden_size, tuple(engine.manifest.hooks.layers), engine.hook_dtype, tokens,
+            offsets, on_result, copy_outputs,
+        )  # fmt: skip
+        self.engine = engine
+        profile = engine.profile
+        engine.capture(shapes)
+        max_output = self.layout(profile.max_batch_items, profile.max_batch_tokens).total_bytes
+        slot_max = _runtime.slot_bytes(profile.max_batch_items, profile.max_batch_tokens)
+        self._rt = _runtime.Runtime(
+            emulated=False,
+            device=device,
+            config={
+                "ring_bytes": _round_up(max(ring_bytes, 4 * slot_max), 256),
+                "payload_ring_bytes": _round_up(4 * max_output, 256),
+                "max_output_bytes": max_output,
+                "max_items": profile.max_batch_items,
+                "max_in_flight": max_in_flight,
+                "staging_buffers": 3,
+                "input_location": "device",
+                "write_combined": True,  # the GPU reads the ring; the host only writes it
+            },
         )
-
-    def finish(self) -> dict[str, Any]:
-        self._runtime().finish()
-        self._raise_kept()
-        return dict(self._runtime().stats())
-
-    def close(self) -> None:
-        """Stop the runtime's threads; drop it, which breaks the runner <-> runtime cycle."""
-        if self._rt is not None:
-            self._rt.shutdown()
-            self._rt = None
-
-    def _runtime(self) -> Any:
-        if self._rt is None:
-            raise RuntimeError("the engine runner is closed")
-        return self._rt
-
-    def __enter__(self) -> EngineRunner:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _raise_kept(self) -> None:
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
+        self._rt.set_token_table(self._tokens, self._offsets)
+        self._rt.set_graph_stage()
+        for shape in engine.shapes():
+            self._rt.add_shape(**shape)
+        self._rt.set_sink(self._sink)
+        self._rt.start()
 
 
 def open_runner(
@@ -289,10 +377,12 @@ def open_runner(
     offsets: np.ndarray,
     on_result: ResultFn,
     *,
+    shapes: list[tuple[int, int]],
     pad_token_id: int = 0,
     max_in_flight: int = 4,
-) -> EngineRunner:
-    """The runner for `engine`: engines that read on the CPU run on the emulated GPU."""
+) -> _Runner:
+    """The runner for `engine`: engines that read on the CPU run on the emulated GPU; engines
+    that read on the GPU get their `shapes` (epoch, rows) captured as CUDA graphs first."""
     if engine.input_location is InputLocation.HOST and hasattr(engine, "forward_hidden"):
         return EngineRunner(
             cast(HostEngine, engine),
@@ -302,9 +392,12 @@ def open_runner(
             pad_token_id=pad_token_id,
             max_in_flight=max_in_flight,
         )
-    raise NotImplementedError(
-        f"{type(engine).__name__} reads its inputs on the GPU; it needs a GPU engine runner"
-    )
+    if hasattr(engine, "capture") and hasattr(engine, "shapes"):
+        return GpuEngineRunner(
+            cast(DeviceEngine, engine), tokens, offsets, on_result, shapes=shapes,
+            max_in_flight=max(max_in_flight, 8),
+        )  # fmt: skip
+    raise NotImplementedError(f"{type(engine).__name__} can be driven by no runner")
 
 
 def _round_up(n: int, to: int) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -80,6 +80,17 @@ class HostEngine(Engine, Protocol):
     def forward_hidden(
         self, input_ids: np.ndarray, lengths: np.ndarray
     ) -> tuple[np.ndarray, dict[int, np.ndarray]]: ...
+
+
+class DeviceEngine(Engine, Protocol):
+    """An engine that reads its inputs on the GPU: it captures one CUDA graph per shape and
+    describes each (static buffers, graph handle) for the runtime's graph stage."""
+
+    hook_dtype: str
+
+    def capture(self, shapes: list[tuple[int, int]]) -> None: ...
+
+    def shapes(self) -> list[dict[str, Any]]: ...
 
 
 def check_batch(profile: ConsumerProfile, batch: PaddedBatch) -> None:

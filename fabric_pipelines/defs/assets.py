@@ -11,6 +11,7 @@ from pathlib import Path
 
 import dagster as dg
 
+from fabric_gpu.engines import input_layout
 from fabric_pipelines.defs.partitions import TASK_SET_PARTITIONS, task_sets
 from fabric_pipelines.defs.resources import ArtifactStore, Database, EngineConfig
 from fabric_pipelines.lib.broker.ledger import accounting
@@ -96,8 +97,9 @@ def shape_batches(
     database: Database,
     engine: EngineConfig,
 ) -> dg.MaterializeResult:
+    manifest = engine.manifest()
     summary = plan_task_set(
-        database.engine(), store.paths(), context.partition_key, engine.manifest()
+        database.engine(), store.paths(), context.partition_key, manifest, input_layout(manifest)
     )
     plan = summary.plan
     by_bucket = summary.padding_by_bucket()

@@ -24,6 +24,7 @@ from fabric_pipelines.lib.broker.ledger import (
     Lease,
     StaleLeaseError,
     claim,
+    plan_shapes,
     report_failure,
 )
 from fabric_pipelines.lib.store.shards import write_shard
@@ -141,15 +142,20 @@ def run_worker(
         report.items_done += lease.item_count
         report.rows_inserted += inserted
         report.real_tokens += lease.real_tokens
-        report.padded_tokens += lease.seq_len * lease.item_count
+        report.padded_tokens += lease.padded_tokens
         report.seconds = time.perf_counter() - started
 
     submitted = 0
+    with db.connect() as conn:
+        shapes = plan_shapes(conn, job.plan_id)
+    if hasattr(engine, "shapes_for"):
+        shapes = engine.shapes_for(shapes)
     with open_runner(
         engine,
         tokens,
         offsets,
         on_result,
+        shapes=shapes,
         pad_token_id=job.pad_token_id,
         max_in_flight=max_in_flight,
     ) as runner:

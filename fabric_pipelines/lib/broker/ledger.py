@@ -42,6 +42,7 @@ class Lease:
     item_start: int
     item_count: int
     real_tokens: int
+    padded_tokens: int
     attempts: int
 
 
@@ -88,7 +89,7 @@ def register_plan(conn: Connection, plan_id: str, task_set: str, plan: BatchPlan
             "item_start": int(plan.item_start[i]),
             "item_count": int(plan.item_count[i]),
             "real_tokens": int(plan.real_tokens[i]),
-            "padded_tokens": int(plan.seq_len[i] * plan.item_count[i]),
+            "padded_tokens": int(plan.padded_tokens[i]),
             "lease_epoch": 0,
             "attempts": 0,
         }
@@ -132,6 +133,7 @@ def claim(
                 Batch.item_start,
                 Batch.item_count,
                 Batch.real_tokens,
+                Batch.padded_tokens,
                 Batch.attempts,
             )
         ).one()
@@ -144,6 +146,7 @@ def claim(
         item_start=row.item_start,
         item_count=row.item_count,
         real_tokens=row.real_tokens,
+        padded_tokens=row.padded_tokens,
         attempts=row.attempts,
     )
 
@@ -246,6 +249,16 @@ def accounting(conn: Connection, task_set: str, model_key: str | None = None) ->
     if row is None:
         raise LookupError(f"no task set named {task_set!r}")
     return Accounting(*(int(v) for v in row))
+
+
+def plan_shapes(conn: Connection, plan_id: str) -> list[tuple[int, int]]:
+    """(shape, most items) of every shape the plan's unfinished batches use."""
+    rows = conn.execute(
+        select(Batch.seq_len, func.max(Batch.item_count))
+        .where(Batch.plan_id == plan_id, Batch.state.in_((QUEUED, LEASED)))
+        .group_by(Batch.seq_len)
+    ).all()
+    return sorted((int(a), int(b)) for a, b in rows)
 
 
 def outstanding_rows(

@@ -1,9 +1,13 @@
 """Plan shape-pure batches for one consumer profile, vectorised (no per-item Python loop).
 
-Items are grouped by padded length (their length rounded up to the profile's granularity). Each
-bucket is cut into as few batches as the profile allows, and the items are spread evenly over
-them, so a bucket never ends in a tiny straggler batch. Every batch holds items of one padded
-length only (one shape), within all four limits.
+Padded engines: items are grouped by padded length (their length rounded up to the profile's
+granularity). Each bucket is cut into as few batches as the profile allows, and the items are
+spread evenly over them, so a bucket never ends in a tiny straggler batch. Every batch holds
+items of one padded length only (one shape), within all four limits.
+
+Packed engines: items go in arrival order into batches of at most max_batch_tokens tokens and
+max_batch_items items; a batch's shape is its token count rounded up to PACKED_GRANULARITY, so
+the only padding is that rounding.
 """
 
 from __future__ import annotations
@@ -14,26 +18,23 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fabric_gpu.profile import ConsumerProfile
+from fabric_gpu.profile import PACKED_GRANULARITY, ConsumerProfile
 
-PLANNER_VERSION = "bucket-even-1"
+PLANNER_VERSION = "bucket-even-2"
 
 
 @dataclass(frozen=True)
 class BatchPlan:
     order: np.ndarray  # int64: task rows (into the task set) in plan order
-    seq_len: np.ndarray  # int64 [batches]: the batch's padded length (its shape)
+    seq_len: np.ndarray  # int64 [batches]: the shape: padded length, or packed token capacity
     item_start: np.ndarray  # int64 [batches]: first position in `order`
     item_count: np.ndarray  # int64 [batches]
     real_tokens: np.ndarray  # int64 [batches]
+    padded_tokens: np.ndarray  # int64 [batches]: tokens the engine computes, padding included
 
     @property
     def n_batches(self) -> int:
         return int(self.seq_len.size)
-
-    @property
-    def padded_tokens(self) -> np.ndarray:
-        return self.seq_len * self.item_count
 
     @property
     def padding_fraction(self) -> float:
@@ -84,12 +85,45 @@ def plan_batches(
     real_tokens = (
         np.add.reduceat(sorted_lengths, item_start) if item_start.size else np.zeros(0, np.int64)
     )
+    seq_len = bucket_len[bucket_of_batch].astype(np.int64)
+    item_count = item_count.astype(np.int64)
     return BatchPlan(
         order=order,
-        seq_len=bucket_len[bucket_of_batch].astype(np.int64),
+        seq_len=seq_len,
         item_start=item_start.astype(np.int64),
-        item_count=item_count.astype(np.int64),
+        item_count=item_count,
         real_tokens=real_tokens.astype(np.int64),
+        padded_tokens=seq_len * item_count,
+    )
+
+
+def _plan_packed(lengths: np.ndarray, rows: np.ndarray, profile: ConsumerProfile) -> BatchPlan:
+    """Arrival order, greedy: each batch takes items until the next would pass max_batch_tokens
+    or max_batch_items. One binary search per batch, no per-item loop."""
+    item_lengths = lengths[rows]
+    ends = np.cumsum(item_lengths)
+    starts: list[int] = []
+    at, n = 0, rows.size
+    while at < n:
+        before = int(ends[at - 1]) if at else 0
+        stop = int(np.searchsorted(ends, before + profile.max_batch_tokens, side="right"))
+        starts.append(at)
+        at = min(stop, at + profile.max_batch_items)
+    item_start = np.asarray(starts, dtype=np.int64)
+    item_count = np.diff(np.append(item_start, n)).astype(np.int64)
+    real = (
+        np.add.reduceat(item_lengths, item_start).astype(np.int64)
+        if item_start.size
+        else np.zeros(0, np.int64)
+    )
+    capacity = np.maximum(-(-real // PACKED_GRANULARITY) * PACKED_GRANULARITY, PACKED_GRANULARITY)
+    return BatchPlan(
+        order=rows.copy(),
+        seq_len=capacity,
+        item_start=item_start,
+        item_count=item_count,
+        real_tokens=real,
+        padded_tokens=capacity.copy(),
     )
 
 

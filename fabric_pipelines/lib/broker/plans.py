@@ -42,14 +42,15 @@ class PlanSummary:
         out: dict[int, float] = {}
         for length in np.unique(self.plan.seq_len):
             sel = self.plan.seq_len == length
-            padded = int((self.plan.seq_len[sel] * self.plan.item_count[sel]).sum())
+            padded = int(self.plan.padded_tokens[sel].sum())
             out[int(length)] = 1.0 - int(self.plan.real_tokens[sel].sum()) / padded
         return out
 
 
 def plan_task_set(
-    db: Engine, paths: FabricPaths, task_set: str, manifest: EngineManifest
+    db: Engine, paths: FabricPaths, task_set: str, manifest: EngineManifest, layout: str = "padded"
 ) -> PlanSummary:
+    """Plan the set's outstanding items for the manifest's engine, which takes `layout` input."""
     ts = get_task_set(db, task_set)
     tok_sha = tokenizer_sha256(resolve_model_dir(manifest.model_id))
     if ts.tokenizer_sha256 != tok_sha:
@@ -68,8 +69,9 @@ def plan_task_set(
         rows = outstanding_rows(
             conn, task_set, manifest.model_key, table.column("record_no").to_numpy()
         )
-    plan = plan_batches(lengths, manifest.profile, rows)
-    pid = plan_id(ts.content_sha256, manifest.model_key, manifest.profile, rows)
+    profile = manifest.profile.with_layout(layout)
+    plan = plan_batches(lengths, profile, rows)
+    pid = plan_id(ts.content_sha256, manifest.model_key, profile, rows)
     with Session(db) as session:
         existing = session.get(BatchPlanRow, pid)
     if existing is not None:
@@ -90,7 +92,7 @@ def plan_task_set(
                 "plan_id": pid,
                 "task_set": task_set,
                 "model_key": manifest.model_key,
-                "profile_json": json.dumps(manifest.profile.__dict__, sort_keys=True),
+                "profile_json": json.dumps(profile.__dict__, sort_keys=True),
                 "n_batches": plan.n_batches,
                 "n_items": int(plan.item_count.sum()),
                 "real_tokens": int(plan.real_tokens.sum()),

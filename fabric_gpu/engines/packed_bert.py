@@ -1,0 +1,195 @@
+"""A BERT-family encoder over packed input: every token of a batch in one [tokens, hidden] axis.
+
+No padding is computed: attention is variable-length (FlashAttention through
+`torch.nn.attention.varlen.varlen_attn` on the GPU) over `cu_seqlens`. Q, K and V come from one
+fused GEMM; the first FFN GEMM carries bias and GELU in cuBLASLt's epilogue; residual adds are
+fused into LayerNorm (fused.py); mean pooling is one `index_add_` over the token -> item map.
+On the CPU (tests) the attention runs sequence by sequence with SDPA and GELU is exact.
+
+Weights come from a Hugging Face `BertModel` (BERT, MiniLM and other BERT-architecture models).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+
+from fabric_gpu.engines.fused import add_layer_norm, embed_layer_norm
+
+try:
+    from torch.nn.attention.varlen import varlen_attn
+
+    HAVE_VARLEN = True
+except ImportError:  # pragma: no cover - older PyTorch
+    HAVE_VARLEN = False
+
+
+@dataclass(frozen=True)
+class PackedLayer:
+    wqkv: torch.Tensor  # [3H, H]
+    bqkv: torch.Tensor
+    wo: torch.Tensor
+    bo: torch.Tensor
+    ln1_w: torch.Tensor
+    ln1_b: torch.Tensor
+    w1: torch.Tensor  # [4H, H]
+    b1: torch.Tensor
+    w2: torch.Tensor
+    b2: torch.Tensor
+    ln2_w: torch.Tensor
+    ln2_b: torch.Tensor
+
+
+class UnsupportedModelError(TypeError):
+    pass
+
+
+class PackedBert:
+    """The packed forward of a BertModel's weights (shared with the model, not copied)."""
+
+    def __init__(self, model: Any) -> None:  # a transformers BertModel
+        config = model.config
+        if getattr(config, "model_type", "") not in ("bert",) or not hasattr(model, "embeddings"):
+            raise UnsupportedModelError(
+                f"packed forward supports BERT-architecture models, not {config.model_type!r}"
+            )
+        if getattr(config, "position_embedding_type", "absolute") != "absolute":
+            raise UnsupportedModelError("packed forward needs absolute position embeddings")
+        if config.hidden_act not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
+            raise UnsupportedModelError(f"unsupported activation {config.hidden_act!r}")
+        emb = model.embeddings
+        d = torch.Tensor.detach  # views of the model's weights, outside autograd
+        self.hidden = int(config.hidden_size)
+        self.heads = int(config.num_attention_heads)
+        self.head_dim = self.hidden // self.heads
+        self.eps = float(config.layer_norm_eps)
+        self.word = d(emb.word_embeddings.weight)
+        self.position = d(emb.position_embeddings.weight)
+        self.token_type = d(emb.token_type_embeddings.weight[0]).contiguous()
+        self.emb_ln = (d(emb.LayerNorm.weight), d(emb.LayerNorm.bias))
+        self.layers: list[PackedLayer] = []
+        with torch.no_grad():
+            for layer in model.encoder.layer:
+                att = layer.attention
+                self.layers.append(
+                    PackedLayer(
+                        wqkv=torch.cat(
+                            [att.self.query.weight, att.self.key.weight, att.self.value.weight]
+                        ).detach(),
+                        bqkv=torch.cat(
+                            [att.self.query.bias, att.self.key.bias, att.self.value.bias]
+                        ).detach(),
+                        wo=d(att.output.dense.weight),
+                        bo=d(att.output.dense.bias),
+                        ln1_w=d(att.output.LayerNorm.weight),
+                        ln1_b=d(att.output.LayerNorm.bias),
+                        w1=d(layer.intermediate.dense.weight),
+                        b1=d(layer.intermediate.dense.bias),
+                        w2=d(layer.output.dense.weight),
+                        b2=d(layer.output.dense.bias),
+                        ln2_w=d(layer.output.LayerNorm.weight),
+                        ln2_b=d(layer.output.LayerNorm.bias),
+                    )
+                )
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def _attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int
+    ) -> torch.Tensor:
+        if q.is_cuda and HAVE_VARLEN:
+            return cast(torch.Tensor, varlen_attn(q, k, v, cu, cu, max_len, max_len))
+        out = torch.zeros_like(q)
+        bounds = cu.tolist()
+        for start, end in itertools.pairwise(bounds):
+            if end > start:
+                out[start:end] = F.scaled_dot_product_attention(
+                    q[start:end].transpose(0, 1),
+                    k[start:end].transpose(0, 1),
+                    v[start:end].transpose(0, 1),
+                ).transpose(0, 1)
+        return out
+
+    def _ffn_in(self, x: torch.Tensor, layer: PackedLayer) -> torch.Tensor:
+        if x.is_cuda:
+            # cuBLASLt epilogue: bias + GELU fused into the GEMM (tanh approximation).
+            return torch._addmm_activation(layer.b1, x, layer.w1.t(), use_gelu=True)
+        return F.gelu(F.linear(x, layer.w1, layer.b1))
+
+    def forward(
+        self,
+        ids: torch.Tensor,  # int64 [T]
+        positions: torch.Tensor,  # int64 [T]
+        seq_ids: torch.Tensor,  # int64 [T]: item of each token
+        cu_seqlens: torch.Tensor,  # int32 [rows + 1]
+        max_len: int,
+        rows: int,  # pooled rows: items + 1 (the tail)
+        hook_indices: tuple[int, ...],  # hidden_states indices, 0 = embeddings
+        pooling: str,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        tokens = ids.shape[0]
+        x = embed_layer_norm(
+            ids, positions, self.word, self.position, self.token_type, *self.emb_ln, self.eps
+        )
+        states = {0: x} if 0 in hook_indices else {}
+        for i, layer in enumerate(self.layers, start=1):
+            qkv = F.linear(x, layer.wqkv, layer.bqkv).view(tokens, 3, self.heads, self.head_dim)
+            context = self._attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, max_len)
+            attn = F.linear(context.reshape(tokens, self.hidden), layer.wo, layer.bo)
+            x = add_layer_norm(attn, x, layer.ln1_w, layer.ln1_b, self.eps)
+            out = F.linear(self._ffn_in(x, layer), layer.w2, layer.b2)
+            x = add_layer_norm(out, x, layer.ln2_w, layer.ln2_b, self.eps)
+            if i in hook_indices:
+                states[i] = x
+        pooled = self._pool(x, seq_ids, cu_seqlens, rows, pooling)
+        return pooled, [states[i] for i in hook_indices]
+
+    @staticmethod
+    def _pool(
+        x: torch.Tensor, seq_ids: torch.Tensor, cu: torch.Tensor, rows: int, pooling: str
+    ) -> torch.Tensor:
+        last = x.shape[0] - 1
+        if pooling == "cls":
+            return x[cu[:rows].long().clamp(max=last)].float()
+        if pooling == "last":
+            return x[(cu[1 : rows + 1].long() - 1).clamp(min=0, max=last)].float()
+        sums = torch.zeros((rows, x.shape[1]), dtype=torch.float32, device=x.device)
+        sums.index_add_(0, seq_ids, x.float())
+        counts = (cu[1 : rows + 1] - cu[:rows]).clamp(min=1).to(torch.float32)
+        return sums / counts[:, None]
+
+
+def packed_inputs(
+    lengths: list[int],
+    capacity: int,
+    max_items: int,
+    pad_id: int = 0,
+    device: str | torch.device = "cpu",
+) -> dict[str, torch.Tensor]:
+    """Host-side twin of the gather kernel's packed layout, for tests and warm-up: positions,
+    seq ids and cu_seqlens of items of `lengths` placed back to back in `capacity` tokens."""
+    real = sum(lengths)
+    if real > capacity or len(lengths) > max_items:
+        raise ValueError("items do not fit the shape")
+    positions = torch.zeros(capacity, dtype=torch.int64)
+    seq_ids = torch.full((capacity,), max_items, dtype=torch.int64)
+    cu = torch.full((max_items + 2,), capacity, dtype=torch.int32)
+    at = 0
+    for i, n in enumerate(lengths):
+        cu[i] = at
+        positions[at : at + n] = torch.arange(n)
+        seq_ids[at : at + n] = i
+        at += n
+    cu[len(lengths)] = real
+    return {
+        "positions": positions.to(device),
+        "seq_ids": seq_ids.to(device),
+        "cu_seqlens": cu.to(device),
+        "pad_id": torch.tensor(pad_id),
+    }

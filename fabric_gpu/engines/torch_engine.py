@@ -1,0 +1,281 @@
+"""The `torch` backend: a Hugging Face encoder in fp16/bf16 on the GPU, one CUDA graph per shape.
+
+BERT-architecture models run the packed forward (packed_bert.py): a batch is all its tokens in
+one axis, the shape is the token capacity (the batch's token count rounded up to
+PACKED_GRANULARITY), and nothing is computed for padding but the short tail that rounding adds.
+Other encoders run the Hugging Face module itself on padded input, one graph per
+[items, sequence length] shape.
+
+The runtime drives the graphs: `capture()` records one CUDA graph per shape at warm-up (static
+input buffers, outputs held by the engine), and `shapes()` describes each for the runtime's graph
+stage, which launches the graph (`raw_cuda_graph_exec`) on its own stream behind the doorbell.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from fabric_gpu.engines.base import (
+    EngineError,
+    EngineOutput,
+    InputLocation,
+    PaddedBatch,
+    normalise_layers,
+)
+from fabric_gpu.engines.packed_bert import PackedBert, UnsupportedModelError
+from fabric_gpu.manifest import EngineManifest
+from fabric_gpu.model import offline_environment, resolve_model_dir, weights_sha256
+from fabric_gpu.profile import PACKED_GRANULARITY, ConsumerProfile
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass
+class CapturedShape:
+    epoch: int
+    graph: torch.cuda.CUDAGraph | None
+    pooled: torch.Tensor
+    hooks: list[torch.Tensor]
+    items: int
+    seq_len: int  # padded: sequence length; packed: token capacity
+
+
+def packed_capacity(tokens: int) -> int:
+    return max(PACKED_GRANULARITY, -(-tokens // PACKED_GRANULARITY) * PACKED_GRANULARITY)
+
+
+class TorchEngine:
+    input_location = InputLocation.DEVICE
+    backend = "torch"
+
+    def __init__(
+        self,
+        manifest: EngineManifest,
+        *,
+        model: Any = None,  # a transformers model already loaded (benchmarks: random weights)
+        device: str = "cuda",
+        layout: str = "auto",
+    ) -> None:
+        if manifest.backend != "torch":
+            raise EngineError(
+                f"TorchEngine needs backend 'torch', the manifest says {manifest.backend!r}"
+            )
+        self.manifest = manifest
+        self.dtype = DTYPES[manifest.dtype]
+        self.device = torch.device(device)
+        if model is None:
+            offline_environment()
+            from transformers import AutoModel
+
+            model_dir = resolve_model_dir(manifest.model_id)
+            manifest.verify_weights(weights_sha256(model_dir))
+            model = AutoModel.from_pretrained(str(model_dir))
+        self.model: Any = model.to(self.device, self.dtype).eval()
+        config = self.model.config
+        self.hidden_size = int(config.hidden_size)
+        self.num_layers = int(config.num_hidden_layers)
+        self.pad_token_id = int(getattr(config, "pad_token_id", 0) or 0)
+        self.hook_indices = normalise_layers(manifest.hooks.layers, self.num_layers)
+        self.packed: PackedBert | None = None
+        if layout in ("auto", "packed"):
+            try:
+                self.packed = PackedBert(self.model)
+            except UnsupportedModelError:
+                if layout == "packed":
+                    raise
+        self.layout = "packed" if self.packed is not None else "padded"
+        profile = manifest.profile
+        self.max_len = max(profile.max_seq_len, PACKED_GRANULARITY)
+        capacity = profile.max_batch_tokens
+        # Static inputs, shared by every shape (views of the first elements).
+        i64, dev = torch.int64, self.device
+        self.ids = torch.full((capacity,), self.pad_token_id, dtype=i64, device=dev)
+        self.aux0 = torch.zeros(capacity, dtype=i64, device=dev)  # packed: positions; padded: mask
+        self.seq_ids = torch.full((capacity,), profile.max_batch_items, dtype=i64, device=dev)
+        self.cu_seqlens = torch.full(
+            (profile.max_batch_items + 2,), capacity, dtype=torch.int32, device=self.device
+        )
+        self.captured: dict[int, CapturedShape] = {}
+        self._pool: Any = None
+
+    @property
+    def profile(self) -> ConsumerProfile:
+        return self.manifest.profile
+
+    @property
+    def hook_dtype(self) -> str:
+        return (
+            "bfloat16"
+            if self.dtype == torch.bfloat16
+            else "float16"
+            if self.dtype == torch.float16
+            else "float32"
+        )
+
+    # ---- one forward, eagerly ------------------------------------------------------------------
+    def _forward_packed(self, capacity: int, rows: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        assert self.packed is not None
+        pooled, hooks = self.packed.forward(
+            self.ids[:capacity], self.aux0[:capacity], self.seq_ids[:capacity], self.cu_seqlens,
+            self.max_len, rows, self.hook_indices, self.manifest.hooks.pooling,
+        )  # fmt: skip
+        return pooled, hooks
+
+    def _forward_padded(self, items: int, seq_len: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        ids = self.ids[: items * seq_len].view(items, seq_len)
+        mask = self.aux0[: items * seq_len].view(items, seq_len)
+        out = self.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        last = out.last_hidden_state
+        pooling = self.manifest.hooks.pooling
+        if pooling == "mean":
+            w = mask.unsqueeze(-1).to(torch.float32)
+            pooled = (last.float() * w).sum(1) / w.sum(1).clamp(min=1.0)
+        elif pooling == "cls":
+            pooled = last[:, 0].float()
+        else:
+            lengths = mask.sum(1)
+            pooled = last[
+                torch.arange(items, device=self.device), (lengths - 1).clamp(min=0)
+            ].float()
+        hooks = [out.hidden_states[i].contiguous() for i in self.hook_indices]
+        return pooled, hooks
+
+    # ---- graphs --------------------------------------------------------------------------------
+    def shapes_for(
+        self, token_counts: np.ndarray, seq_lens: np.ndarray, items: np.ndarray
+    ) -> list[tuple[int, int]]:
+        """(epoch, rows) of every shape a plan needs: packed epochs are token capacities; padded
+        epochs are sequence lengths (rows = the most items a batch of that length holds)."""
+        if self.layout == "packed":
+            return sorted(
+                {(packed_capacity(int(t)), self.profile.max_batch_items) for t in token_counts}
+            )
+        most: dict[int, int] = {}
+        for length, n in zip(seq_lens.tolist(), items.tolist(), strict=True):
+            most[length] = max(most.get(length, 0), n)
+        return sorted(most.items())
+
+    @torch.inference_mode()
+    def capture(self, shapes: list[tuple[int, int]]) -> None:
+        """Capture one CUDA graph per (epoch, rows), largest first so the shared pool is sized
+        once. Inputs are dummies that exercise every path; real batches overwrite them."""
+        if self.device.type != "cuda":
+            raise EngineError("CUDA graphs need a CUDA device")
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(self.device)
+        for epoch, rows in sorted(shapes, key=lambda s: -s[0] * s[1]):
+            if epoch in self.captured:
+                continue
+            self._dummy_inputs(epoch, rows)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):  # warm-up outside the graph: Triton compiles, cuBLAS plans
+                    self._run(epoch, rows)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, stream=side):
+                pooled, hooks = self._run(epoch, rows)
+            self.captured[epoch] = CapturedShape(epoch, graph, pooled, hooks, rows, epoch)
+        torch.cuda.synchronize(self.device)
+
+    def _run(self, epoch: int, rows: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        if self.layout == "packed":
+            return self._forward_packed(epoch, rows + 1)
+        return self._forward_padded(rows, epoch)
+
+    def _dummy_inputs(self, epoch: int, rows: int) -> None:
+        if self.layout == "packed":
+            lengths = [
+                min(self.max_len, epoch - i * self.max_len)
+                for i in range(-(-epoch // self.max_len))
+            ]
+            lengths = lengths[: self.profile.max_batch_items]
+            cu = np.full(self.profile.max_batch_items + 2, epoch, dtype=np.int32)
+            cu[: len(lengths) + 1] = np.concatenate([[0], np.cumsum(lengths)])
+            self.cu_seqlens.copy_(torch.from_numpy(cu))
+            positions = np.concatenate([np.arange(n) for n in lengths])
+            seq = np.concatenate([np.full(n, i) for i, n in enumerate(lengths)])
+            self.aux0[:epoch].copy_(torch.from_numpy(positions))
+            self.seq_ids[:epoch].copy_(torch.from_numpy(seq))
+            self.ids[:epoch].fill_(1000)
+        else:
+            self.ids[: rows * epoch].fill_(1000)
+            self.aux0[: rows * epoch].fill_(1)
+
+    def shapes(self) -> list[dict[str, Any]]:
+        """Each captured shape as the runtime's graph stage takes it (add_shape arguments)."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        out = []
+        for s in self.captured.values():
+            assert s.graph is not None
+            out.append(
+                {
+                    "epoch": s.epoch,
+                    "layout": self.layout,
+                    "items": s.items,
+                    "seq_len": s.seq_len,
+                    "pad_id": self.pad_token_id,
+                    "graph_exec": s.graph.raw_cuda_graph_exec(),
+                    "host_fn": None,
+                    "input_ids": self.ids.data_ptr(),
+                    "aux0": self.aux0.data_ptr(),
+                    "aux1": self.seq_ids.data_ptr() if self.layout == "packed" else 0,
+                    "aux2": self.cu_seqlens.data_ptr() if self.layout == "packed" else 0,
+                    "pooled": s.pooled.data_ptr(),
+                    "pooled_row_bytes": self.hidden_size * 4,
+                    "hooks": [h.data_ptr() for h in s.hooks],
+                    "hook_row_bytes": self.hidden_size * elem,
+                }
+            )
+        return out
+
+    # ---- the Engine interface (eager; tests and small jobs) -------------------------------------
+    @torch.inference_mode()
+    def forward(self, batch: PaddedBatch) -> EngineOutput:
+        lengths = [int(n) for n in batch.lengths]
+        real = np.arange(batch.seq_len)[None, :] < batch.lengths[:, None]
+        if self.layout == "packed":
+            capacity = packed_capacity(sum(lengths))
+            tokens = torch.from_numpy(batch.input_ids[real]).to(self.device)
+            self.ids[: tokens.shape[0]].copy_(tokens)
+            self.ids[tokens.shape[0] : capacity].fill_(self.pad_token_id)
+            cu = np.full(self.profile.max_batch_items + 2, capacity, dtype=np.int32)
+            cu[: len(lengths) + 1] = np.concatenate([[0], np.cumsum(lengths)])
+            self.cu_seqlens.copy_(torch.from_numpy(cu))
+            self.aux0[: sum(lengths)].copy_(
+                torch.from_numpy(np.concatenate([np.arange(n) for n in lengths]))
+            )
+            self.aux0[sum(lengths) : capacity].zero_()
+            seq = np.concatenate([np.full(n, i) for i, n in enumerate(lengths)])
+            self.seq_ids[: sum(lengths)].copy_(torch.from_numpy(seq))
+            self.seq_ids[sum(lengths) : capacity].fill_(self.profile.max_batch_items)
+            pooled, hooks = self._forward_packed(capacity, self.profile.max_batch_items + 1)
+            n, r = len(lengths), sum(lengths)
+            return EngineOutput(
+                pooled=pooled[:n].float().cpu().numpy(),
+                hooks={
+                    k: h[:r].float().cpu().numpy().astype(np.float16)
+                    for k, h in zip(self.manifest.hooks.layers, hooks, strict=True)
+                },
+            )
+        items, seq_len = batch.input_ids.shape
+        self.ids[: items * seq_len].copy_(torch.from_numpy(batch.input_ids.reshape(-1)))
+        self.aux0[: items * seq_len].copy_(torch.from_numpy(real.reshape(-1).astype(np.int64)))
+        pooled, hooks = self._forward_padded(items, seq_len)
+        mask = torch.from_numpy(real).to(self.device)
+        return EngineOutput(
+            pooled=pooled.cpu().numpy(),
+            hooks={
+                k: h[mask].float().cpu().numpy().astype(np.float16)
+                for k, h in zip(self.manifest.hooks.layers, hooks, strict=True)
+            },
+        )
+
+    def close(self) -> None:
+        self.captured.clear()
+        del self.model
