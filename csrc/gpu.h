@@ -60,6 +60,8 @@ class Gpu {
   virtual void free_host(HostRegion& region) = 0;
   virtual DevPtr alloc_device(std::size_t bytes) = 0;
   virtual void free_device(DevPtr ptr) = 0;
+  // Sets `bytes` bytes of device memory to `value` (synchronously; warm-up only).
+  virtual void fill_device(DevPtr ptr, unsigned char value, std::size_t bytes) = 0;
   // Host address of device memory, in emulation only (0 on a real GPU).
   virtual void* host_view(DevPtr ptr) = 0;
   std::uint64_t allocations() const { return allocations_.load(std::memory_order_relaxed); }

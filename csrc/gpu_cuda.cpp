@@ -109,6 +109,9 @@ class CudaGpu final : public Gpu {
     return p;
   }
   void free_device(DevPtr ptr) override { FABRIC_CU_CHECK(drv_, cuMemFree(ptr)); }
+  void fill_device(DevPtr ptr, unsigned char value, std::size_t bytes) override {
+    FABRIC_CU_CHECK(drv_, cuMemsetD8(ptr, value, bytes));
+  }
   void* host_view(DevPtr) override { return nullptr; }
 
   void wait_geq(Stream s, DevPtr address, std::uint64_t value) override {

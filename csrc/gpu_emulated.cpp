@@ -182,6 +182,9 @@ class EmulatedGpu final : public Gpu {
     return reinterpret_cast<DevPtr>(allocate(bytes));
   }
   void free_device(DevPtr ptr) override { std::free(reinterpret_cast<void*>(ptr)); }
+  void fill_device(DevPtr ptr, unsigned char value, std::size_t bytes) override {
+    std::memset(reinterpret_cast<void*>(ptr), value, bytes);
+  }
   void* host_view(DevPtr ptr) override { return reinterpret_cast<void*>(ptr); }
 
   void wait_geq(Stream s, DevPtr address, std::uint64_t value) override {

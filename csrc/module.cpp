@@ -102,6 +102,7 @@ fabric::RuntimeConfig make_config(nb::dict c) {
   get("staging_buffers", rc.staging_buffers);
   get("publish_every", rc.publish_every);
   get("write_combined", rc.write_combined);
+  get("poison_byte", rc.poison_byte);
   if (c.contains("input_location")) {
     const std::string where = nb::cast<std::string>(c["input_location"]);
     if (where == "host") {

@@ -69,6 +69,11 @@ void Runtime::start() {
   for (std::uint32_t i = 0; i < config_.staging_buffers; ++i) {
     staging_.push_back(gpu_->alloc_host(config_.max_output_bytes, HostMemoryKind::kOrdinary));
   }
+  if (config_.poison_byte >= 0) {
+    const auto poison = static_cast<unsigned char>(config_.poison_byte);
+    gpu_->fill_device(payload_mem_, poison, config_.payload_ring_bytes);
+    for (auto& region : staging_) std::memset(region.host, poison, region.bytes);
+  }
   bell_ = static_cast<Doorbell*>(bell_mem_.host);
   counters_ = static_cast<DeviceCounters*>(counters_mem_.host);
   ring_ = std::make_unique<ByteRing>(config_.ring_bytes, kAlignment, "pinned ring");

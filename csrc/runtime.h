@@ -43,6 +43,9 @@ struct RuntimeConfig {
   std::uint32_t publish_every = 4;                  // K: hook outputs per publication
   InputLocation input_location = InputLocation::kDevice;
   bool write_combined = true;  // the ring is write-combined mapped memory (device readers only)
+  // Tests: fill the payload ring and the staging buffers with this byte at start (0xFF makes
+  // every float NaN), so an output element the stages never wrote shows up. -1: off.
+  int poison_byte = -1;
 };
 
 // One batch as the caller describes it. Its payload comes from the PayloadSource.

@@ -254,6 +254,7 @@ class EngineRunner(_Runner):
         max_in_flight: int = 4,
         ring_bytes: int = 16 << 20,
         copy_outputs: bool = True,
+        poison: bool = False,
     ) -> None:
         super().__init__(
             engine.hidden_size, tuple(engine.manifest.hooks.layers), "float16", tokens, offsets,
@@ -282,6 +283,7 @@ class EngineRunner(_Runner):
                 "staging_buffers": 2,
                 "input_location": "host",
                 "write_combined": False,  # the CPU reads these inputs: ordinary memory
+                "poison_byte": 0xFF if poison else -1,
             },
         )
         self._rt.set_token_table(self._tokens, self._offsets)
@@ -339,6 +341,7 @@ class GpuEngineRunner(_Runner):
         ring_bytes: int = 64 << 20,
         copy_outputs: bool = True,
         device: int = 0,
+        poison: bool = False,
     ) -> None:
         super().__init__(
             engine.hidden_size, tuple(engine.manifest.hooks.layers), engine.hook_dtype, tokens,
@@ -361,6 +364,7 @@ class GpuEngineRunner(_Runner):
                 "staging_buffers": 3,
                 "input_location": "device",
                 "write_combined": True,  # the GPU reads the ring; the host only writes it
+                "poison_byte": 0xFF if poison else -1,
             },
         )
         self._rt.set_token_table(self._tokens, self._offsets)

@@ -66,3 +66,40 @@ def test_plan_id_is_deterministic_and_sensitive() -> None:
     assert plan_id("a" * 64, "m", p, rows) == plan_id("a" * 64, "m", p, rows)
     assert plan_id("a" * 64, "m", p, rows) != plan_id("a" * 64, "m", p, rows[:-1])
     assert plan_id("a" * 64, "m", p, rows) != plan_id("a" * 64, "m2", p, rows)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 512), max_size=600),
+    max_tokens=st.sampled_from([512, 1024, 4096]),
+    max_items=st.integers(1, 64),
+)
+def test_packed_plan_properties(lengths: list[int], max_tokens: int, max_items: int) -> None:
+    from fabric_gpu.profile import PACKED_GRANULARITY
+
+    profile = ConsumerProfile(max_tokens, max_items, 512, 8, layout="packed")
+    arr = np.array(lengths, dtype=np.int64)
+    plan = plan_batches(arr, profile)
+    assert plan.order.tolist() == list(range(len(lengths))), "arrival order, every item once"
+    assert int(plan.item_count.sum()) == len(lengths)
+    for b in range(plan.n_batches):
+        items = plan.order[plan.item_start[b] : plan.item_start[b] + plan.item_count[b]]
+        real = int(arr[items].sum())
+        assert real == plan.real_tokens[b] <= max_tokens
+        assert 1 <= plan.item_count[b] <= max_items
+        assert (
+            plan.seq_len[b]
+            == plan.padded_tokens[b]
+            == max(PACKED_GRANULARITY, -(-real // 512) * 512)
+        )
+        assert plan.seq_len[b] <= max_tokens
+        if b + 1 < plan.n_batches and plan.item_count[b] < max_items:
+            # greedy: the next item would not have fitted
+            assert real + arr[plan.order[plan.item_start[b + 1]]] > max_tokens
+
+
+def test_packed_padding_is_small_on_the_reference_lengths() -> None:
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(4.3, 0.8, 20_000).astype(np.int64), 8, 512)
+    plan = plan_batches(lengths, ConsumerProfile(32768, 1024, 512, 8, layout="packed"))
+    assert plan.padding_fraction < 0.03

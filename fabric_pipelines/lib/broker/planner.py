@@ -62,6 +62,8 @@ def plan_batches(
             f"item lengths must be within 1..{profile.max_seq_len}; got "
             f"{int(item_lengths.min())}..{int(item_lengths.max())}"
         )
+    if profile.layout == "packed":
+        return _plan_packed(lengths, rows, profile)
     g = profile.seq_granularity
     padded = -(-item_lengths // g) * g
     by_length = np.argsort(padded, kind="stable")

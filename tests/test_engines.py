@@ -1,0 +1,165 @@
+"""The GPU engines' code paths that run on the CPU: the packed forward against Hugging Face,
+the torch engine's eager forward against the reference engine, the ONNX export with onnxruntime,
+and the TensorRT backend's profiles and its error where TensorRT is missing."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from fabric_gpu.engines import EngineError, input_layout
+from fabric_gpu.engines.packed_bert import PackedBert, UnsupportedModelError, packed_inputs
+from fabric_gpu.engines.torch_engine import TorchEngine, packed_capacity
+from fabric_gpu.manifest import EngineManifest, HookSpec, manifest_for_model
+from fabric_gpu.model import DEFAULT_MODEL_ID, resolve_model_dir
+from fabric_gpu.profile import ConsumerProfile
+
+
+@pytest.fixture(scope="module")
+def hf_model() -> Any:
+    from transformers import AutoModel
+
+    return AutoModel.from_pretrained(str(resolve_model_dir(DEFAULT_MODEL_ID))).eval()
+
+
+def _reference(model: Any, ids: torch.Tensor) -> Any:
+    with torch.inference_mode():
+        return model(input_ids=ids[None], output_hidden_states=True)
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls", "last"])
+def test_packed_forward_matches_hugging_face_item_by_item(hf_model: Any, pooling: str) -> None:
+    packed = PackedBert(hf_model)
+    lengths = [7, 31, 2, 64, 19]
+    capacity, max_items = packed_capacity(sum(lengths)), 8
+    inputs = packed_inputs(lengths, capacity, max_items)
+    ids = torch.randint(1000, 30000, (capacity,), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        pooled, hooks = packed.forward(
+            ids, inputs["positions"], inputs["seq_ids"], inputs["cu_seqlens"], 512, max_items + 1,
+            (0, 3, 6), pooling,
+        )  # fmt: skip
+    at = 0
+    for i, n in enumerate(lengths):
+        ref = _reference(hf_model, ids[at : at + n])
+        last = ref.last_hidden_state[0]
+        expected = {"mean": last.mean(0), "cls": last[0], "last": last[-1]}[pooling]
+        assert torch.nn.functional.cosine_similarity(pooled[i], expected, dim=0) > 0.99999
+        for hook, layer in zip(hooks, (0, 3, 6), strict=True):
+            torch.testing.assert_close(
+                hook[at : at + n], ref.hidden_states[layer][0], atol=1e-4, rtol=1e-4
+            )
+        at += n
+
+
+def test_packed_forward_refuses_other_architectures() -> None:
+    from transformers import GPT2Config, GPT2Model
+
+    with pytest.raises(UnsupportedModelError, match="BERT-architecture"):
+        PackedBert(GPT2Model(GPT2Config(n_layer=1, n_embd=32, n_head=2)))
+
+
+def _torch_manifest(dtype: str = "float32") -> EngineManifest:
+    return manifest_for_model(
+        DEFAULT_MODEL_ID,
+        backend="torch",
+        dtype=dtype,
+        profile=ConsumerProfile(2048, 16, 128, 8),
+        hooks=HookSpec((2, -1), "mean"),
+    )
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_torch_engine_eager_forward_matches_the_reference_engine(layout: str, cpu_engine) -> None:  # type: ignore[no-untyped-def]
+    from fabric_gpu.engines import PaddedBatch
+
+    engine = TorchEngine(_torch_manifest(), device="cpu", layout=layout)
+    assert engine.layout == layout
+    rng = np.random.default_rng(3)
+    lengths = np.array([5, 12, 3, 9])
+    ids = np.zeros((4, 16), np.int64)
+    for i, n in enumerate(lengths):
+        ids[i, :n] = rng.integers(1000, 30000, n)
+    batch = PaddedBatch(ids, lengths)
+    ours = engine.forward(batch)
+    reference = cpu_engine.forward(batch)
+    np.testing.assert_allclose(ours.pooled, reference.pooled, atol=1e-4)
+    for layer in (2, -1):
+        np.testing.assert_allclose(
+            ours.hooks[layer].astype(np.float32),
+            reference.hooks[layer].astype(np.float32),
+            atol=1e-2,
+        )
+
+
+def test_input_layout_follows_the_backend_and_architecture() -> None:
+    assert input_layout(_torch_manifest()) == "packed"
+    cpu = manifest_for_model(
+        DEFAULT_MODEL_ID, backend="cpu", dtype="float32", profile=ConsumerProfile(2048, 16, 128, 8),
+        hooks=HookSpec((), "mean"),
+    )  # fmt: skip
+    assert input_layout(cpu) == "padded"
+
+
+def test_capture_needs_a_gpu() -> None:
+    engine = TorchEngine(_torch_manifest(), device="cpu")
+    with pytest.raises(EngineError, match="CUDA"):
+        engine.capture([(512, 16)])
+
+
+@pytest.mark.slow
+def test_onnx_export_matches_the_cpu_reference(hf_model: Any, tmp_path: Path) -> None:
+    import onnxruntime as ort
+
+    from fabric_gpu.engines.onnx_export import export_onnx
+
+    path = export_onnx(hf_model, (2, 6), "mean", tmp_path / "model.onnx")
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    assert [i.name for i in session.get_inputs()] == ["input_ids", "attention_mask"]
+    assert [o.name for o in session.get_outputs()] == ["pooled", "hook_0", "hook_1"]
+    for batch, seq in ((3, 40), (1, 7), (5, 128)):  # dynamic axes: other shapes than the export's
+        rng = np.random.default_rng(batch)
+        ids = rng.integers(1000, 30000, (batch, seq))
+        mask = np.ones((batch, seq), np.int64)
+        mask[0, seq // 2 :] = 0
+        pooled, hook2, hook6 = session.run(None, {"input_ids": ids, "attention_mask": mask})
+        with torch.inference_mode():
+            ref = hf_model(
+                input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                output_hidden_states=True,
+            )  # fmt: skip
+        w = torch.from_numpy(mask)[..., None].float()
+        expected = (ref.last_hidden_state * w).sum(1) / w.sum(1)
+        cos = torch.nn.functional.cosine_similarity(torch.from_numpy(pooled), expected, dim=1)
+        assert cos.min() > 0.9999
+        real = mask.astype(bool)
+        np.testing.assert_allclose(hook2[real], ref.hidden_states[2].numpy()[real], atol=1e-4)
+        np.testing.assert_allclose(hook6[real], ref.hidden_states[6].numpy()[real], atol=1e-4)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("tensorrt") is not None, reason="TensorRT is installed here"
+)
+def test_tensorrt_backend_says_what_is_missing() -> None:
+    from fabric_gpu.engines import create_engine
+
+    manifest = EngineManifest.from_mapping(
+        {**_torch_manifest().to_mapping(), "backend": "tensorrt"}
+    )
+    with pytest.raises(EngineError, match="needs NVIDIA TensorRT 10"):
+        create_engine(manifest)
+
+
+def test_tensorrt_profiles_are_one_per_bucket_shape() -> None:
+    from fabric_gpu.engines.tensorrt_engine import optimization_profiles
+
+    profiles = optimization_profiles([(64, 512), (8, 1024), (512, 64)])
+    assert [p["input_ids"][0] for p in profiles] == [(1024, 8), (512, 64), (64, 512)]
+    assert all(p["input_ids"][0] == p["input_ids"][2] == p["attention_mask"][1] for p in profiles)
+    with pytest.raises(ValueError, match="empty"):
+        optimization_profiles([(0, 4)])
