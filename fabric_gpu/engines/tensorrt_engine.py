@@ -58,11 +58,8 @@ class TensorRTEngine(TorchEngine):
     ) -> None:
         self.trt = load_tensorrt()
         super().__init__(manifest, model=model, device=device, layout="padded")
-        if self.packed is None:
-            from fabric_gpu.engines.packed_bert import PackedBert
-
-            self.packed = PackedBert(self.model)  # raises for non-BERT models
-        self.layout = "padded"
+        if self._padded_bert is None:
+            raise EngineError("the TensorRT backend exports BERT-architecture models only")
         self._workdir = Path(tempfile.mkdtemp(prefix="fabric-trt-"))
         self._engine: Any = None
         self._contexts: list[Any] = []

@@ -26,6 +26,7 @@ from fabric_gpu.engines.base import (
     PaddedBatch,
     normalise_layers,
 )
+from fabric_gpu.engines.onnx_export import PaddedBertModule
 from fabric_gpu.engines.packed_bert import PackedBert, UnsupportedModelError
 from fabric_gpu.manifest import EngineManifest
 from fabric_gpu.model import offline_environment, resolve_model_dir, weights_sha256
@@ -80,14 +81,21 @@ class TorchEngine:
         self.num_layers = int(config.num_hidden_layers)
         self.pad_token_id = int(getattr(config, "pad_token_id", 0) or 0)
         self.hook_indices = normalise_layers(manifest.hooks.layers, self.num_layers)
-        self.packed: PackedBert | None = None
-        if layout in ("auto", "packed"):
-            try:
-                self.packed = PackedBert(self.model)
-            except UnsupportedModelError:
-                if layout == "packed":
-                    raise
+        try:
+            bert: PackedBert | None = PackedBert(self.model)
+        except UnsupportedModelError:
+            if layout == "packed":
+                raise
+            bert = None
+        self.packed = bert if layout in ("auto", "packed") else None
         self.layout = "packed" if self.packed is not None else "padded"
+        # Padded BERT runs this module's own forward: no data-dependent Python, so it captures
+        # into a CUDA graph; other encoders run the Hugging Face module (it must be capturable).
+        self._padded_bert = (
+            PaddedBertModule(bert, self.hook_indices, manifest.hooks.pooling)
+            if bert is not None
+            else None
+        )
         profile = manifest.profile
         self.max_len = max(profile.max_seq_len, PACKED_GRANULARITY)
         capacity = profile.max_batch_tokens
@@ -128,6 +136,9 @@ class TorchEngine:
     def _forward_padded(self, items: int, seq_len: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         ids = self.ids[: items * seq_len].view(items, seq_len)
         mask = self.aux0[: items * seq_len].view(items, seq_len)
+        if self._padded_bert is not None:
+            pooled, *states = self._padded_bert(ids, mask)
+            return pooled, states
         out = self.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
         last = out.last_hidden_state
         pooling = self.manifest.hooks.pooling
