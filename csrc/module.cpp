@@ -435,7 +435,7 @@ NB_MODULE(_runtime, m) {
       .def("set_selftest_stage", &PyRuntime::set_selftest_stage)
       .def("set_graph_stage", &PyRuntime::set_graph_stage)
       .def("add_shape", &PyRuntime::add_shape, "epoch"_a, "layout"_a, "items"_a, "seq_len"_a,
-           "pad_id"_a, "graph_exec"_a, "host_fn"_a, "input_ids"_a, "aux0"_a, "aux1"_a, "aux2"_a,
+           "pad_id"_a, "graph_exec"_a, "host_fn"_a.none(), "input_ids"_a, "aux0"_a, "aux1"_a, "aux2"_a,
            "pooled"_a, "pooled_row_bytes"_a, "hooks"_a, "hook_row_bytes"_a)
       .def("set_sink", &PyRuntime::set_sink, "fn"_a)
       .def("start", &PyRuntime::start)

@@ -156,19 +156,12 @@ class TorchEngine:
         return pooled, hooks
 
     # ---- graphs --------------------------------------------------------------------------------
-    def shapes_for(
-        self, token_counts: np.ndarray, seq_lens: np.ndarray, items: np.ndarray
-    ) -> list[tuple[int, int]]:
-        """(epoch, rows) of every shape a plan needs: packed epochs are token capacities; padded
-        epochs are sequence lengths (rows = the most items a batch of that length holds)."""
+    def shapes_for(self, plan_shapes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """(epoch, rows) to capture for a plan's (shape, most items) pairs: packed shapes hold up
+        to max_batch_items sequences; padded shapes as many rows as the plan's largest batch."""
         if self.layout == "packed":
-            return sorted(
-                {(packed_capacity(int(t)), self.profile.max_batch_items) for t in token_counts}
-            )
-        most: dict[int, int] = {}
-        for length, n in zip(seq_lens.tolist(), items.tolist(), strict=True):
-            most[length] = max(most.get(length, 0), n)
-        return sorted(most.items())
+            return sorted({(shape, self.profile.max_batch_items) for shape, _ in plan_shapes})
+        return sorted(plan_shapes)
 
     @torch.inference_mode()
     def capture(self, shapes: list[tuple[int, int]]) -> None:
