@@ -74,7 +74,7 @@ bool wait_ladder(Gate& gate, Ready ready, std::uint64_t& blocked) {
     std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
   ++blocked;
-  return gate.block_until(ready, std::chrono::microseconds(200));
+  return gate.block_until(ready, std::chrono::microseconds(50));
 }
 
 }  // namespace fabric

@@ -73,6 +73,7 @@ CudaDriver::CudaDriver() {
   resolve(get_proc, "cuEventQuery", api_.cuEventQuery);
   resolve(get_proc, "cuEventSynchronize", api_.cuEventSynchronize);
   resolve(get_proc, "cuEventDestroy", api_.cuEventDestroy);
+  resolve(get_proc, "cuEventElapsedTime", api_.cuEventElapsedTime);
   FABRIC_CU_CHECK(*this, cuInit(0));
 }
 

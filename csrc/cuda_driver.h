@@ -70,6 +70,7 @@ struct DriverApi {
   cu::CUresult (*cuEventQuery)(cu::CUevent);
   cu::CUresult (*cuEventSynchronize)(cu::CUevent);
   cu::CUresult (*cuEventDestroy)(cu::CUevent);
+  cu::CUresult (*cuEventElapsedTime)(float*, cu::CUevent, cu::CUevent);
 };
 
 struct DeviceInfo {

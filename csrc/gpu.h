@@ -82,6 +82,11 @@ class Gpu {
   virtual bool event_done(int event) = 0;
   virtual void wait_event(int event) = 0;
   virtual void synchronize(Stream s) = 0;
+  // Timing marks (measurement only): a timestamp the stream records when it gets there, and the
+  // milliseconds between two recorded marks once both are done.
+  static constexpr int kMarks = 512;
+  virtual void record_mark(Stream s, int mark) = 0;
+  virtual double mark_elapsed_ms(int from, int to) = 0;
   // Wakes any emulated wait and refuses further work (shutdown).
   virtual void stop() = 0;
   // Throws the first error a stream hit asynchronously (emulation), if any.

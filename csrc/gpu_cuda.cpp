@@ -51,6 +51,7 @@ class CudaGpu final : public Gpu {
     for (auto& event : events_) {
       FABRIC_CU_CHECK(drv_, cuEventCreate(&event, cu::CU_EVENT_DISABLE_TIMING));
     }
+    for (auto& mark : marks_) FABRIC_CU_CHECK(drv_, cuEventCreate(&mark, 0));
     scratch_ = alloc_host(4096, HostMemoryKind::kMapped);
     if (eager_warmup) warm_up();
     self_test();
@@ -64,6 +65,9 @@ class CudaGpu final : public Gpu {
       }
       for (auto event : events_) {
         if (event) drv_.api().cuEventDestroy(event);
+      }
+      for (auto mark : marks_) {
+        if (mark) drv_.api().cuEventDestroy(mark);
       }
       for (auto s : streams_) {
         if (s) drv_.api().cuStreamDestroy(s);
@@ -153,6 +157,15 @@ class CudaGpu final : public Gpu {
     drv_.fail("cuEventQuery", rc);
   }
   void wait_event(int event) override { FABRIC_CU_CHECK(drv_, cuEventSynchronize(events_[event])); }
+  void record_mark(Stream s, int mark) override {
+    FABRIC_CU_CHECK(drv_, cuEventRecord(marks_[mark], stream(s)));
+  }
+  double mark_elapsed_ms(int from, int to) override {
+    FABRIC_CU_CHECK(drv_, cuEventSynchronize(marks_[to]));
+    float ms = 0;
+    FABRIC_CU_CHECK(drv_, cuEventElapsedTime(&ms, marks_[from], marks_[to]));
+    return ms;
+  }
   void synchronize(Stream s) override {
     check_not_hot(s, "cuStreamSynchronize");
     FABRIC_CU_CHECK(drv_, cuStreamSynchronize(stream(s)));
@@ -251,6 +264,7 @@ class CudaGpu final : public Gpu {
   cu::CUkernel kernels_[static_cast<int>(KernelId::kCount)] = {};
   cu::CUstream streams_[2] = {nullptr, nullptr};
   cu::CUevent events_[kEvents] = {};
+  cu::CUevent marks_[kMarks] = {};
   HostRegion scratch_;
 };
 

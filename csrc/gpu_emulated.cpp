@@ -241,6 +241,25 @@ class EmulatedGpu final : public Gpu {
       }
     }
   }
+  void record_mark(Stream s, int mark) override {
+    const std::uint64_t gen = mark_asked_[mark].fetch_add(1) + 1;
+    host_call(s, [this, mark, gen] {
+      marks_[mark].store(std::chrono::duration<double, std::milli>(
+                             std::chrono::steady_clock::now().time_since_epoch())
+                             .count(),
+                         std::memory_order_relaxed);
+      mark_done_[mark].store(gen, std::memory_order_release);  // the time is written first
+    });
+  }
+  double mark_elapsed_ms(int from, int to) override {
+    for (int mark : {from, to}) {
+      while (mark_done_[mark].load(std::memory_order_acquire) < mark_asked_[mark].load()) {
+        check();
+        std::this_thread::yield();
+      }
+    }
+    return marks_[to].load(std::memory_order_relaxed) - marks_[from].load(std::memory_order_relaxed);
+  }
   void synchronize(Stream s) override {
     check_not_hot(s, "synchronize");
     stream(s).synchronize();
@@ -269,6 +288,9 @@ class EmulatedGpu final : public Gpu {
     return p;
   }
 
+  std::atomic<double> marks_[kMarks] = {};
+  std::atomic<std::uint64_t> mark_asked_[kMarks] = {};
+  std::atomic<std::uint64_t> mark_done_[kMarks] = {};
   std::atomic<std::uint64_t> recorded_gen_[kEvents];
   std::atomic<std::uint64_t> done_gen_[kEvents];
   std::unique_ptr<EmulatedStream> streams_[2];

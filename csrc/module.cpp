@@ -86,6 +86,8 @@ nb::dict stats_to_dict(const fabric::RuntimeStats& s) {
   out["allocations"] = s.allocations;
   out["allocations_at_start"] = s.allocations_at_start;
   out["drain_copy_seconds"] = s.drain_copy_seconds;
+  out["gpu_busy_seconds"] = s.gpu_busy_seconds;
+  out["gpu_span_seconds"] = s.gpu_span_seconds;
   return out;
 }
 
@@ -103,6 +105,7 @@ fabric::RuntimeConfig make_config(nb::dict c) {
   get("publish_every", rc.publish_every);
   get("write_combined", rc.write_combined);
   get("poison_byte", rc.poison_byte);
+  get("measure_gpu_time", rc.measure_gpu_time);
   if (c.contains("input_location")) {
     const std::string where = nb::cast<std::string>(c["input_location"]);
     if (where == "host") {

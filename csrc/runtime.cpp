@@ -35,6 +35,10 @@ Runtime::Runtime(std::unique_ptr<Gpu> gpu, RuntimeConfig config,
   if (config_.staging_buffers == 0 || config_.staging_buffers > Gpu::kEvents) {
     throw std::invalid_argument("staging_buffers must be 1.." + std::to_string(Gpu::kEvents));
   }
+  if (config_.measure_gpu_time && config_.max_in_flight >= (Gpu::kMarks - 1) / 2) {
+    throw std::invalid_argument("measure_gpu_time needs max_in_flight below " +
+                                std::to_string((Gpu::kMarks - 1) / 2));
+  }
   if (config_.max_in_flight == 0 || config_.publish_every == 0 || config_.max_items == 0) {
     throw std::invalid_argument("max_in_flight, publish_every and max_items must be positive");
   }
@@ -154,6 +158,10 @@ void Runtime::submit(const BatchSpec& spec, const std::int64_t* rows) {
   // Enqueue the batch's GPU work now, ahead of its payload: the stream holds on the doorbell.
   Gpu& gpu = *gpu_;
   gpu.wait_geq(Stream::kCompute, bell_mem_.device + offsetof(Doorbell, seq), seq);
+  if (config_.measure_gpu_time) {
+    if (seq == 1) gpu.record_mark(Stream::kCompute, 0);
+    gpu.record_mark(Stream::kCompute, start_mark(seq));
+  }
   const DevPtr published_head = counters_mem_.device + offsetof(DeviceCounters, published_head);
   const DevPtr consumed_seq = counters_mem_.device + offsetof(DeviceCounters, consumed_seq);
   const std::uint64_t out_start = out->begin + (out->span - payload_ring_->rounded(out->length));
@@ -192,6 +200,7 @@ void Runtime::submit(const BatchSpec& spec, const std::int64_t* rows) {
   release_slot();
   // Forward boundary: the batch's end is always published.
   if (!end_published) publish(out->end());
+  if (config_.measure_gpu_time) gpu.record_mark(Stream::kCompute, end_mark(seq));
 
   const std::uint64_t o = out_head_.load(std::memory_order_relaxed);
   outputs_[o % outputs_.size()] = OutputRecord{seq, spec.batch_id, *out, spec.output_size_on_gpu};
@@ -308,6 +317,13 @@ void Runtime::drain_loop() {
         DrainedBatch batch{f.record.seq, f.record.batch_id,
                            static_cast<const std::uint8_t*>(staging_[f.staging].host), f.bytes,
                            stage_->take_error(f.record.seq)};
+        if (config_.measure_gpu_time) {
+          // The batch's end mark follows its publication on the compute stream: wait for it.
+          const std::uint64_t s = f.record.seq;
+          gpu_busy_seconds_.store(gpu_busy_seconds_.load() +
+                                  gpu_->mark_elapsed_ms(start_mark(s), end_mark(s)) * 1e-3);
+          gpu_span_seconds_.store(gpu_->mark_elapsed_ms(0, end_mark(s)) * 1e-3);
+        }
         sink_(batch);
         // Free the payload-ring bytes only now: the copy is complete and the sink is done.
         payload_ring_->release(f.record.out);
@@ -430,6 +446,8 @@ RuntimeStats Runtime::stats() const {
   s.allocations = gpu_->allocations();
   s.allocations_at_start = allocations_at_start_;
   s.drain_copy_seconds = drain_copy_seconds_.load();
+  s.gpu_busy_seconds = gpu_busy_seconds_.load();
+  s.gpu_span_seconds = gpu_span_seconds_.load();
   return s;
 }
 

@@ -46,6 +46,9 @@ struct RuntimeConfig {
   // Tests: fill the payload ring and the staging buffers with this byte at start (0xFF makes
   // every float NaN), so an output element the stages never wrote shows up. -1: off.
   int poison_byte = -1;
+  // Measure GPU busy time: a timing mark when each batch's work starts (after its doorbell
+  // wait) and one when it ends; the drain adds them up. Costs two event records per batch.
+  bool measure_gpu_time = false;
 };
 
 // One batch as the caller describes it. Its payload comes from the PayloadSource.
@@ -123,6 +126,8 @@ struct RuntimeStats {
   std::uint64_t allocations = 0;
   std::uint64_t allocations_at_start = 0;
   double drain_copy_seconds = 0;  // time the drain had copies in flight
+  double gpu_busy_seconds = 0;    // sum over batches of (end - start) on the compute stream
+  double gpu_span_seconds = 0;    // first batch's start to the last drained batch's end
 };
 
 class Runtime {
@@ -214,6 +219,10 @@ class Runtime {
   std::uint64_t publications_ = 0;
   std::atomic<std::uint64_t> bytes_in_{0}, bytes_out_{0};
   std::atomic<double> drain_copy_seconds_{0};
+  std::atomic<double> gpu_busy_seconds_{0}, gpu_span_seconds_{0};
+  // marks: 0 = the first batch's start; then two per batch slot (start, end)
+  static int start_mark(std::uint64_t seq) { return 1 + 2 * static_cast<int>(seq % ((Gpu::kMarks - 1) / 2)); }
+  static int end_mark(std::uint64_t seq) { return start_mark(seq) + 1; }
   std::uint64_t allocations_at_start_ = 0;
   std::mutex failure_mutex_;
   std::string failure_;

@@ -342,6 +342,7 @@ class GpuEngineRunner(_Runner):
         copy_outputs: bool = True,
         device: int = 0,
         poison: bool = False,
+        measure_gpu_time: bool = False,
     ) -> None:
         super().__init__(
             engine.hidden_size, tuple(engine.manifest.hooks.layers), engine.hook_dtype, tokens,
@@ -357,14 +358,17 @@ class GpuEngineRunner(_Runner):
             device=device,
             config={
                 "ring_bytes": _round_up(max(ring_bytes, 4 * slot_max), 256),
-                "payload_ring_bytes": _round_up(4 * max_output, 256),
+                # Eight batches of outputs: the drain can fall a few batches behind (a slow
+                # sink) before the GPU waits for it.
+                "payload_ring_bytes": _round_up(8 * max_output, 256),
                 "max_output_bytes": max_output,
                 "max_items": profile.max_batch_items,
                 "max_in_flight": max_in_flight,
-                "staging_buffers": 3,
+                "staging_buffers": 4,
                 "input_location": "device",
                 "write_combined": True,  # the GPU reads the ring; the host only writes it
                 "poison_byte": 0xFF if poison else -1,
+                "measure_gpu_time": measure_gpu_time,
             },
         )
         self._rt.set_token_table(self._tokens, self._offsets)
