@@ -38,6 +38,8 @@ class ConsumerProfile:
                 f"max_seq_len ({self.max_seq_len}) must be a multiple of seq_granularity "
                 f"({self.seq_granularity}) so the longest bucket is a real shape"
             )
+        if self.max_seq_len >= 1 << 16:
+            raise ProfileError(f"max_seq_len must be below 65,536, got {self.max_seq_len}")
         if self.layout not in LAYOUTS:
             raise ProfileError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         if self.layout == "packed" and self.max_batch_tokens % PACKED_GRANULARITY != 0:

@@ -103,3 +103,30 @@ def test_packed_padding_is_small_on_the_reference_lengths() -> None:
     lengths = np.clip(rng.lognormal(4.3, 0.8, 20_000).astype(np.int64), 8, 512)
     plan = plan_batches(lengths, ConsumerProfile(32768, 1024, 512, 8, layout="packed"))
     assert plan.padding_fraction < 0.03
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    prefixes=st.lists(
+        st.lists(st.integers(100, 104), min_size=1, max_size=6), min_size=1, max_size=8
+    ),
+    picks=st.lists(st.tuples(st.integers(0, 7), st.integers(0, 20)), min_size=1, max_size=120),
+)
+def test_items_sharing_a_prefix_are_adjacent_within_their_bucket(prefixes, picks) -> None:  # type: ignore[no-untyped-def]
+    from fabric_pipelines.lib.broker.planner import prefix_keys
+
+    prefix = 4
+    items = [prefixes[p % len(prefixes)] + [200 + tail] * (1 + tail % 3) for p, tail in picks]
+    lengths = np.array([len(t) for t in items], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    tokens = np.concatenate([np.array(t, np.int32) for t in items])
+    profile = ConsumerProfile(64, 8, 16, 4)
+    plan = plan_batches(lengths, profile, keys=prefix_keys(tokens, offsets, prefix=prefix))
+    assert sorted(plan.order.tolist()) == list(range(len(items)))
+    position = {row: i for i, row in enumerate(plan.order.tolist())}
+    groups: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+    for row, t in enumerate(items):
+        bucket = -(-len(t) // 4) * 4
+        groups.setdefault((bucket, tuple(t[:prefix])), []).append(position[row])
+    for places in groups.values():
+        assert max(places) - min(places) == len(places) - 1, "prefix-sharing items are adjacent"

@@ -47,31 +47,77 @@ class BatchPlan:
         return [(int(a), int(b)) for a, b in pairs]
 
 
+PREFIX_TOKENS = 16  # items whose first 16 tokens agree are planned side by side
+
+
+def prefix_keys(
+    tokens: np.ndarray,
+    offsets: np.ndarray,
+    rows: np.ndarray | None = None,
+    prefix: int = PREFIX_TOKENS,
+) -> np.ndarray:
+    """A 64-bit key per item from its first `prefix` tokens (shorter items: their tokens, then an
+    end mark): equal prefixes give equal keys, so sorting by key puts them next to each other."""
+    rows = np.arange(offsets.size - 1) if rows is None else rows
+    starts = offsets[rows]
+    lengths = offsets[rows + 1] - starts
+    positions = np.arange(prefix)[None, :]
+    inside = positions < lengths[:, None]
+    index = np.minimum(starts[:, None] + positions, max(tokens.size - 1, 0))
+    values = np.where(inside, tokens[index].astype(np.int64) + 1, 0).astype(np.uint64)
+    key = np.zeros(rows.size, dtype=np.uint64)
+    with np.errstate(over="ignore"):  # wrapping arithmetic is the point of a hash
+        for j in range(prefix):
+            key = key * np.uint64(0x100000001B3) + values[:, j]
+    return key
+
+
 def plan_batches(
-    lengths: np.ndarray, profile: ConsumerProfile, rows: np.ndarray | None = None
+    lengths: np.ndarray,
+    profile: ConsumerProfile,
+    rows: np.ndarray | None = None,
+    keys: np.ndarray | None = None,
 ) -> BatchPlan:
     """Batches over `rows` (default all) of a task set whose items have `lengths` tokens.
 
     Every length must be in 1..max_seq_len (ingest fails the rest back before planning).
+    `keys` (per task row, e.g. prefix_keys()) order the items inside each bucket of a padded
+    plan, so items sharing a prefix run together (the engine's cache sees them back to back).
     """
     lengths = np.asarray(lengths, dtype=np.int64)
-    rows = np.arange(lengths.size, dtype=np.int64) if rows is None else np.asarray(rows, np.int64)
-    item_lengths = lengths[rows]
+    item_lengths = lengths if rows is None else lengths[rows]
     if item_lengths.size and (item_lengths.min() < 1 or item_lengths.max() > profile.max_seq_len):
         raise ValueError(
             f"item lengths must be within 1..{profile.max_seq_len}; got "
             f"{int(item_lengths.min())}..{int(item_lengths.max())}"
         )
     if profile.layout == "packed":
-        return _plan_packed(lengths, rows, profile)
+        all_rows = (
+            np.arange(lengths.size, dtype=np.int64) if rows is None else np.asarray(rows, np.int64)
+        )
+        return _plan_packed(lengths, all_rows, profile)
     g = profile.seq_granularity
-    padded = -(-item_lengths // g) * g
-    by_length = np.argsort(padded, kind="stable")
-    order = rows[by_length]
-    sorted_padded = padded[by_length]
-    bucket_len, bucket_first, bucket_size = np.unique(
-        sorted_padded, return_index=True, return_counts=True
+    # Bucket numbers are small integers (8 bits for up to 255 buckets), so NumPy's stable sort is
+    # a one-pass radix sort: O(n), no comparisons.
+    buckets = profile.max_seq_len // g
+    short = item_lengths.astype(np.uint16)
+    bucket = ((short + (g - 1)) // g).astype(np.uint8 if buckets < 256 else np.uint16)
+    if keys is None:
+        by_length = np.argsort(bucket, kind="stable")
+    else:
+        key_of_item = np.asarray(keys) if rows is None else np.asarray(keys)[rows]
+        by_length = np.lexsort((key_of_item, bucket))
+    sorted_lengths = short[by_length]
+    order = (
+        by_length.astype(np.int64, copy=False)
+        if rows is None
+        else np.asarray(rows, np.int64)[by_length]
     )
+    counts = np.bincount(bucket, minlength=buckets + 1)[1:]
+    present = np.flatnonzero(counts)
+    bucket_len = (present.astype(np.int64) + 1) * g
+    bucket_size = counts[present].astype(np.int64)
+    bucket_first = np.cumsum(bucket_size) - bucket_size
     capacity = np.minimum(profile.max_batch_items, profile.max_batch_tokens // bucket_len)
     n_per_bucket = -(-bucket_size // capacity)
     # Spread each bucket evenly over its batches: the first (size mod n) batches get one item
@@ -82,19 +128,19 @@ def plan_batches(
     base = (bucket_size // n_per_bucket)[bucket_of_batch]
     extra = (bucket_size % n_per_bucket)[bucket_of_batch]
     item_start = bucket_first[bucket_of_batch] + local * base + np.minimum(local, extra)
-    item_count = base + (local < extra)
-    sorted_lengths = lengths[order]
+    item_count = (base + (local < extra)).astype(np.int64)
     real_tokens = (
-        np.add.reduceat(sorted_lengths, item_start) if item_start.size else np.zeros(0, np.int64)
+        np.add.reduceat(sorted_lengths, item_start, dtype=np.int64)
+        if item_start.size
+        else np.zeros(0, np.int64)
     )
     seq_len = bucket_len[bucket_of_batch].astype(np.int64)
-    item_count = item_count.astype(np.int64)
     return BatchPlan(
         order=order,
         seq_len=seq_len,
         item_start=item_start.astype(np.int64),
         item_count=item_count,
-        real_tokens=real_tokens.astype(np.int64),
+        real_tokens=real_tokens,
         padded_tokens=seq_len * item_count,
     )
 

@@ -14,13 +14,13 @@ from sqlalchemy.orm import Session
 from fabric_gpu.manifest import EngineManifest
 from fabric_gpu.model import resolve_model_dir, tokenizer_sha256
 from fabric_pipelines.lib.broker.ledger import outstanding_rows, register_plan
-from fabric_pipelines.lib.broker.planner import BatchPlan, plan_batches, plan_id
+from fabric_pipelines.lib.broker.planner import BatchPlan, plan_batches, plan_id, prefix_keys
 from fabric_pipelines.lib.settings import FabricPaths
 from fabric_pipelines.lib.store.db import insert_ignoring_duplicates
 from fabric_pipelines.lib.store.models import BatchPlan as BatchPlanRow
 from fabric_pipelines.lib.store.models import TaskSet
 from fabric_pipelines.lib.tasks.catalog import get_task_set, task_lengths
-from fabric_pipelines.lib.tasks.store import read_table, write_table
+from fabric_pipelines.lib.tasks.store import flat_tokens, read_table, write_table
 
 
 class PlanMismatchError(ValueError):
@@ -70,7 +70,9 @@ def plan_task_set(
             conn, task_set, manifest.model_key, table.column("record_no").to_numpy()
         )
     profile = manifest.profile.with_layout(layout)
-    plan = plan_batches(lengths, profile, rows)
+    tokens, offsets = flat_tokens(table)
+    # Items sharing their first tokens run together (padded engines; packed keep arrival order).
+    plan = plan_batches(lengths, profile, rows, keys=prefix_keys(tokens, offsets))
     pid = plan_id(ts.content_sha256, manifest.model_key, profile, rows)
     with Session(db) as session:
         existing = session.get(BatchPlanRow, pid)
