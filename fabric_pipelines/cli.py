@@ -42,6 +42,8 @@ def _engine_config(args: argparse.Namespace) -> dict[str, Any]:
         config["hook_layers"] = [int(x) for x in args.hook_layers.split(",") if x.strip()]
     if getattr(args, "manifest", None):
         config["manifest_path"] = str(Path(args.manifest).resolve())
+    if getattr(args, "workers", None) is not None:
+        config["workers"] = args.workers
     return config
 
 
@@ -265,6 +267,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _worker(argv: list[str]) -> int:
+    from fabric_pipelines.lib.workers import main as worker_main
+
+    _prepare_environment()
+    return worker_main(argv)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fabric",
@@ -285,6 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument("--seq-granularity", type=int, help="bucket length step (default 8)")
         g.add_argument(
             "--hook-layers", help="comma-separated layers whose hidden states to keep (default -1)"
+        )
+        g.add_argument(
+            "--workers", type=int, help="worker processes (default 1; 0: in this process)"
         )
 
     demo = sub.add_parser(
@@ -307,6 +319,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("task_set")
     engine_options(run)
     run.set_defaults(func=cmd_run)
+
+    worker = sub.add_parser("worker", help="run one worker process on a task set's current plan")
+    worker.add_argument("args", nargs=argparse.REMAINDER, help="see fabric worker -h")
+    worker.set_defaults(func=lambda a: _worker(a.args))
 
     status = sub.add_parser(
         "status", help="accounting per task set: tasks = completed + failed + ..."

@@ -5,23 +5,19 @@ through resources, and each returns a MaterializeResult with a data version and 
 """
 
 import hashlib
-import os
-import socket
-from pathlib import Path
 
 import dagster as dg
 
 from fabric_gpu.engines import input_layout
 from fabric_pipelines.defs.partitions import TASK_SET_PARTITIONS, task_sets
 from fabric_pipelines.defs.resources import ArtifactStore, Database, EngineConfig
-from fabric_pipelines.lib.broker.ledger import accounting
-from fabric_pipelines.lib.broker.plans import current_plan, load_plan_order, plan_task_set
-from fabric_pipelines.lib.extraction import ExtractionJob, ExtractionReport, run_worker
+from fabric_pipelines.lib.broker.ledger import Accounting, accounting
+from fabric_pipelines.lib.broker.plans import current_plan, plan_task_set
 from fabric_pipelines.lib.index.build import IndexSpec
 from fabric_pipelines.lib.index.publish import build_and_publish
-from fabric_pipelines.lib.tasks.catalog import get_task_set, ingest_task_set
+from fabric_pipelines.lib.tasks.catalog import ingest_task_set
 from fabric_pipelines.lib.tasks.ingest import SubmissionError
-from fabric_pipelines.lib.tasks.store import read_table
+from fabric_pipelines.lib.workers import extract_task_set
 
 CODE_VERSION = "0.1.0"
 
@@ -154,43 +150,38 @@ def extraction_outputs(
     manifest = engine.manifest()
     db = database.engine()
     try:
-        ts = get_task_set(db, task_set)
         plan_row = current_plan(db, task_set)
     except LookupError as exc:
         raise dg.Failure(description=str(exc), allow_retries=False) from exc
-    job = ExtractionJob(
-        task_set=task_set,
-        plan_id=plan_row.plan_id,
-        model_key=manifest.model_key,
-        tasks=read_table(Path(ts.path), ts.content_sha256),
-        order=load_plan_order(Path(plan_row.path), plan_row.sha256),
-        shard_folder=store.paths().shards,
-    )
-    model = engine.create(manifest)
 
-    def progress(report: ExtractionReport) -> None:
+    def progress(counts: Accounting) -> None:
         context.log.info(
-            f"{task_set}: {report.batches_done} batches, {report.items_done} items, "
-            f"{report.tokens_per_second:,.0f} real tokens/s"
+            f"{task_set}: {counts.completed:,} completed, {counts.failed:,} failed, "
+            f"{counts.in_flight:,} in flight, {counts.queued:,} queued of {counts.tasks:,}"
         )
         context.log_event(
             dg.AssetObservation(
                 asset_key=context.asset_key,
                 partition=task_set,
                 metadata={
-                    "batches_done": report.batches_done,
-                    "items_done": report.items_done,
-                    "real_tokens_per_s": round(report.tokens_per_second, 1),
+                    "completed": counts.completed,
+                    "in_flight": counts.in_flight,
+                    "queued": counts.queued,
                 },
             )
         )
 
-    try:
-        report = run_worker(
-            db, model, job, owner=f"{socket.gethostname()}:{os.getpid()}", progress=progress
-        )
-    finally:
-        model.close()
+    report = extract_task_set(
+        db,
+        store.paths(),
+        task_set,
+        manifest,
+        database_url=database.resolved_url(),
+        workers=engine.workers,
+        lease_seconds=engine.lease_seconds,
+        devices=engine.devices(),
+        on_progress=progress,
+    )
     with db.connect() as conn:
         counts = accounting(conn, task_set, manifest.model_key)
     version = hashlib.sha256(
@@ -202,6 +193,8 @@ def extraction_outputs(
             "database": database.describe(),
             "batches_done": report.batches_done,
             "batches_failed": report.batches_failed,
+            "stale_acks": report.stale_acks,
+            "workers": report.workers,
             "rows_inserted": report.rows_inserted,
             "real_tokens": report.real_tokens,
             "real_tokens_per_s": round(report.tokens_per_second, 1),

@@ -60,6 +60,23 @@ class EngineConfig(dg.ConfigurableResource):
     hook_layers: list[int] = Field(default_factory=lambda: [-1])
     pooling: str = "mean"
     truncate: bool = False
+    # Worker processes pulling batches from the ledger (0: run in the Dagster step's process).
+    # GPU engines: at most one per GPU; each gets its own device.
+    workers: int = 1
+    lease_seconds: float = 600.0
+
+    def devices(self) -> list[int] | None:
+        """GPU per worker for GPU backends (worker i -> device i); None for the CPU engine."""
+        if self.manifest().backend == "cpu" or self.workers == 0:
+            return None
+        from fabric_gpu import probe_gpu
+
+        count = len(probe_gpu().devices)
+        if self.workers > count:
+            raise ValueError(
+                f"workers={self.workers} but this machine has {count} GPU(s): one worker per GPU"
+            )
+        return list(range(self.workers))
 
     def manifest(self) -> EngineManifest:
         path = self.manifest_path or os.environ.get("FABRIC_ENGINE_MANIFEST", "")

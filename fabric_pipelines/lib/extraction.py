@@ -15,18 +15,20 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-from sqlalchemy import Engine
+from sqlalchemy import Engine, func, select
 
 from fabric_gpu.engines import Engine as ExtractionEngine
 from fabric_gpu.engines import PaddedBatch
 from fabric_gpu.runtime import BatchResult, open_runner
 from fabric_pipelines.lib.broker.ledger import (
+    LEASED,
     Lease,
     StaleLeaseError,
     claim,
     plan_shapes,
     report_failure,
 )
+from fabric_pipelines.lib.store.models import Batch
 from fabric_pipelines.lib.store.shards import write_shard
 from fabric_pipelines.lib.store.writer import BatchResults, write_batch
 from fabric_pipelines.lib.tasks.store import flat_tokens
@@ -89,9 +91,12 @@ def run_worker(
     max_in_flight: int = 4,
     progress: ProgressFn | None = None,
     progress_every_s: float = 5.0,
+    wait_for_others: bool = True,
 ) -> ExtractionReport:
     """Drain the plan's ledger through the runtime: claim, submit, and on each drained result
-    write the rows and ack the lease (one transaction), until no batch is left."""
+    write the rows and ack the lease (one transaction), until no batch is left. With
+    `wait_for_others`, a worker also waits out leases held by other workers, and takes over
+    those that expire (their holder died), so the plan ends with nothing queued or in flight."""
     tokens, offsets = flat_tokens(job.tasks)
     record_no = job.tasks.column("record_no").to_numpy()
     task_ids = job.tasks.column("id").to_pylist()
@@ -164,6 +169,10 @@ def run_worker(
             if lease is None:
                 runner.finish()  # everything in flight lands; failures may re-queue batches
                 lease = claim(db, job.plan_id, owner, lease_seconds)
+                # Batches other workers hold may come back (a worker died: its lease expires).
+                while lease is None and wait_for_others and _others_hold_leases(db, job.plan_id):
+                    time.sleep(min(1.0, lease_seconds / 4))
+                    lease = claim(db, job.plan_id, owner, lease_seconds)
                 if lease is None:
                     break
             rows = job.order[lease.item_start : lease.item_start + lease.item_count]
@@ -177,6 +186,18 @@ def run_worker(
         report.runtime = runner.finish()
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _others_hold_leases(db: Engine, plan_id: str) -> bool:
+    with db.connect() as conn:
+        return (
+            conn.execute(
+                select(func.count())
+                .select_from(Batch)
+                .where(Batch.plan_id == plan_id, Batch.state == LEASED)
+            ).scalar_one()
+            > 0
+        )
 
 
 def _fail(
