@@ -59,7 +59,8 @@ bool wait_retry_then_block(Gate& gate, Ready ready, std::uint64_t& retried, std:
 // The decode loop's backoff ladder when the drain falls behind: spin, yield, short sleeps,
 // then block. It never gives up on data; it returns false only on shutdown.
 template <typename Ready>
-bool wait_ladder(Gate& gate, Ready ready, std::uint64_t& blocked) {
+bool wait_ladder(Gate& gate, Ready ready, std::uint64_t& blocked,
+                 std::chrono::microseconds recheck = std::chrono::microseconds(50)) {
   for (int i = 0; i < 256; ++i) {
     if (ready()) return true;
     cpu_relax();
@@ -74,7 +75,7 @@ bool wait_ladder(Gate& gate, Ready ready, std::uint64_t& blocked) {
     std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
   ++blocked;
-  return gate.block_until(ready, std::chrono::microseconds(50));
+  return gate.block_until(ready, recheck);
 }
 
 }  // namespace fabric

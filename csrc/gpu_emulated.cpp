@@ -2,6 +2,7 @@
 // spins on host memory exactly as cuStreamWaitValue64 polls it; a write is a release store; a
 // kernel runs its host twin. The protocol code above cannot tell the difference, which is the
 // point: CI exercises the same doorbell, publication and drain logic as the GPU.
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
@@ -107,12 +108,16 @@ class EmulatedStream {
       case Op::Kind::kWait: {
         auto* word = reinterpret_cast<volatile std::uint64_t*>(op.address);
         // Acquire: once the value is seen, the payload stored before it is visible too.
+        // Spin briefly, then sleep with a growing back-off: an idle emulated GPU must not eat
+        // the CPU that the host threads (and the CPU engine) need.
+        std::uint64_t sleep_us = 10;
         for (std::uint64_t spins = 0; load_acquire(word) < op.value; ++spins) {
-          if (spins < 2048) {
+          if (spins < 1024) {
             cpu_relax();
           } else {
-            if ((spins & 63) == 0 && stopping()) return false;
-            std::this_thread::sleep_for(std::chrono::microseconds(spins < 4096 ? 0 : 20));
+            if (stopping()) return false;
+            std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
+            sleep_us = std::min<std::uint64_t>(sleep_us * 2, 500);
           }
         }
         return true;
@@ -232,12 +237,14 @@ class EmulatedGpu final : public Gpu {
     return done_gen_[event].load(std::memory_order_acquire) >= recorded_gen_[event].load();
   }
   void wait_event(int event) override {
+    std::uint64_t sleep_us = 10;
     for (int spins = 0; !event_done(event); ++spins) {
       check();
       if (spins < 1024) {
         cpu_relax();
       } else {
-        std::this_thread::sleep_for(std::chrono::microseconds(20));
+        std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
+        sleep_us = std::min<std::uint64_t>(sleep_us * 2, 500);
       }
     }
   }

@@ -87,6 +87,9 @@ void Runtime::start() {
   fill_jobs_.resize(config_.max_in_flight);
   for (auto& job : fill_jobs_) job.rows.reserve(config_.max_items);
   stage_->warm_up(*gpu_);
+  // How often a blocked thread re-checks memory the GPU writes: often on a GPU (latency), less
+  // on the emulated GPU, whose idle polling would take CPU from the engine it emulates.
+  poll_ = std::chrono::microseconds(gpu_->emulated() ? 500 : 50);
   allocations_at_start_ = gpu_->allocations();
   running_.store(true);
   filler_ = std::thread([this] { filler_loop(); });
@@ -128,7 +131,7 @@ void Runtime::submit(const BatchSpec& spec, const std::int64_t* rows) {
   // At most max_in_flight batches between submit and drain (the queues are that deep).
   auto room = [&] { return seq - 1 - drained_.load(std::memory_order_acquire) < config_.max_in_flight; };
   std::uint64_t ignored = 0;
-  if (!wait_ladder(done_gate_, room, ignored)) stopped("waiting for a batch to drain");
+  if (!wait_ladder(done_gate_, room, ignored, poll_)) stopped("waiting for a batch to drain");
 
   std::optional<Reservation> slot;
   auto slot_ready = [&] {
@@ -146,7 +149,7 @@ void Runtime::submit(const BatchSpec& spec, const std::int64_t* rows) {
     if (!out) out = payload_ring_->try_reserve(spec.output_bytes);
     return out.has_value();
   };
-  if (!wait_ladder(payload_gate_, out_ready, payload_blocked_)) {
+  if (!wait_ladder(payload_gate_, out_ready, payload_blocked_, poll_)) {
     stopped("waiting for payload-ring space");
   }
   ++next_seq_;
@@ -223,7 +226,7 @@ void Runtime::filler_loop() {
     std::uint64_t ignored = 0;
     for (;;) {
       auto has_job = [&] { return fill_head_.load(std::memory_order_acquire) > tail; };
-      if (!wait_ladder(fill_gate_, has_job, ignored)) return;
+      if (!wait_ladder(fill_gate_, has_job, ignored, poll_)) return;
       FillJob& job = fill_jobs_[tail % fill_jobs_.size()];
       const BatchSpec& spec = job.spec;
       auto* slot = static_cast<char*>(ring_mem_.host) + job.slot.offset;
@@ -347,7 +350,7 @@ void Runtime::drain_loop() {
         }
         return false;
       };
-      if (!wait_ladder(drain_gate_, work, ignored)) return;
+      if (!wait_ladder(drain_gate_, work, ignored, poll_)) return;
     }
   } catch (const std::exception& e) {
     fail(std::string("drain: ") + e.what());

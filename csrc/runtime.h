@@ -15,6 +15,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -210,6 +211,7 @@ class Runtime {
 
   Gate ring_gate_, payload_gate_, fill_gate_, drain_gate_, done_gate_;
   std::thread filler_, drain_;
+  std::chrono::microseconds poll_{50};
   std::atomic<bool> running_{false}, stopped_{false};
   std::atomic<std::uint64_t> published_seq_{0};  // doorbell value the filler last wrote
   std::atomic<std::uint64_t> drained_{0};

@@ -320,7 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine_options(run)
     run.set_defaults(func=cmd_run)
 
-    worker = sub.add_parser("worker", help="run one worker process on a task set's current plan")
+    worker = sub.add_parser(
+        "worker", help="run one worker process on a task set's current plan", add_help=False
+    )
     worker.add_argument("args", nargs=argparse.REMAINDER, help="see fabric worker -h")
     worker.set_defaults(func=lambda a: _worker(a.args))
 
@@ -334,6 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["worker"]:  # its own parser (fabric_pipelines.lib.workers), options and all
+        return _worker(argv[1:])
     args = build_parser().parse_args(argv)
     _quiet_dagster()
     result: int = args.func(args)

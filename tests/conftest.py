@@ -121,3 +121,26 @@ def cpu_engine(manifest: EngineManifest) -> Iterator[Any]:
     engine = create_engine(manifest)
     yield engine
     engine.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small random BERT with the real MiniLM tokenizer: real engine code, fast forwards."""
+    import shutil
+
+    import torch
+    from transformers import BertConfig, BertModel
+
+    from fabric_gpu.model import DEFAULT_MODEL_ID, resolve_model_dir
+
+    folder = tmp_path_factory.mktemp("tiny-bert")
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, max_position_embeddings=512,
+    )  # fmt: skip
+    BertModel(config, add_pooling_layer=False).save_pretrained(folder)
+    source = resolve_model_dir(DEFAULT_MODEL_ID)
+    for name in ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(source / name, folder / name)
+    return folder

@@ -69,6 +69,7 @@ def launch_workers(
             "--lease-seconds", str(settings.lease_seconds),
             "--max-attempts", str(settings.max_attempts),
             "--report", str(report),
+            "--threads", str(max(1, (os.cpu_count() or 1) // count)),
         ]  # fmt: skip
         with open(log, "wb") as out:
             process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -107,7 +108,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lease-seconds", type=float, default=600.0)
     parser.add_argument("--max-attempts", type=int, default=3)
     parser.add_argument("--report", help="write the worker's report here (JSON)")
+    parser.add_argument(
+        "--threads", type=int, default=0, help="CPU threads for the engine (default: all cores)"
+    )
     args = parser.parse_args(argv)
+    if args.threads > 0:
+        import torch
+
+        # Several workers on one machine share its cores; oversubscribed, tiny ops stall.
+        torch.set_num_threads(args.threads)
+    # The runtime's threads hand batches to Python callbacks (engine stages, the database
+    # writer): hand the GIL over in well under a millisecond, not the default 5 ms.
+    sys.setswitchinterval(0.0002)
 
     from fabric_gpu.engines import create_engine
     from fabric_gpu.manifest import EngineManifest

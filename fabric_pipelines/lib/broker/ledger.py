@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
-from sqlalchemy import Connection, Engine, func, insert, select, update
+from sqlalchemy import Connection, Engine, Select, func, insert, select, update
 
 from fabric_pipelines.lib.broker.planner import BatchPlan
 from fabric_pipelines.lib.store.models import Batch, Embedding, TaskFailure, TaskSet
@@ -104,51 +105,75 @@ def claim(
     engine: Engine, plan_id: str, owner: str, lease_seconds: float, now: float | None = None
 ) -> Lease | None:
     """Lease the next batch that is queued, or whose lease expired; None when none is left."""
+    leases = claim_many(engine, plan_id, owner, lease_seconds, 1, now)
+    return leases[0] if leases else None
+
+
+def claim_many(
+    engine: Engine,
+    plan_id: str,
+    owner: str,
+    lease_seconds: float,
+    limit: int,
+    now: float | None = None,
+) -> list[Lease]:
+    """Lease up to `limit` batches in one transaction: expired leases first (their holder died
+    or stalled, and they are the oldest work), then queued ones in plan order."""
     now = time.time() if now is None else now
-    claimable = (
-        select(Batch.plan_id, Batch.batch_no)
-        .where(Batch.plan_id == plan_id)
-        .where((Batch.state == QUEUED) | ((Batch.state == LEASED) & (Batch.lease_deadline < now)))
-        .order_by(Batch.batch_no)
-        .limit(1)
-        .with_for_update(skip_locked=True)  # PostgreSQL; SQLite holds the write lock already
-    )
+
+    def first(count: int, *conditions: Any) -> Select[str, int]:
+        # The (plan, state, batch_no) index answers this without scanning finished batches.
+        return (
+            select(Batch.plan_id, Batch.batch_no)
+            .where(Batch.plan_id == plan_id, *conditions)
+            .order_by(Batch.batch_no)
+            .limit(count)
+            .with_for_update(skip_locked=True)  # PostgreSQL; SQLite holds the write lock already
+        )
+
+    leases = []
     with engine.begin() as conn:
-        target = conn.execute(claimable).first()
-        if target is None:
-            return None
-        row = conn.execute(
-            update(Batch)
-            .where(Batch.plan_id == target.plan_id, Batch.batch_no == target.batch_no)
-            .values(
-                state=LEASED,
-                lease_owner=owner,
-                lease_epoch=Batch.lease_epoch + 1,
-                lease_deadline=now + lease_seconds,
-                attempts=Batch.attempts + 1,
+        targets = list(
+            conn.execute(first(limit, Batch.state == LEASED, Batch.lease_deadline < now)).all()
+        )
+        if len(targets) < limit:
+            targets += conn.execute(first(limit - len(targets), Batch.state == QUEUED)).all()
+        for target in targets:
+            row = conn.execute(
+                update(Batch)
+                .where(Batch.plan_id == target.plan_id, Batch.batch_no == target.batch_no)
+                .values(
+                    state=LEASED,
+                    lease_owner=owner,
+                    lease_epoch=Batch.lease_epoch + 1,
+                    lease_deadline=now + lease_seconds,
+                    attempts=Batch.attempts + 1,
+                )
+                .returning(
+                    Batch.lease_epoch,
+                    Batch.seq_len,
+                    Batch.item_start,
+                    Batch.item_count,
+                    Batch.real_tokens,
+                    Batch.padded_tokens,
+                    Batch.attempts,
+                )
+            ).one()
+            leases.append(
+                Lease(
+                    plan_id=target.plan_id,
+                    batch_no=target.batch_no,
+                    epoch=row.lease_epoch,
+                    owner=owner,
+                    seq_len=row.seq_len,
+                    item_start=row.item_start,
+                    item_count=row.item_count,
+                    real_tokens=row.real_tokens,
+                    padded_tokens=row.padded_tokens,
+                    attempts=row.attempts,
+                )
             )
-            .returning(
-                Batch.lease_epoch,
-                Batch.seq_len,
-                Batch.item_start,
-                Batch.item_count,
-                Batch.real_tokens,
-                Batch.padded_tokens,
-                Batch.attempts,
-            )
-        ).one()
-    return Lease(
-        plan_id=target.plan_id,
-        batch_no=target.batch_no,
-        epoch=row.lease_epoch,
-        owner=owner,
-        seq_len=row.seq_len,
-        item_start=row.item_start,
-        item_count=row.item_count,
-        real_tokens=row.real_tokens,
-        padded_tokens=row.padded_tokens,
-        attempts=row.attempts,
-    )
+    return leases
 
 
 def _fence(lease: Lease):

@@ -16,6 +16,7 @@ from sqlalchemy.sql.dml import Insert
 from fabric_pipelines.lib.store.models import Base
 
 SQLITE_BUSY_TIMEOUT_MS = 60_000
+IDLE_IN_TRANSACTION_MS = 60_000
 
 
 def make_engine(url: str) -> Engine:
@@ -37,7 +38,15 @@ def make_engine(url: str) -> Engine:
             conn.exec_driver_sql("BEGIN IMMEDIATE")
 
         return engine
-    return create_engine(url, pool_pre_ping=True)
+    # A worker that stalls inside a transaction (stopped, swapped out) would keep its row locks,
+    # and with them the batch it holds, forever: the server ends such sessions.
+    return create_engine(
+        url,
+        pool_pre_ping=True,
+        connect_args={
+            "options": f"-c idle_in_transaction_session_timeout={IDLE_IN_TRANSACTION_MS}"
+        },
+    )
 
 
 def create_schema(engine: Engine) -> None:

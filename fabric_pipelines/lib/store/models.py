@@ -89,7 +89,7 @@ class Batch(Base):
     """The batch ledger: one row per planned batch, claimed under a lease fenced by its epoch."""
 
     __tablename__ = "batches"
-    __table_args__ = (Index("ix_batches_plan_state", "plan_id", "state"),)
+    __table_args__ = (Index("ix_batches_plan_state", "plan_id", "state", "batch_no"),)
 
     plan_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     batch_no: Mapped[int] = mapped_column(Integer, primary_key=True)

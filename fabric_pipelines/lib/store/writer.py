@@ -56,7 +56,12 @@ def write_batch(
         )
     ]
     with engine.begin() as conn:
-        inserted = conn.execute(insert_ignoring_duplicates(engine, Embedding), rows).rowcount
+        # RETURNING counts the rows really inserted (executemany rowcounts are not portable).
+        inserted = len(
+            conn.execute(
+                insert_ignoring_duplicates(engine, Embedding).returning(Embedding.id), rows
+            ).all()
+        )
         if shard is not None:
             conn.execute(
                 insert_ignoring_duplicates(engine, HiddenStateShard),
@@ -74,4 +79,4 @@ def write_batch(
                 },
             )
         ack(conn, lease)
-    return max(int(inserted), 0)
+    return inserted
