@@ -5,14 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine, func, select
 
 from fabric_gpu.engines import Engine as ExtractionEngine
 from fabric_gpu.manifest import EngineManifest
 from fabric_pipelines.lib.broker.plans import load_plan_order, plan_task_set
 from fabric_pipelines.lib.extraction import ExtractionJob, ExtractionReport, run_worker
 from fabric_pipelines.lib.settings import FabricPaths
-from fabric_pipelines.lib.store.models import Embedding
+from fabric_pipelines.lib.store.models import Embedding, Model, Task, TaskSet
 from fabric_pipelines.lib.tasks.catalog import IngestSummary, ingest_task_set
 from fabric_pipelines.lib.tasks.inbox import submit
 from fabric_pipelines.lib.tasks.store import read_table
@@ -43,10 +43,31 @@ def run_stages(
 
 
 def stored_embeddings(db: Engine, task_set: str, model_key: str) -> dict[str, np.ndarray]:
+    """task id -> its stored pooled embedding."""
     with db.connect() as conn:
         rows = conn.execute(
-            select(Embedding.task_id, Embedding.vector).where(
-                Embedding.task_set == task_set, Embedding.model_key == model_key
+            select(Task.task_id, Embedding.vector)
+            .join(TaskSet, TaskSet.id == Embedding.task_set_id)
+            .join(Model, Model.id == Embedding.model_id)
+            .join(
+                Task,
+                (Task.task_set_id == Embedding.task_set_id)
+                & (Task.record_no == Embedding.record_no),
             )
+            .where(TaskSet.name == task_set, Model.model_key == model_key)
         ).all()
     return {r.task_id: np.frombuffer(r.vector, dtype="<f4") for r in rows}
+
+
+def embedding_counts(db: Engine) -> tuple[int, int]:
+    """(rows, distinct tasks) in the embeddings table: equal when nothing is written twice."""
+    with db.connect() as conn:
+        rows = conn.execute(select(func.count()).select_from(Embedding)).scalar_one()
+        distinct = conn.execute(
+            select(func.count()).select_from(
+                select(Embedding.task_set_id, Embedding.record_no, Embedding.model_id)
+                .distinct()
+                .subquery()
+            )
+        ).scalar_one()
+    return int(rows), int(distinct)

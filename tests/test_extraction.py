@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine, select
 from transformers import AutoModel
 
 from fabric_gpu.manifest import EngineManifest
@@ -17,10 +17,10 @@ from fabric_pipelines.lib.broker.ledger import accounting
 from fabric_pipelines.lib.broker.plans import plan_task_set
 from fabric_pipelines.lib.extraction import gather_padded
 from fabric_pipelines.lib.settings import FabricPaths
-from fabric_pipelines.lib.store.models import Embedding, HiddenStateShard
+from fabric_pipelines.lib.store.models import HiddenStateShard
 from fabric_pipelines.lib.store.shards import read_shard
 from fabric_pipelines.lib.tasks.store import CorruptFileError
-from tests.pipeline_helpers import run_stages, stored_embeddings
+from tests.pipeline_helpers import embedding_counts, run_stages, stored_embeddings
 
 TEXTS = {
     f"t{i}": text
@@ -105,11 +105,8 @@ def test_running_twice_writes_no_duplicates_and_accounting_balances(
     assert second.batches_done == 0 and second.rows_inserted == 0
     # Planning again after everything is done plans nothing.
     assert plan_task_set(db, paths, "twice", manifest).plan.n_batches == 0
+    rows, distinct = embedding_counts(db)
     with db.connect() as conn:
-        rows = conn.execute(select(func.count()).select_from(Embedding)).scalar_one()
-        distinct = conn.execute(
-            select(func.count()).select_from(select(Embedding.task_id).distinct().subquery())
-        ).scalar_one()
         a = accounting(conn, "twice")
     assert rows == distinct == len(TEXTS)
     assert a.finished and (a.tasks, a.completed, a.failed) == (len(TEXTS) + 3, len(TEXTS), 3)

@@ -21,6 +21,7 @@ from fabric_pipelines.lib.index.publish import build_and_publish
 from fabric_pipelines.lib.index.receipt import canonical_json, receipt_sha256
 from fabric_pipelines.lib.index.vectors import BadVectorsError, check_vectors
 from fabric_pipelines.lib.settings import FabricPaths
+from fabric_pipelines.lib.store.keys import model_id
 from fabric_pipelines.lib.store.models import Embedding
 from fabric_pipelines.lib.tasks.store import sha256_file
 
@@ -84,13 +85,13 @@ def test_canonical_json_is_stable_and_rejects_nan() -> None:
 def test_publish_writes_index_receipt_file_and_row(db: Engine, paths: FabricPaths) -> None:
     x = _clustered(2500, dim=16)
     with db.begin() as conn:
+        model = model_id(conn, "m")
         conn.execute(
             insert(Embedding),
             [
                 {
-                    "task_set": "s", "task_id": str(i), "model_key": "m", "record_no": i,
-                    "n_tokens": 5, "dim": 16, "vector": v.astype("<f4").tobytes(),
-                    "plan_id": "p", "batch_no": 0,
+                    "task_set_id": 1, "record_no": i, "model_id": model, "n_tokens": 5,
+                    "vector": v.astype("<f4").tobytes(),
                 }
                 for i, v in enumerate(x)
             ],

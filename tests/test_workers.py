@@ -20,16 +20,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from sqlalchemy import Engine, func, select, text
+from sqlalchemy import Engine, select, text
 
 from fabric_gpu.manifest import EngineManifest, HookSpec, manifest_for_model
 from fabric_gpu.profile import ConsumerProfile
 from fabric_pipelines.lib.broker.ledger import accounting
 from fabric_pipelines.lib.broker.plans import plan_task_set
 from fabric_pipelines.lib.settings import FabricPaths
-from fabric_pipelines.lib.store.models import Batch, Embedding
+from fabric_pipelines.lib.store.models import Batch
 from fabric_pipelines.lib.tasks.catalog import ingest_task_set
 from fabric_pipelines.lib.tasks.inbox import submit
+from tests.pipeline_helpers import embedding_counts
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -138,11 +139,8 @@ def _wait_until(condition: Callable[[], bool], timeout: float = 120) -> None:
 
 
 def _assert_nothing_lost_or_doubled(db: Engine, n: int) -> None:
+    rows, distinct = embedding_counts(db)
     with db.connect() as conn:
-        rows = conn.execute(select(func.count()).select_from(Embedding)).scalar_one()
-        distinct = conn.execute(
-            select(func.count()).select_from(select(Embedding.task_id).distinct().subquery())
-        ).scalar_one()
         a = accounting(conn, "set")
     assert rows == distinct == n, f"{rows} rows, {distinct} distinct, {n} tasks"
     assert a.finished and a.completed == n and a.failed == 0, a

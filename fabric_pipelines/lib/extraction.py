@@ -28,9 +28,10 @@ from fabric_pipelines.lib.broker.ledger import (
     plan_shapes,
     report_failure,
 )
+from fabric_pipelines.lib.store.keys import model_id, task_set_id
 from fabric_pipelines.lib.store.models import Batch
 from fabric_pipelines.lib.store.shards import write_shard
-from fabric_pipelines.lib.store.writer import BatchResults, write_batch
+from fabric_pipelines.lib.store.writer import BatchRows, GroupOutcome, WriteBehind
 from fabric_pipelines.lib.tasks.store import flat_tokens
 
 
@@ -103,6 +104,35 @@ def run_worker(
     report = ExtractionReport()
     in_flight: dict[int, tuple[Lease, np.ndarray]] = {}
     started = last_progress = time.perf_counter()
+    with db.begin() as conn:
+        set_id = task_set_id(conn, job.task_set)
+        model = model_id(conn, job.model_key)
+
+    def written(outcome: GroupOutcome) -> None:  # the writer thread, after each commit
+        for _batch, why in outcome.stale:
+            report.stale_acks += 1
+            report.errors.append(why)
+        for batch in outcome.acked:
+            lease = batch.lease
+            report.batches_done += 1
+            report.items_done += lease.item_count
+            report.real_tokens += lease.real_tokens
+            report.padded_tokens += lease.padded_tokens
+        report.rows_inserted += outcome.inserted
+        report.seconds = time.perf_counter() - started
+
+    def hidden_states_to_shard(batch: BatchRows) -> None:  # the writer thread, before the write
+        hooks = pending_hooks.pop(batch.lease.batch_no, None)
+        if hooks:
+            ids = [task_ids[r] for r in pending_rows.pop(batch.lease.batch_no)]
+            batch.shard = write_shard(
+                job.shard_folder, ids, batch.n_tokens, hooks, engine.hidden_size
+            )
+            batch.layers = tuple(hooks)
+
+    pending_hooks: dict[int, dict[int, np.ndarray]] = {}
+    pending_rows: dict[int, np.ndarray] = {}
+    writer = WriteBehind(db, written, before_write=hidden_states_to_shard)
 
     def on_result(result: BatchResult) -> None:  # the runtime's drain thread
         lease, rows = in_flight.pop(result.batch_id)
@@ -110,83 +140,63 @@ def run_worker(
             _fail(db, job, lease, rows, record_no, task_ids, result.error, max_attempts, report)
             return
         assert result.pooled is not None
-        ids = [task_ids[r] for r in rows]
-        try:
-            shard = None
-            if result.hooks:
-                shard = write_shard(
-                    job.shard_folder, ids, result.lengths, result.hooks, engine.hidden_size
-                )
-            results = BatchResults(
+        if result.hooks:
+            pending_hooks[lease.batch_no] = result.hooks
+            pending_rows[lease.batch_no] = rows
+        writer.put(
+            BatchRows(
+                lease=lease,
                 task_set=job.task_set,
+                task_set_id=set_id,
                 model_key=job.model_key,
-                task_ids=ids,
+                model_id=model,
                 record_no=record_no[rows],
-                lengths=result.lengths,
+                n_tokens=result.lengths,
                 pooled=result.pooled,
             )
-            inserted = write_batch(db, lease, results, shard, tuple(result.hooks))
-        except StaleLeaseError as exc:
-            report.stale_acks += 1
-            report.errors.append(str(exc))
-            return
-        except Exception as exc:  # the writer failed this batch: retry or fail it
-            _fail(
-                db,
-                job,
-                lease,
-                rows,
-                record_no,
-                task_ids,
-                f"{type(exc).__name__}: {exc}",
-                max_attempts,
-                report,
-            )
-            return
-        report.batches_done += 1
-        report.items_done += lease.item_count
-        report.rows_inserted += inserted
-        report.real_tokens += lease.real_tokens
-        report.padded_tokens += lease.padded_tokens
-        report.seconds = time.perf_counter() - started
+        )
 
     submitted = 0
     with db.connect() as conn:
         shapes = plan_shapes(conn, job.plan_id)
     if hasattr(engine, "shapes_for"):
         shapes = engine.shapes_for(shapes)
-    with open_runner(
-        engine,
-        tokens,
-        offsets,
-        on_result,
-        shapes=shapes,
-        pad_token_id=job.pad_token_id,
-        max_in_flight=max_in_flight,
-    ) as runner:
-        claimed: list[Lease] = []
-        while True:
-            if not claimed:  # a few leases per transaction: claims stay off the critical path
-                claimed = claim_many(db, job.plan_id, owner, lease_seconds, max_in_flight)
-            if not claimed:
-                runner.finish()  # everything in flight lands; failures may re-queue batches
-                claimed = claim_many(db, job.plan_id, owner, lease_seconds, max_in_flight)
-                # Batches other workers hold may come back (a worker died: its lease expires).
-                while not claimed and wait_for_others and _others_hold_leases(db, job.plan_id):
-                    time.sleep(min(1.0, lease_seconds / 4))
+    try:
+        with open_runner(
+            engine,
+            tokens,
+            offsets,
+            on_result,
+            shapes=shapes,
+            pad_token_id=job.pad_token_id,
+            max_in_flight=max_in_flight,
+        ) as runner:
+            claimed: list[Lease] = []
+            while True:
+                if not claimed:  # a few leases per transaction: claims stay off the critical path
                     claimed = claim_many(db, job.plan_id, owner, lease_seconds, max_in_flight)
                 if not claimed:
-                    break
-            lease = claimed.pop(0)
-            rows = job.order[lease.item_start : lease.item_start + lease.item_count]
-            submitted += 1
-            in_flight[submitted] = (lease, rows)
-            runner.submit(submitted, rows, lease.seq_len)
-            now = time.perf_counter()
-            if progress is not None and now - last_progress >= progress_every_s:
-                last_progress = now
-                progress(report)
-        report.runtime = runner.finish()
+                    runner.finish()  # everything in flight lands; failures may re-queue batches
+                    writer.flush()  # ... and is acknowledged, so only others' leases remain
+                    claimed = claim_many(db, job.plan_id, owner, lease_seconds, max_in_flight)
+                    # Batches other workers hold may come back (a worker died: its lease expires).
+                    while not claimed and wait_for_others and _others_hold_leases(db, job.plan_id):
+                        time.sleep(min(1.0, lease_seconds / 4))
+                        claimed = claim_many(db, job.plan_id, owner, lease_seconds, max_in_flight)
+                    if not claimed:
+                        break
+                lease = claimed.pop(0)
+                rows = job.order[lease.item_start : lease.item_start + lease.item_count]
+                submitted += 1
+                in_flight[submitted] = (lease, rows)
+                runner.submit(submitted, rows, lease.seq_len)
+                now = time.perf_counter()
+                if progress is not None and now - last_progress >= progress_every_s:
+                    last_progress = now
+                    progress(report)
+            report.runtime = runner.finish()
+    finally:
+        writer.close()  # everything queued is written (or the writer's error is raised here)
     report.seconds = time.perf_counter() - started
     return report
 

@@ -17,7 +17,7 @@ import numpy as np
 from sqlalchemy import Connection, Engine, Select, func, insert, select, update
 
 from fabric_pipelines.lib.broker.planner import BatchPlan
-from fabric_pipelines.lib.store.models import Batch, Embedding, TaskFailure, TaskSet
+from fabric_pipelines.lib.store.models import Batch, Embedding, Model, TaskFailure, TaskSet
 from fabric_pipelines.lib.store.models import BatchPlan as BatchPlanRow
 
 QUEUED, LEASED, COMPLETED, FAILED, SUPERSEDED = (
@@ -186,8 +186,20 @@ def _fence(lease: Lease):
 
 
 def ack(conn: Connection, lease: Lease) -> None:
-    """Retire the batch inside the caller's transaction; StaleLeaseError if the lease moved on."""
-    result = conn.execute(_fence(lease).values(state=COMPLETED, lease_deadline=None, error=None))
+    """Retire the batch inside the caller's transaction; StaleLeaseError if the lease moved on.
+
+    Idempotent for its holder: a batch this lease already completed (a replay after a lost
+    reply) acks again; one whose epoch moved on does not."""
+    result = conn.execute(
+        update(Batch)
+        .where(
+            Batch.plan_id == lease.plan_id,
+            Batch.batch_no == lease.batch_no,
+            Batch.lease_epoch == lease.epoch,
+            Batch.state.in_((LEASED, COMPLETED)),
+        )
+        .values(state=COMPLETED, lease_deadline=None, error=None)
+    )
     if result.rowcount != 1:
         raise StaleLeaseError(
             f"batch {lease.batch_no} of plan {lease.plan_id}: lease epoch {lease.epoch} is no longer "
@@ -240,15 +252,14 @@ def accounting(conn: Connection, task_set: str, model_key: str | None = None) ->
     `completed` counts result rows of `model_key`, by default the model of the set's current plan.
     """
     current_plan = select(TaskSet.current_plan_id).where(TaskSet.name == task_set).scalar_subquery()
+    key: Any = model_key
     if model_key is None:
         key = (
             select(BatchPlanRow.model_key)
             .where(BatchPlanRow.plan_id == current_plan)
             .scalar_subquery()
         )
-        model_matches = Embedding.model_key == key
-    else:
-        model_matches = Embedding.model_key == model_key
+    model = select(Model.id).where(Model.model_key == key).scalar_subquery()
 
     def batch_items(state: str):
         return (
@@ -261,7 +272,7 @@ def accounting(conn: Connection, task_set: str, model_key: str | None = None) ->
         TaskSet.n_records,
         select(func.count())
         .select_from(Embedding)
-        .where(Embedding.task_set == task_set, model_matches)
+        .where(Embedding.task_set_id == TaskSet.id, Embedding.model_id == model)
         .scalar_subquery(),
         select(func.count())
         .select_from(TaskFailure)
@@ -292,9 +303,10 @@ def outstanding_rows(
     """Task rows (indices into the task set) with neither a result nor a failure yet."""
     done = np.fromiter(
         conn.execute(
-            select(Embedding.record_no).where(
-                Embedding.task_set == task_set, Embedding.model_key == model_key
-            )
+            select(Embedding.record_no)
+            .join(TaskSet, TaskSet.id == Embedding.task_set_id)
+            .join(Model, Model.id == Embedding.model_id)
+            .where(TaskSet.name == task_set, Model.model_key == model_key)
         ).scalars(),
         dtype=np.int64,
     )

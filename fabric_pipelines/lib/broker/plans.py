@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-from sqlalchemy import Engine, update
+from sqlalchemy import Engine, select, update
 from sqlalchemy.orm import Session
 
 from fabric_gpu.manifest import EngineManifest
@@ -117,7 +117,7 @@ def load_plan_order(path: Path, sha256: str) -> np.ndarray:
 def current_plan(db: Engine, task_set: str) -> BatchPlanRow:
     """The plan that shape_batches last made for `task_set`; LookupError if there is none."""
     with Session(db, expire_on_commit=False) as session:
-        ts = session.get(TaskSet, task_set)
+        ts = session.scalars(select(TaskSet).where(TaskSet.name == task_set)).one_or_none()
         row = session.get(BatchPlanRow, ts.current_plan_id) if ts and ts.current_plan_id else None
     if row is None:
         raise LookupError(

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 from sqlalchemy import Connection, func, select
 
-from fabric_pipelines.lib.store.models import Embedding
+from fabric_pipelines.lib.store.models import Embedding, Model, TaskSet
 
 
 class BadVectorsError(ValueError):
@@ -29,28 +29,31 @@ class VectorSet:
 
 def load_vectors(conn: Connection, model_key: str) -> VectorSet:
     """Every embedding of `model_key`, ascending by id."""
+    model = select(Model.id).where(Model.model_key == model_key).scalar_subquery()
     max_id = conn.execute(
-        select(func.coalesce(func.max(Embedding.id), 0)).where(Embedding.model_key == model_key)
+        select(func.coalesce(func.max(Embedding.id), 0)).where(Embedding.model_id == model)
     ).scalar_one()
     rows = conn.execute(
-        select(Embedding.id, Embedding.dim, Embedding.vector)
-        .where(Embedding.model_key == model_key, Embedding.id <= max_id)
+        select(Embedding.id, Embedding.vector)
+        .where(Embedding.model_id == model, Embedding.id <= max_id)
         .order_by(Embedding.id)
     ).all()
     task_sets = conn.execute(
-        select(Embedding.task_set).where(Embedding.model_key == model_key).distinct()
+        select(TaskSet.name)
+        .where(TaskSet.id.in_(select(Embedding.task_set_id).where(Embedding.model_id == model)))
+        .order_by(TaskSet.name)
     ).scalars()
     if not rows:
         return VectorSet(model_key, np.zeros(0, np.int64), np.zeros((0, 0), np.float32), (), 0)
-    dims = {r.dim for r in rows}
-    if len(dims) != 1:
-        raise BadVectorsError(f"model {model_key}: embeddings of several dimensions {sorted(dims)}")
-    dim = dims.pop()
+    sizes = {len(r.vector) for r in rows}
+    if len(sizes) != 1:
+        raise BadVectorsError(
+            f"model {model_key}: embeddings of several dimensions {sorted(s // 4 for s in sizes)}"
+        )
+    dim = sizes.pop() // 4
     vectors = np.frombuffer(b"".join(r.vector for r in rows), dtype="<f4").reshape(len(rows), dim)
     ids = np.fromiter((r.id for r in rows), dtype=np.int64, count=len(rows))
-    return VectorSet(
-        model_key, ids, vectors.astype(np.float32), tuple(sorted(task_sets)), int(max_id)
-    )
+    return VectorSet(model_key, ids, vectors.astype(np.float32), tuple(task_sets), int(max_id))
 
 
 def check_vectors(vectors: np.ndarray, metric: str) -> None:

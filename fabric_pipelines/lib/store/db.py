@@ -53,7 +53,7 @@ def create_schema(engine: Engine) -> None:
     Base.metadata.create_all(engine)
 
 
-def insert_ignoring_duplicates(engine: Engine, model: type[Base]) -> Insert:
+def insert_ignoring_duplicates(engine: Engine | Any, model: type[Base]) -> Insert:
     """INSERT ... ON CONFLICT DO NOTHING for this engine's dialect: the idempotent write."""
     if engine.dialect.name == "postgresql":
         return postgresql.insert(model).on_conflict_do_nothing()

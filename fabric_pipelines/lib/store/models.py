@@ -38,7 +38,8 @@ class TaskSet(Base):
 
     __tablename__ = "task_sets"
 
-    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(64), unique=True)
     source_sha256: Mapped[str] = mapped_column(String(64))  # the submitted file
     content_sha256: Mapped[str] = mapped_column(String(64))  # the stored Arrow file
     path: Mapped[str] = mapped_column(Text)
@@ -50,6 +51,26 @@ class TaskSet(Base):
     truncated: Mapped[int] = mapped_column(BigInteger, default=0)
     current_plan_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Task(Base):
+    """The id of every task that became a task (records that failed at ingest are not here)."""
+
+    __tablename__ = "tasks"
+    __table_args__ = (UniqueConstraint("task_set_id", "task_id", name="uq_tasks_id"),)
+
+    task_set_id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    record_no: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    task_id: Mapped[str] = mapped_column(String(256))
+
+
+class Model(Base):
+    """A model key (name@weights:pooling) and the small integer embeddings refer to it by."""
+
+    __tablename__ = "models"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    model_key: Mapped[str] = mapped_column(String(128), unique=True)
 
 
 class TaskFailure(Base):
@@ -109,24 +130,25 @@ class Batch(Base):
 
 
 class Embedding(Base):
-    """One pooled embedding per (task set, task id, model key): written once, never twice."""
+    """One pooled embedding per (task set, task, model): written once, never twice.
+
+    Every column is fixed-width (the task is its record number in the set, the set and the model
+    small integers), so the writer builds PostgreSQL's binary COPY payload for a whole batch with
+    one NumPy structured array instead of row by row. `vector` holds float32 little-endian bytes.
+    """
 
     __tablename__ = "embeddings"
     __table_args__ = (
-        UniqueConstraint("task_set", "task_id", "model_key", name="uq_embeddings_task_model"),
-        Index("ix_embeddings_model", "model_key", "id"),
+        UniqueConstraint("task_set_id", "record_no", "model_id", name="uq_embeddings_task_model"),
+        Index("ix_embeddings_model", "model_id", "id"),
     )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
-    task_set: Mapped[str] = mapped_column(String(64))
-    task_id: Mapped[str] = mapped_column(String(256))
-    model_key: Mapped[str] = mapped_column(String(128))
+    task_set_id: Mapped[int] = mapped_column(Integer)
     record_no: Mapped[int] = mapped_column(BigInteger)
+    model_id: Mapped[int] = mapped_column(Integer)
     n_tokens: Mapped[int] = mapped_column(Integer)
-    dim: Mapped[int] = mapped_column(Integer)
-    vector: Mapped[bytes] = mapped_column(LargeBinary)  # float32, little-endian
-    plan_id: Mapped[str] = mapped_column(String(64))
-    batch_no: Mapped[int] = mapped_column(Integer)
+    vector: Mapped[bytes] = mapped_column(LargeBinary)
 
 
 class HiddenStateShard(Base):

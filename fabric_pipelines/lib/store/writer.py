@@ -1,82 +1,270 @@
-"""Writing one batch's results: embeddings, shard reference and ledger ack in one transaction.
+"""Writing results: write-behind, batched, idempotent, and fenced by the ledger.
 
-Rows are keyed by (task set, task id, model key) and inserted with ON CONFLICT DO NOTHING, and the
-ack is fenced by the lease epoch in the same transaction: a retried batch finds its rows all there
-and acknowledged, or not there at all, and never writes a row twice.
+The drain hands each finished batch to `WriteBehind.put`, which queues it (a full queue blocks
+the producer: nothing is dropped). One writer thread takes a few batches at a time and commits
+them in one transaction: first each batch's ack (accepted only with the lease's current epoch),
+then the rows of the acked batches — on PostgreSQL one binary COPY built in bulk (pgcopy.py),
+on SQLite one executemany — and their hidden-state shard references. A stale batch is dropped
+from the group before its rows are written. Rows are keyed by (task set, task, model): if a
+replay finds rows already there (the previous attempt committed but its reply was lost), the
+group is written again through a staging table with ON CONFLICT DO NOTHING.
+
+Lost connections are retried with back-off, the whole group each time (idempotent), up to a
+bound; then the writer fails with an error that says how long it tried.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine, exc
 
-from fabric_pipelines.lib.broker.ledger import Lease, ack
+from fabric_pipelines.lib.broker.ledger import Lease, StaleLeaseError, ack
 from fabric_pipelines.lib.store.db import insert_ignoring_duplicates
-from fabric_pipelines.lib.store.models import Embedding, HiddenStateShard
+from fabric_pipelines.lib.store.models import HiddenStateShard
+from fabric_pipelines.lib.store.pgcopy import embeddings_payload
 from fabric_pipelines.lib.store.shards import ShardFile
 
+COPY_EMBEDDINGS = "COPY embeddings (task_set_id, record_no, model_id, n_tokens, vector) FROM STDIN (FORMAT BINARY)"
 
-@dataclass(frozen=True)
-class BatchResults:
+
+@dataclass
+class BatchRows:
+    """One batch's results, ready to write."""
+
+    lease: Lease
     task_set: str
+    task_set_id: int
     model_key: str
-    task_ids: list[str]
+    model_id: int
     record_no: np.ndarray  # int64 [items]
-    lengths: np.ndarray  # int64 [items]
+    n_tokens: np.ndarray  # int64 [items]
     pooled: np.ndarray  # float32 [items, dim]
+    shard: ShardFile | None = None
+    layers: tuple[int, ...] = ()
 
 
-def write_batch(
-    engine: Engine,
-    lease: Lease,
-    results: BatchResults,
-    shard: ShardFile | None = None,
-    layers: tuple[int, ...] = (),
-) -> int:
-    """Insert the batch's rows and ack its lease atomically; returns rows newly inserted."""
-    pooled = np.ascontiguousarray(results.pooled, dtype="<f4")
-    dim = int(pooled.shape[1])
-    rows = [
-        {
-            "task_set": results.task_set,
-            "task_id": task_id,
-            "model_key": results.model_key,
-            "record_no": int(record_no),
-            "n_tokens": int(n_tokens),
-            "dim": dim,
-            "vector": vector.tobytes(),
-            "plan_id": lease.plan_id,
-            "batch_no": lease.batch_no,
-        }
-        for task_id, record_no, n_tokens, vector in zip(
-            results.task_ids, results.record_no, results.lengths, pooled, strict=True
-        )
-    ]
+@dataclass
+class GroupOutcome:
+    acked: list[BatchRows] = field(default_factory=list)
+    stale: list[tuple[BatchRows, str]] = field(default_factory=list)
+    inserted: int = 0
+
+
+def write_group(engine: Engine, group: list[BatchRows], upsert: bool = False) -> GroupOutcome:
+    """Ack and write `group` in one transaction; returns what was acked, stale and inserted."""
+    outcome = GroupOutcome()
     with engine.begin() as conn:
-        # RETURNING counts the rows really inserted (executemany rowcounts are not portable).
-        inserted = len(
-            conn.execute(
-                insert_ignoring_duplicates(engine, Embedding).returning(Embedding.id), rows
-            ).all()
-        )
-        if shard is not None:
-            conn.execute(
-                insert_ignoring_duplicates(engine, HiddenStateShard),
-                {
-                    "sha256": shard.sha256,
-                    "task_set": results.task_set,
-                    "model_key": results.model_key,
-                    "plan_id": lease.plan_id,
-                    "batch_no": lease.batch_no,
-                    "layers": json.dumps(list(layers)),
-                    "n_items": len(rows),
-                    "n_tokens": int(results.lengths.sum()),
-                    "path": str(shard.path),
-                    "bytes": shard.bytes,
-                },
+        for batch in group:
+            try:
+                ack(conn, batch.lease)
+                outcome.acked.append(batch)
+            except StaleLeaseError as stale:
+                outcome.stale.append((batch, str(stale)))
+        if outcome.acked:
+            outcome.inserted = _insert_rows(conn, outcome.acked, upsert)
+            shards = [_shard_row(b) for b in outcome.acked if b.shard is not None]
+            if shards:
+                conn.execute(insert_ignoring_duplicates(engine, HiddenStateShard), shards)
+    return outcome
+
+
+def _insert_rows(conn: Connection, batches: list[BatchRows], upsert: bool) -> int:
+    columns = {
+        "task_set_id": np.concatenate([np.full(len(b.record_no), b.task_set_id) for b in batches]),
+        "record_no": np.concatenate([b.record_no for b in batches]),
+        "model_id": np.concatenate([np.full(len(b.record_no), b.model_id) for b in batches]),
+        "n_tokens": np.concatenate([b.n_tokens for b in batches]),
+        "vectors": np.concatenate([np.ascontiguousarray(b.pooled, dtype="<f4") for b in batches]),
+    }
+    if conn.dialect.name == "postgresql":
+        payload = embeddings_payload(
+            columns["task_set_id"], columns["record_no"], columns["model_id"],
+            columns["n_tokens"], columns["vectors"],
+        )  # fmt: skip
+        raw = conn.connection.driver_connection
+        assert raw is not None
+        with raw.cursor() as cur:
+            if not upsert:
+                with cur.copy(COPY_EMBEDDINGS) as copy:
+                    copy.write(payload)
+                return int(cur.rowcount)
+            cur.execute(
+                "CREATE TEMP TABLE IF NOT EXISTS staging_embeddings "
+                "(LIKE embeddings INCLUDING DEFAULTS) ON COMMIT DELETE ROWS"
             )
-        ack(conn, lease)
-    return inserted
+            with cur.copy(
+                COPY_EMBEDDINGS.replace("COPY embeddings", "COPY staging_embeddings")
+            ) as copy:
+                copy.write(payload)
+            cur.execute(
+                "INSERT INTO embeddings (task_set_id, record_no, model_id, n_tokens, vector) "
+                "SELECT task_set_id, record_no, model_id, n_tokens, vector FROM staging_embeddings "
+                "ON CONFLICT DO NOTHING"
+            )
+            return int(cur.rowcount)
+    # SQLite: one executemany, duplicates ignored (the unique key makes a replay harmless).
+    vectors = columns["vectors"]
+    rows = zip(
+        columns["task_set_id"].tolist(),
+        columns["record_no"].tolist(),
+        columns["model_id"].tolist(),
+        columns["n_tokens"].tolist(),
+        (memoryview(v).tobytes() for v in vectors),
+        strict=True,
+    )
+    cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+    cursor.executemany(
+        "INSERT OR IGNORE INTO embeddings (task_set_id, record_no, model_id, n_tokens, vector) "
+        "VALUES (?, ?, ?, ?, ?)",
+        rows,
+    )
+    return int(cursor.rowcount)
+
+
+def _shard_row(batch: BatchRows) -> dict[str, Any]:
+    assert batch.shard is not None
+    return {
+        "sha256": batch.shard.sha256,
+        "task_set": batch.task_set,
+        "model_key": batch.model_key,
+        "plan_id": batch.lease.plan_id,
+        "batch_no": batch.lease.batch_no,
+        "layers": json.dumps(list(batch.layers)),
+        "n_items": len(batch.record_no),
+        "n_tokens": int(batch.n_tokens.sum()),
+        "path": str(batch.shard.path),
+        "bytes": batch.shard.bytes,
+    }
+
+
+def is_connection_error(error: BaseException) -> bool:
+    """A lost or refused connection (worth a retry), as opposed to a bad statement."""
+    if isinstance(error, exc.DBAPIError) and error.connection_invalidated:
+        return True
+    return isinstance(error, exc.OperationalError | exc.InterfaceError) and "locked" not in str(
+        error
+    )
+
+
+class WriterGaveUp(RuntimeError):
+    pass
+
+
+class WriteBehind:
+    """A bounded queue and one writer thread. `on_written(outcome)` runs on the writer thread
+    after each committed group; `close()` flushes, joins and re-raises a writer failure."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        on_written: Callable[[GroupOutcome], None],
+        *,
+        max_batches: int = 16,
+        group_batches: int = 8,
+        attempts: int = 8,
+        first_backoff_s: float = 0.25,
+        max_backoff_s: float = 5.0,
+        before_write: Callable[[BatchRows], None] | None = None,
+    ) -> None:
+        self._engine = engine
+        self._on_written = on_written
+        self._before_write = before_write
+        self._queue: queue.Queue[BatchRows | None] = queue.Queue(maxsize=max_batches)
+        self._group = group_batches
+        self._attempts = attempts
+        self._backoff = (first_backoff_s, max_backoff_s)
+        self._error: BaseException | None = None
+        self.retries = 0
+        self._thread = threading.Thread(target=self._run, name="fabric-writer", daemon=True)
+        self._thread.start()
+
+    def put(self, batch: BatchRows) -> None:
+        """Queue a batch; blocks while the queue is full. Raises if the writer has failed."""
+        if self._error is not None:
+            raise self._error
+        self._queue.put(batch)
+
+    def flush(self) -> None:
+        """Wait until everything queued so far is written; re-raise a writer failure."""
+        self._queue.join()
+        if self._error is not None:
+            raise self._error
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+    def _run(self) -> None:
+        done = False
+        while not done:
+            first = self._queue.get()
+            if first is None:
+                self._queue.task_done()
+                return
+            group = [first]
+            taken = 1
+            while len(group) < self._group:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                taken += 1
+                if item is None:
+                    done = True
+                    break
+                group.append(item)
+            try:
+                if self._error is None:  # after a failure, keep draining: producers never block
+                    if self._before_write is not None:
+                        for batch in group:
+                            self._before_write(batch)
+                    self._on_written(self._write_with_retries(group))
+            except BaseException as error:
+                self._error = error
+            finally:
+                for _ in range(taken):
+                    self._queue.task_done()
+
+    def _write_with_retries(self, group: list[BatchRows]) -> GroupOutcome:
+        started = time.monotonic()
+        delay, cap = self._backoff
+        upsert = False
+        for attempt in range(1, self._attempts + 1):
+            try:
+                return write_group(self._engine, group, upsert=upsert)
+            except exc.IntegrityError:
+                if upsert:
+                    raise
+                upsert = True  # rows already there: an earlier attempt committed; replay safely
+            except Exception as error:
+                if not is_connection_error(error) or attempt == self._attempts:
+                    if is_connection_error(error):
+                        raise WriterGaveUp(
+                            f"the database stayed unreachable: gave up writing {len(group)} "
+                            f"batch(es) after {attempt} attempts over "
+                            f"{time.monotonic() - started:.1f} s: {error}"
+                        ) from error
+                    raise
+                self.retries += 1
+                upsert = True  # the lost attempt may have committed
+                time.sleep(delay)
+                delay = min(delay * 2, cap)
+        raise AssertionError("unreachable")
+
+
+def write_batch(engine: Engine, lease: Lease, rows: BatchRows) -> int:
+    """Write one batch synchronously (tests, small tools); StaleLeaseError if its lease moved on."""
+    outcome = write_group(engine, [rows])
+    if outcome.stale:
+        raise StaleLeaseError(outcome.stale[0][1])
+    return outcome.inserted

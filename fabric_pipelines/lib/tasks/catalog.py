@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.csv as pa_csv
 from sqlalchemy import Engine, delete, insert, select
 from sqlalchemy.orm import Session
 
@@ -21,6 +23,7 @@ from fabric_pipelines.lib.store.models import (
     BatchPlan,
     Embedding,
     HiddenStateShard,
+    Task,
     TaskFailure,
     TaskSet,
 )
@@ -63,7 +66,7 @@ def ingest_task_set(
     model_dir = resolve_model_dir(model_id)
     tok_sha = tokenizer_sha256(model_dir)
     with Session(db) as session:
-        existing = session.get(TaskSet, task_set)
+        existing = session.scalars(select(TaskSet).where(TaskSet.name == task_set)).one_or_none()
         if existing is not None:
             _check_same(existing, source_sha, tok_sha, max_seq_len)
             table = read_table(Path(existing.path), existing.content_sha256)
@@ -109,8 +112,8 @@ def ingest_task_set(
         },
     )
     with db.begin() as conn:
-        conn.execute(
-            insert(TaskSet),
+        set_id = conn.execute(
+            insert(TaskSet).returning(TaskSet.id),
             {
                 "name": task_set,
                 "source_sha256": source_sha,
@@ -123,7 +126,8 @@ def ingest_task_set(
                 "n_tasks": len(tasks.task_ids),
                 "truncated": tasks.truncated,
             },
-        )
+        ).scalar_one()
+        write_task_ids(conn, set_id, tasks.record_no, tasks.task_ids)
         if tasks.failures:
             conn.execute(
                 insert(TaskFailure),
@@ -160,7 +164,7 @@ def task_lengths(table: pa.Table) -> np.ndarray:
 
 def get_task_set(db: Engine, task_set: str) -> TaskSet:
     with Session(db, expire_on_commit=False) as session:
-        row = session.get(TaskSet, task_set)
+        row = session.scalars(select(TaskSet).where(TaskSet.name == task_set)).one_or_none()
     if row is None:
         raise LookupError(
             f"task set {task_set!r} is not ingested; materialise tokenised_tasks first"
@@ -183,6 +187,36 @@ def _check_same(existing: TaskSet, source_sha: str, tok_sha: str, max_seq_len: i
         )
 
 
+def write_task_ids(conn: Any, set_id: int, record_no: np.ndarray, task_ids: list[str]) -> None:
+    """Every task's id, in bulk: PostgreSQL COPY of a CSV that Arrow writes; SQLite executemany."""
+    if not task_ids:
+        return
+    if conn.dialect.name == "postgresql":
+        table = pa.table(
+            {
+                "task_set_id": pa.array(np.full(len(task_ids), set_id, dtype=np.int32)),
+                "record_no": pa.array(record_no, type=pa.int64()),
+                "task_id": pa.array(task_ids, type=pa.string()),
+            }
+        )
+        sink = pa.BufferOutputStream()
+        pa_csv.write_csv(table, sink, pa_csv.WriteOptions(include_header=False))
+        raw = conn.connection.driver_connection
+        with (
+            raw.cursor() as cur,
+            cur.copy(
+                "COPY tasks (task_set_id, record_no, task_id) FROM STDIN (FORMAT csv)"
+            ) as copy,
+        ):
+            copy.write(sink.getvalue().to_pybytes())
+        return
+    cursor = conn.connection.driver_connection.cursor()
+    cursor.executemany(
+        "INSERT INTO tasks (task_set_id, record_no, task_id) VALUES (?, ?, ?)",
+        zip([set_id] * len(task_ids), record_no.tolist(), task_ids, strict=True),
+    )
+
+
 def list_task_sets(db: Engine) -> list[str]:
     with Session(db) as session:
         return list(session.scalars(select(TaskSet.name).order_by(TaskSet.name)))
@@ -194,7 +228,11 @@ def forget_task_set(db: Engine, paths: FabricPaths, task_set: str) -> None:
     Shard files are content-addressed and may be shared, so only their rows go; the files stay.
     """
     with db.begin() as conn:
-        for table in (Embedding, TaskFailure, Batch, BatchPlan, HiddenStateShard):
+        set_id = conn.execute(select(TaskSet.id).where(TaskSet.name == task_set)).scalar()
+        if set_id is not None:
+            conn.execute(delete(Embedding).where(Embedding.task_set_id == set_id))
+            conn.execute(delete(Task).where(Task.task_set_id == set_id))
+        for table in (TaskFailure, Batch, BatchPlan, HiddenStateShard):
             conn.execute(delete(table).where(table.task_set == task_set))
         conn.execute(delete(TaskSet).where(TaskSet.name == task_set))
     (paths.task_sets / f"{task_set}.arrow").unlink(missing_ok=True)
