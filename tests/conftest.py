@@ -70,16 +70,18 @@ def postgres_server_url() -> Iterator[str]:
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def db_url(request: pytest.FixtureRequest, paths: FabricPaths) -> Iterator[str]:
     """Each test using this runs twice: on a fresh SQLite file and on a fresh PostgreSQL schema."""
-    from fabric_pipelines.lib.store.db import create_schema, make_engine
-    from fabric_pipelines.lib.store.models import Base
+    from sqlalchemy import text
+
+    from fabric_pipelines.lib.store.db import make_engine
 
     if request.param == "sqlite":
         yield f"sqlite:///{paths.sqlite_path}"
         return
     url = request.getfixturevalue("postgres_server_url")
     engine = make_engine(url)
-    Base.metadata.drop_all(engine)
-    create_schema(engine)
+    with engine.begin() as conn:  # an empty database: every test starts from no schema at all
+        conn.execute(text("DROP SCHEMA public CASCADE"))
+        conn.execute(text("CREATE SCHEMA public"))
     engine.dispose()
     yield url
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
-from sqlalchemy import Connection, func, select
+from sqlalchemy import Connection, func, select, text
 
 from fabric_pipelines.lib.store.models import Embedding, Model, TaskSet
 
@@ -38,6 +41,8 @@ def load_vectors(conn: Connection, model_key: str) -> VectorSet:
         .where(Embedding.model_id == model, Embedding.id <= max_id)
         .order_by(Embedding.id)
     ).all()
+    if rows and any(r.vector is None for r in rows):
+        rows = _with_pgvector_values(conn, list(rows))
     task_sets = conn.execute(
         select(TaskSet.name)
         .where(TaskSet.id.in_(select(Embedding.task_set_id).where(Embedding.model_id == model)))
@@ -54,6 +59,24 @@ def load_vectors(conn: Connection, model_key: str) -> VectorSet:
     vectors = np.frombuffer(b"".join(r.vector for r in rows), dtype="<f4").reshape(len(rows), dim)
     ids = np.fromiter((r.id for r in rows), dtype=np.int64, count=len(rows))
     return VectorSet(model_key, ids, vectors.astype(np.float32), tuple(task_sets), int(max_id))
+
+
+def _with_pgvector_values(conn: Connection, rows: list[Any]) -> Any:
+    """Rows whose embedding is stored as a pgvector value (schema revision 0002): read its text
+    form and turn it into the same float32 bytes as the `vector` column holds."""
+    ids = [r.id for r in rows if r.vector is None]
+    values: dict[int, str] = dict(
+        conn.execute(
+            text("select id, embedding::text from embeddings where id = any(:ids)"), {"ids": ids}
+        ).all()
+    )
+    out = []
+    for r in rows:
+        if r.vector is None:
+            floats = np.array(json.loads(values[r.id]), dtype="<f4")
+            r = SimpleNamespace(id=r.id, vector=floats.tobytes())
+        out.append(r)
+    return out
 
 
 def check_vectors(vectors: np.ndarray, metric: str) -> None:

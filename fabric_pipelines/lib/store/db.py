@@ -50,7 +50,10 @@ def make_engine(url: str) -> Engine:
 
 
 def create_schema(engine: Engine) -> None:
-    Base.metadata.create_all(engine)
+    """Bring the database to the newest schema revision (Alembic; a no-op when it is)."""
+    from fabric_pipelines.lib.store.schema import upgrade
+
+    upgrade(engine)
 
 
 def insert_ignoring_duplicates(engine: Engine | Any, model: type[Base]) -> Insert:

@@ -20,12 +20,21 @@ def embeddings_payload(
     model_id: np.ndarray,
     n_tokens: np.ndarray,
     vectors: np.ndarray,
+    pgvector: bool = False,
 ) -> bytes:
-    """Rows for `COPY embeddings (task_set_id, record_no, model_id, n_tokens, vector) FROM STDIN
-    (FORMAT BINARY)`; `vectors` is float32 [rows, dim], stored as little-endian bytes."""
-    vectors = np.ascontiguousarray(vectors, dtype="<f4")
+    """Rows for `COPY embeddings (task_set_id, record_no, model_id, n_tokens, <vector column>)
+    FROM STDIN (FORMAT BINARY)`; `vectors` is float32 [rows, dim]. The last field is bytea of
+    little-endian float32 (`vector`), or with `pgvector` the extension's binary `vector` value:
+    16-bit dimension, 16-bit zero, float32 in network order (`embedding`)."""
     rows, dim = vectors.shape
-    vector_bytes = dim * 4
+    if pgvector:
+        head = np.zeros((rows, 2), dtype=">i2")
+        head[:, 0] = dim
+        values = np.ascontiguousarray(vectors, dtype=">f4").view(np.uint8).reshape(rows, dim * 4)
+        last = np.concatenate([head.view(np.uint8).reshape(rows, 4), values], axis=1)
+    else:
+        last = np.ascontiguousarray(vectors, dtype="<f4").view(np.uint8).reshape(rows, dim * 4)
+    vector_bytes = last.shape[1]
     layout = np.dtype(
         [
             ("fields", ">i2"),
@@ -47,5 +56,5 @@ def embeddings_payload(
     out["len_tokens"] = 4
     out["n_tokens"] = n_tokens
     out["len_vector"] = vector_bytes
-    out["vector"] = vectors.view(f"V{vector_bytes}").reshape(rows)
+    out["vector"] = np.ascontiguousarray(last).view(f"V{vector_bytes}").reshape(rows)
     return HEADER + out.tobytes() + TRAILER

@@ -30,6 +30,7 @@ from fabric_pipelines.lib.broker.ledger import Lease, StaleLeaseError, ack
 from fabric_pipelines.lib.store.db import insert_ignoring_duplicates
 from fabric_pipelines.lib.store.models import HiddenStateShard
 from fabric_pipelines.lib.store.pgcopy import embeddings_payload
+from fabric_pipelines.lib.store.schema import stores_pgvector
 from fabric_pipelines.lib.store.shards import ShardFile
 
 COPY_EMBEDDINGS = "COPY embeddings (task_set_id, record_no, model_id, n_tokens, vector) FROM STDIN (FORMAT BINARY)"
@@ -58,7 +59,9 @@ class GroupOutcome:
     inserted: int = 0
 
 
-def write_group(engine: Engine, group: list[BatchRows], upsert: bool = False) -> GroupOutcome:
+def write_group(
+    engine: Engine, group: list[BatchRows], upsert: bool = False, pgvector: bool = False
+) -> GroupOutcome:
     """Ack and write `group` in one transaction; returns what was acked, stale and inserted."""
     outcome = GroupOutcome()
     with engine.begin() as conn:
@@ -69,14 +72,14 @@ def write_group(engine: Engine, group: list[BatchRows], upsert: bool = False) ->
             except StaleLeaseError as stale:
                 outcome.stale.append((batch, str(stale)))
         if outcome.acked:
-            outcome.inserted = _insert_rows(conn, outcome.acked, upsert)
+            outcome.inserted = _insert_rows(conn, outcome.acked, upsert, pgvector)
             shards = [_shard_row(b) for b in outcome.acked if b.shard is not None]
             if shards:
                 conn.execute(insert_ignoring_duplicates(engine, HiddenStateShard), shards)
     return outcome
 
 
-def _insert_rows(conn: Connection, batches: list[BatchRows], upsert: bool) -> int:
+def _insert_rows(conn: Connection, batches: list[BatchRows], upsert: bool, pgvector: bool) -> int:
     columns = {
         "task_set_id": np.concatenate([np.full(len(b.record_no), b.task_set_id) for b in batches]),
         "record_no": np.concatenate([b.record_no for b in batches]),
@@ -87,27 +90,29 @@ def _insert_rows(conn: Connection, batches: list[BatchRows], upsert: bool) -> in
     if conn.dialect.name == "postgresql":
         payload = embeddings_payload(
             columns["task_set_id"], columns["record_no"], columns["model_id"],
-            columns["n_tokens"], columns["vectors"],
+            columns["n_tokens"], columns["vectors"], pgvector=pgvector,
         )  # fmt: skip
+        statement = (
+            COPY_EMBEDDINGS.replace("vector)", "embedding)") if pgvector else COPY_EMBEDDINGS
+        )
         raw = conn.connection.driver_connection
         assert raw is not None
         with raw.cursor() as cur:
             if not upsert:
-                with cur.copy(COPY_EMBEDDINGS) as copy:
+                with cur.copy(statement) as copy:
                     copy.write(payload)
                 return int(cur.rowcount)
             cur.execute(
                 "CREATE TEMP TABLE IF NOT EXISTS staging_embeddings "
                 "(LIKE embeddings INCLUDING DEFAULTS) ON COMMIT DELETE ROWS"
             )
-            with cur.copy(
-                COPY_EMBEDDINGS.replace("COPY embeddings", "COPY staging_embeddings")
-            ) as copy:
+            column = "embedding" if pgvector else "vector"
+            with cur.copy(statement.replace("COPY embeddings", "COPY staging_embeddings")) as copy:
                 copy.write(payload)
             cur.execute(
-                "INSERT INTO embeddings (task_set_id, record_no, model_id, n_tokens, vector) "
-                "SELECT task_set_id, record_no, model_id, n_tokens, vector FROM staging_embeddings "
-                "ON CONFLICT DO NOTHING"
+                f"INSERT INTO embeddings (task_set_id, record_no, model_id, n_tokens, {column}) "
+                f"SELECT task_set_id, record_no, model_id, n_tokens, {column} "
+                "FROM staging_embeddings ON CONFLICT DO NOTHING"
             )
             return int(cur.rowcount)
     # SQLite: one executemany, duplicates ignored (the unique key makes a replay harmless).
@@ -182,6 +187,7 @@ class WriteBehind:
         self._attempts = attempts
         self._backoff = (first_backoff_s, max_backoff_s)
         self._error: BaseException | None = None
+        self._pgvector = stores_pgvector(engine)
         self.retries = 0
         self._thread = threading.Thread(target=self._run, name="fabric-writer", daemon=True)
         self._thread.start()
@@ -241,7 +247,7 @@ class WriteBehind:
         upsert = False
         for attempt in range(1, self._attempts + 1):
             try:
-                return write_group(self._engine, group, upsert=upsert)
+                return write_group(self._engine, group, upsert=upsert, pgvector=self._pgvector)
             except exc.IntegrityError:
                 if upsert:
                     raise
