@@ -267,6 +267,31 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_db(args: argparse.Namespace) -> int:
+    from fabric_pipelines.lib.settings import FabricPaths, database_url, redact_url
+    from fabric_pipelines.lib.store.db import make_engine
+    from fabric_pipelines.lib.store.schema import (
+        current_revision,
+        downgrade,
+        stores_pgvector,
+        upgrade,
+    )
+
+    root = _prepare_environment()
+    url = database_url(FabricPaths(root))
+    engine = make_engine(url)
+    if args.action == "upgrade":
+        upgrade(engine, args.revision or "head")
+    elif args.action == "downgrade":
+        downgrade(engine, args.revision or "-1")
+    revision = current_revision(engine)
+    storage = "pgvector" if revision and stores_pgvector(engine) else "float32 bytes"
+    print(
+        f"{redact_url(url)}: schema revision {revision or 'none (empty)'}; embeddings as {storage}"
+    )
+    return 0
+
+
 def _worker(argv: list[str]) -> int:
     from fabric_pipelines.lib.workers import main as worker_main
 
@@ -325,6 +350,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     worker.add_argument("args", nargs=argparse.REMAINDER, help="see fabric worker -h")
     worker.set_defaults(func=lambda a: _worker(a.args))
+
+    db = sub.add_parser("db", help="the results database's schema: upgrade, downgrade, current")
+    db.add_argument("action", choices=["upgrade", "downgrade", "current"])
+    db.add_argument("revision", nargs="?", help="target revision (upgrade: head; downgrade: -1)")
+    db.set_defaults(func=cmd_db)
 
     status = sub.add_parser(
         "status", help="accounting per task set: tasks = completed + failed + ..."

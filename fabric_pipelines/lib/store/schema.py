@@ -23,7 +23,17 @@ def _config(connection: object) -> Config:
     return config
 
 
+class UnversionedSchemaError(RuntimeError):
+    pass
+
+
 def upgrade(engine: Engine, revision: str = "head") -> None:
+    if current_revision(engine) is None and "embeddings" in inspect(engine).get_table_names():
+        raise UnversionedSchemaError(
+            f"{engine.url.render_as_string(hide_password=True)} holds fabric tables without a "
+            "schema revision (made before migrations existed); point FABRIC_DATABASE_URL at a "
+            "new database, or drop those tables"
+        )
     with engine.begin() as conn:
         command.upgrade(_config(conn), revision)
 
