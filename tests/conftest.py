@@ -62,6 +62,7 @@ def postgres_server_url() -> Iterator[str]:
     try:
         yield url
     finally:
+        admin.dispose()  # a test may have restarted the server: start from fresh connections
         with admin.connect() as conn:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()

@@ -86,7 +86,7 @@ def build_and_publish(
         "source": {
             "table": "embeddings",
             "predicate": {"model_key": model_key},
-            "watermark": {"max_id": source.max_id, "rows": len(source.ids)},
+            "watermark": {"rows": len(source.ids), "max_index_id": int(source.ids.max())},
             "task_sets": list(source.task_sets),
         },
         "ids_sha256": array_sha256(source.ids.astype("<i8")),

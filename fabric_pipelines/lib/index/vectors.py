@@ -8,9 +8,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Connection, func, select, text
+from sqlalchemy import BigInteger, Connection, cast, literal, select, text
 
 from fabric_pipelines.lib.store.models import Embedding, Model, TaskSet
+
+# An index id packs the task set and the task: task_set_id * 2**40 + record_no.
+ID_STRIDE = 1 << 40
 
 
 class BadVectorsError(ValueError):
@@ -20,10 +23,9 @@ class BadVectorsError(ValueError):
 @dataclass(frozen=True)
 class VectorSet:
     model_key: str
-    ids: np.ndarray  # int64, ascending: the embeddings.id of each row
+    ids: np.ndarray  # int64, ascending: task_set_id * ID_STRIDE + record_no of each row
     vectors: np.ndarray  # float32 [n, dim]
     task_sets: tuple[str, ...]
-    max_id: int  # the watermark: rows with larger ids are not in this set
 
     @property
     def dim(self) -> int:
@@ -33,13 +35,16 @@ class VectorSet:
 def load_vectors(conn: Connection, model_key: str) -> VectorSet:
     """Every embedding of `model_key`, ascending by id."""
     model = select(Model.id).where(Model.model_key == model_key).scalar_subquery()
-    max_id = conn.execute(
-        select(func.coalesce(func.max(Embedding.id), 0)).where(Embedding.model_id == model)
-    ).scalar_one()
     rows = conn.execute(
-        select(Embedding.id, Embedding.vector)
-        .where(Embedding.model_id == model, Embedding.id <= max_id)
-        .order_by(Embedding.id)
+        select(
+            (
+                cast(Embedding.task_set_id, BigInteger) * literal(ID_STRIDE, BigInteger)
+                + Embedding.record_no
+            ).label("id"),
+            Embedding.vector,
+        )
+        .where(Embedding.model_id == model)
+        .order_by(Embedding.task_set_id, Embedding.record_no)
     ).all()
     if rows and any(r.vector is None for r in rows):
         rows = _with_pgvector_values(conn, list(rows))
@@ -49,7 +54,7 @@ def load_vectors(conn: Connection, model_key: str) -> VectorSet:
         .order_by(TaskSet.name)
     ).scalars()
     if not rows:
-        return VectorSet(model_key, np.zeros(0, np.int64), np.zeros((0, 0), np.float32), (), 0)
+        return VectorSet(model_key, np.zeros(0, np.int64), np.zeros((0, 0), np.float32), ())
     sizes = {len(r.vector) for r in rows}
     if len(sizes) != 1:
         raise BadVectorsError(
@@ -58,7 +63,7 @@ def load_vectors(conn: Connection, model_key: str) -> VectorSet:
     dim = sizes.pop() // 4
     vectors = np.frombuffer(b"".join(r.vector for r in rows), dtype="<f4").reshape(len(rows), dim)
     ids = np.fromiter((r.id for r in rows), dtype=np.int64, count=len(rows))
-    return VectorSet(model_key, ids, vectors.astype(np.float32), tuple(task_sets), int(max_id))
+    return VectorSet(model_key, ids, vectors.astype(np.float32), tuple(task_sets))
 
 
 def _with_pgvector_values(conn: Connection, rows: list[Any]) -> Any:
@@ -67,7 +72,11 @@ def _with_pgvector_values(conn: Connection, rows: list[Any]) -> Any:
     ids = [r.id for r in rows if r.vector is None]
     values: dict[int, str] = dict(
         conn.execute(
-            text("select id, embedding::text from embeddings where id = any(:ids)"), {"ids": ids}
+            text(
+                "select task_set_id::bigint * :stride + record_no, embedding::text "
+                "from embeddings where task_set_id::bigint * :stride + record_no = any(:ids)"
+            ),
+            {"ids": ids, "stride": ID_STRIDE},
         ).all()
     )
     out = []

@@ -44,7 +44,8 @@ def make_engine(url: str) -> Engine:
         url,
         pool_pre_ping=True,
         connect_args={
-            "options": f"-c idle_in_transaction_session_timeout={IDLE_IN_TRANSACTION_MS}"
+            "options": f"-c idle_in_transaction_session_timeout={IDLE_IN_TRANSACTION_MS}",
+            "application_name": "fabric",
         },
     )
 

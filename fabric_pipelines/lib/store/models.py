@@ -130,7 +130,7 @@ class Batch(Base):
 
 
 class Embedding(Base):
-    """One pooled embedding per (task set, task, model): written once, never twice.
+    """One pooled embedding per (model, task set, task): written once, never twice.
 
     Every column is fixed-width (the task is its record number in the set, the set and the model
     small integers), so the writer builds PostgreSQL's binary COPY payload for a whole batch with
@@ -138,15 +138,12 @@ class Embedding(Base):
     """
 
     __tablename__ = "embeddings"
-    __table_args__ = (
-        UniqueConstraint("task_set_id", "record_no", "model_id", name="uq_embeddings_task_model"),
-        Index("ix_embeddings_model", "model_id", "id"),
-    )
 
-    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
-    task_set_id: Mapped[int] = mapped_column(Integer)
-    record_no: Mapped[int] = mapped_column(BigInteger)
-    model_id: Mapped[int] = mapped_column(Integer)
+    # The key is the idempotency key and the order an index reads a model's rows in; one index
+    # only, so each row costs one index insertion.
+    model_id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    task_set_id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    record_no: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
     n_tokens: Mapped[int] = mapped_column(Integer)
     vector: Mapped[bytes] = mapped_column(LargeBinary)
 

@@ -21,7 +21,7 @@ def embeddings_payload(
     n_tokens: np.ndarray,
     vectors: np.ndarray,
     pgvector: bool = False,
-) -> bytes:
+) -> bytearray:
     """Rows for `COPY embeddings (task_set_id, record_no, model_id, n_tokens, <vector column>)
     FROM STDIN (FORMAT BINARY)`; `vectors` is float32 [rows, dim]. The last field is bytea of
     little-endian float32 (`vector`), or with `pgvector` the extension's binary `vector` value:
@@ -45,7 +45,12 @@ def embeddings_payload(
             ("len_vector", ">i4"), ("vector", f"V{vector_bytes}"),
         ]
     )  # fmt: skip
-    out = np.empty(rows, dtype=layout)
+    # One buffer: header, rows, trailer. The rows are a structured view into it, so the payload
+    # is written once, in place (no concatenation copies of a payload of hundreds of MB).
+    buffer = bytearray(len(HEADER) + rows * layout.itemsize + len(TRAILER))
+    buffer[: len(HEADER)] = HEADER
+    buffer[len(buffer) - len(TRAILER) :] = TRAILER
+    out = np.ndarray(rows, dtype=layout, buffer=buffer, offset=len(HEADER))
     out["fields"] = 5
     out["len_set"] = 4
     out["task_set_id"] = task_set_id
@@ -57,4 +62,4 @@ def embeddings_payload(
     out["n_tokens"] = n_tokens
     out["len_vector"] = vector_bytes
     out["vector"] = np.ascontiguousarray(last).view(f"V{vector_bytes}").reshape(rows)
-    return HEADER + out.tobytes() + TRAILER
+    return buffer

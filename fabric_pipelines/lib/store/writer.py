@@ -65,6 +65,10 @@ def write_group(
     """Ack and write `group` in one transaction; returns what was acked, stale and inserted."""
     outcome = GroupOutcome()
     with engine.begin() as conn:
+        if conn.dialect.name == "postgresql":
+            # Safe to not wait for the WAL flush: rows and ack commit or vanish together, and a
+            # batch whose commit a crash loses is simply run again (its ack is lost with it).
+            conn.exec_driver_sql("SET LOCAL synchronous_commit = off")
         for batch in group:
             try:
                 ack(conn, batch.lease)
@@ -150,13 +154,31 @@ def _shard_row(batch: BatchRows) -> dict[str, Any]:
     }
 
 
+def _driver_errors(name: str) -> tuple[type[BaseException], ...]:
+    """psycopg's own error class `name` (raised as is by COPY on the raw connection)."""
+    try:
+        import psycopg
+
+        return (getattr(psycopg, name),)
+    except ImportError:  # pragma: no cover - psycopg is a dependency
+        return ()
+
+
 def is_connection_error(error: BaseException) -> bool:
     """A lost or refused connection (worth a retry), as opposed to a bad statement."""
     if isinstance(error, exc.DBAPIError) and error.connection_invalidated:
         return True
-    return isinstance(error, exc.OperationalError | exc.InterfaceError) and "locked" not in str(
-        error
+    lost: tuple[type[BaseException], ...] = (
+        exc.OperationalError,
+        exc.InterfaceError,
+        *_driver_errors("OperationalError"),
     )
+    return isinstance(error, lost) and "locked" not in str(error)
+
+
+def is_duplicate(error: BaseException) -> bool:
+    """Rows already written: a unique-key violation (SQLAlchemy's or psycopg's own)."""
+    return isinstance(error, (exc.IntegrityError, *_driver_errors("IntegrityError")))
 
 
 class WriterGaveUp(RuntimeError):
@@ -187,7 +209,7 @@ class WriteBehind:
         self._attempts = attempts
         self._backoff = (first_backoff_s, max_backoff_s)
         self._error: BaseException | None = None
-        self._pgvector = stores_pgvector(engine)
+        self._pgvector: bool | None = None  # asked of the schema at the first write
         self.retries = 0
         self._thread = threading.Thread(target=self._run, name="fabric-writer", daemon=True)
         self._thread.start()
@@ -247,12 +269,13 @@ class WriteBehind:
         upsert = False
         for attempt in range(1, self._attempts + 1):
             try:
+                if self._pgvector is None:
+                    self._pgvector = stores_pgvector(self._engine)
                 return write_group(self._engine, group, upsert=upsert, pgvector=self._pgvector)
-            except exc.IntegrityError:
-                if upsert:
-                    raise
-                upsert = True  # rows already there: an earlier attempt committed; replay safely
             except Exception as error:
+                if is_duplicate(error) and not upsert:
+                    upsert = True  # rows already there: an earlier attempt committed; replay
+                    continue
                 if not is_connection_error(error) or attempt == self._attempts:
                     if is_connection_error(error):
                         raise WriterGaveUp(

@@ -92,17 +92,16 @@ def upgrade() -> None:
     op.create_index("ix_batches_plan_state", "batches", ["plan_id", "state", "batch_no"])
     op.create_table(
         "embeddings",
-        sa.Column("id", BigId, primary_key=True, autoincrement=True),
-        sa.Column("task_set_id", sa.Integer(), nullable=False),
-        sa.Column("record_no", sa.BigInteger(), nullable=False),
-        sa.Column("model_id", sa.Integer(), nullable=False),
+        sa.Column("model_id", sa.Integer(), primary_key=True, autoincrement=False),
+        sa.Column("task_set_id", sa.Integer(), primary_key=True, autoincrement=False),
+        sa.Column("record_no", sa.BigInteger(), primary_key=True, autoincrement=False),
         sa.Column("n_tokens", sa.Integer(), nullable=False),
         sa.Column("vector", sa.LargeBinary(), nullable=False),
-        sa.UniqueConstraint(
-            "task_set_id", "record_no", "model_id", name="uq_embeddings_task_model"
-        ),
     )
-    op.create_index("ix_embeddings_model", "embeddings", ["model_id", "id"])
+    if op.get_bind().dialect.name == "postgresql":
+        # Vectors of up to ~2,000 float32 stay in the row: PostgreSQL would otherwise try (and
+        # fail) to compress every one past 2 kB and move it to a TOAST table.
+        op.execute("ALTER TABLE embeddings SET (toast_tuple_target = 8160)")
     op.create_table(
         "hidden_state_shards",
         sa.Column("sha256", sa.String(64), primary_key=True),

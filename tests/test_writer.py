@@ -1,0 +1,216 @@
+"""The write-behind writer against the real databases: idempotent writes, a killed backend and a
+restarted server mid-run. After each: every row present exactly once, the accounting balanced."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from sqlalchemy import Engine, insert, text
+
+from fabric_pipelines.lib.broker.ledger import accounting, claim_many, register_plan
+from fabric_pipelines.lib.broker.planner import BatchPlan
+from fabric_pipelines.lib.store.db import make_engine
+from fabric_pipelines.lib.store.keys import model_id
+from fabric_pipelines.lib.store.models import BatchPlan as BatchPlanRow
+from fabric_pipelines.lib.store.models import TaskSet
+from fabric_pipelines.lib.store.writer import BatchRows, GroupOutcome, WriteBehind, WriterGaveUp
+from tests.pipeline_helpers import embedding_counts
+
+ITEMS = 256
+
+
+def _ledger(db: Engine, batches: int) -> list[BatchRows]:
+    """A task set of `batches` x ITEMS tasks, its plan in the ledger, every batch leased."""
+    plan = BatchPlan(
+        order=np.arange(batches * ITEMS),
+        seq_len=np.full(batches, 64),
+        item_start=np.arange(batches) * ITEMS,
+        item_count=np.full(batches, ITEMS),
+        real_tokens=np.full(batches, ITEMS * 50),
+        padded_tokens=np.full(batches, ITEMS * 64),
+    )
+    with db.begin() as conn:
+        set_id = conn.execute(
+            insert(TaskSet).returning(TaskSet.id),
+            {
+                "name": "w", "source_sha256": "s", "content_sha256": "c", "path": "p",
+                "model_id": "m", "tokenizer_sha256": "t", "max_seq_len": 64,
+                "n_records": batches * ITEMS, "n_tasks": batches * ITEMS, "truncated": 0,
+                "current_plan_id": "plan",
+            },
+        ).scalar_one()  # fmt: skip
+        conn.execute(
+            insert(BatchPlanRow),
+            {
+                "plan_id": "plan", "task_set": "w", "model_key": "model", "profile_json": "{}",
+                "n_batches": batches, "n_items": batches * ITEMS, "real_tokens": 0,
+                "padded_tokens": 0, "path": "p", "sha256": "x",
+            },
+        )  # fmt: skip
+        model = model_id(conn, "model")
+        register_plan(conn, "plan", "w", plan)
+    leases = sorted(claim_many(db, "plan", "me", 3600, batches), key=lambda lease: lease.batch_no)
+    vectors = np.random.default_rng(0).standard_normal((ITEMS, 384)).astype(np.float32)
+    return [
+        BatchRows(
+            lease=lease, task_set="w", task_set_id=set_id, model_key="model", model_id=model,
+            record_no=np.arange(lease.batch_no * ITEMS, (lease.batch_no + 1) * ITEMS),
+            n_tokens=np.full(ITEMS, 50), pooled=vectors + lease.batch_no,
+        )
+        for lease in leases
+    ]  # fmt: skip
+
+
+def _write_all(
+    db: Engine, batches: list[BatchRows], **kw: float
+) -> tuple[list[GroupOutcome], WriteBehind]:
+    outcomes: list[GroupOutcome] = []
+    writer = WriteBehind(db, outcomes.append, **kw)  # type: ignore[arg-type]
+    for batch in batches:
+        writer.put(batch)
+    writer.close()
+    return outcomes, writer
+
+
+def _assert_exactly_once(db: Engine, n: int) -> None:
+    assert embedding_counts(db) == (n, n)
+    with db.connect() as conn:
+        a = accounting(conn, "w", "model")
+    assert a.finished and a.completed == n, a
+
+
+def test_writing_the_same_batch_twice_leaves_one_row_per_task(db: Engine) -> None:
+    batches = _ledger(db, 4)
+    first, _ = _write_all(db, batches)
+    again, _ = _write_all(db, batches)  # a replay: same leases, same rows
+    assert sum(o.inserted for o in first) == 4 * ITEMS
+    assert sum(o.inserted for o in again) == 0
+    assert sum(len(o.acked) for o in again) == 4  # the holder's acks are idempotent
+    _assert_exactly_once(db, 4 * ITEMS)
+
+
+def test_a_full_queue_blocks_the_producer_and_drops_nothing(db: Engine) -> None:
+    batches = _ledger(db, 12)
+    gate = threading.Event()
+    outcomes: list[GroupOutcome] = []
+    writer = WriteBehind(
+        db, outcomes.append, max_batches=2, group_batches=1, before_write=lambda b: gate.wait()
+    )
+    producer = threading.Thread(target=lambda: [writer.put(b) for b in batches])
+    producer.start()
+    time.sleep(0.5)
+    assert producer.is_alive(), "a full queue must block the producer"
+    gate.set()
+    producer.join(timeout=60)
+    writer.close()
+    assert sum(o.inserted for o in outcomes) == 12 * ITEMS
+    _assert_exactly_once(db, 12 * ITEMS)
+
+
+def _kill_writer_backends(url: str, stop: threading.Event, killed: list[int]) -> None:
+    admin = make_engine(url)
+    while not stop.is_set():
+        with admin.connect() as conn:
+            pids = (
+                conn.execute(
+                    text(
+                        "select pg_terminate_backend(pid) from pg_stat_activity where "
+                        "datname = current_database() and application_name = 'fabric' "
+                        "and state = 'active' and pid <> pg_backend_pid()"
+                    )
+                )
+                .scalars()
+                .all()
+            )
+            killed.extend(1 for ok in pids if ok)
+        time.sleep(0.05)
+    admin.dispose()
+
+
+@pytest.mark.postgres
+def test_terminating_the_writer_backend_mid_write_loses_and_doubles_nothing(
+    postgres_server_url: str,
+) -> None:
+    db = _fresh(postgres_server_url)
+    batches = _ledger(db, 60)
+    stop, killed = threading.Event(), []
+    killer = threading.Thread(
+        target=_kill_writer_backends, args=(postgres_server_url, stop, killed)
+    )
+    killer.start()
+    try:
+        _, writer = _write_all(db, batches, group_batches=2, first_backoff_s=0.05)
+    finally:
+        stop.set()
+        killer.join()
+    assert killed and writer.retries > 0, "the test must have cut connections mid-write"
+    _assert_exactly_once(db, 60 * ITEMS)
+
+
+@pytest.mark.postgres
+@pytest.mark.skipif(shutil.which("pg_ctlcluster") is None, reason="pg_ctlcluster is not installed")
+def test_restarting_the_server_mid_run_loses_and_doubles_nothing(postgres_server_url: str) -> None:
+    db = _fresh(postgres_server_url)
+    batches = _ledger(db, 80)
+    version = sorted(p.name for p in Path("/etc/postgresql").iterdir())[0]
+    restarted = threading.Event()
+
+    def restart() -> None:
+        time.sleep(0.5)
+        subprocess.run(
+            [
+                "pg_ctlcluster",
+                "--skip-systemctl-redirect",
+                version,
+                "main",
+                "restart",
+                "-m",
+                "fast",
+            ],
+            check=True,
+        )
+        restarted.set()
+
+    thread = threading.Thread(target=restart)
+    thread.start()
+    outcomes: list[GroupOutcome] = []
+    # Writes spread over ~4 s, so the restart lands in the middle of them.
+    writer = WriteBehind(
+        db, outcomes.append, group_batches=1, first_backoff_s=0.25, max_backoff_s=2.0,
+        before_write=lambda batch: time.sleep(0.05),
+    )  # fmt: skip
+    for batch in batches:
+        writer.put(batch)
+    writer.close()
+    thread.join()
+    assert restarted.is_set() and writer.retries > 0, "the server restart must have hit the writer"
+    _assert_exactly_once(db, 80 * ITEMS)
+
+
+def test_the_writer_gives_up_with_a_clear_error() -> None:
+    db = make_engine("postgresql+psycopg://postgres@127.0.0.1:9/nowhere")  # nothing listens here
+    batch = BatchRows(
+        lease=None, task_set="w", task_set_id=1, model_key="m", model_id=1,  # type: ignore[arg-type]
+        record_no=np.arange(2), n_tokens=np.ones(2), pooled=np.ones((2, 4), np.float32),
+    )  # fmt: skip
+    writer = WriteBehind(db, lambda outcome: None, attempts=3, first_backoff_s=0.01)
+    writer.put(batch)
+    with pytest.raises(WriterGaveUp, match=r"gave up writing 1 batch\(es\) after 3 attempts"):
+        writer.close()
+
+
+def _fresh(url: str) -> Engine:
+    from fabric_pipelines.lib.store.db import create_schema
+
+    db = make_engine(url)
+    with db.begin() as conn:
+        conn.execute(text("DROP SCHEMA public CASCADE"))
+        conn.execute(text("CREATE SCHEMA public"))
+    create_schema(db)
+    return db
