@@ -1,4 +1,4 @@
-"""The `fabric` command line: demo, submit, status, run.
+"""The `fabric` command line: demo, submit, run, status, db, index, worker.
 
 Runs go through the same Dagster definitions the UI uses, in-process, against the instance in
 DAGSTER_HOME, so every run shows up in the UI afterwards.
@@ -292,6 +292,67 @@ def cmd_db(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_index(args: argparse.Namespace) -> int:
+    """Check an index's files against its receipt, or rebuild it from the receipt."""
+    from fabric_pipelines.lib.index.publish import load_receipt
+    from fabric_pipelines.lib.index.rebuild import ReceiptError, check_files, rebuild_from_receipt
+    from fabric_pipelines.lib.index.staleness import indexed_models, latest_receipt, staleness
+    from fabric_pipelines.lib.settings import FabricPaths, database_url
+    from fabric_pipelines.lib.store.db import create_schema, make_engine
+
+    root = _prepare_environment()
+    paths = FabricPaths(root)
+    db = make_engine(database_url(paths))
+    create_schema(db)
+    if args.action == "status":
+        with db.connect() as conn:
+            models = indexed_models(conn)
+            if not models:
+                print("no index yet: materialise vector_index (fabric demo builds one)")
+            for key in models:
+                found = staleness(conn, key, paths.indexes)
+                latest = latest_receipt(conn, key)
+                assert found is not None and latest is not None
+                problems = check_files(latest[1], paths.indexes)
+                print(
+                    f"{key}: receipt {found.receipt_sha256[:16]}, "
+                    f"{latest[1]['source']['rows']} vectors, "
+                    f"stale shards {found.stale_shards or 'none'}, "
+                    + (
+                        "files: " + ", ".join(f"{p.file} {p.problem}" for p in problems)
+                        if problems
+                        else "files intact"
+                    )
+                )
+        return 0
+    if not args.receipt:
+        print(f"fabric index {args.action}: --receipt FILE is required", file=sys.stderr)
+        return 2
+    try:
+        receipt = load_receipt(Path(args.receipt))
+    except (OSError, ValueError) as exc:
+        print(f"fabric index: cannot read receipt {args.receipt}: {exc}", file=sys.stderr)
+        return 2
+    if args.action == "verify":
+        problems = check_files(receipt, paths.indexes)
+        for p in problems:
+            print(f"{p.file}: {p.problem}")
+        print("all files match the receipt" if not problems else f"{len(problems)} problem(s)")
+        return 1 if problems else 0
+    try:
+        report = rebuild_from_receipt(db, receipt, paths.indexes, repair=not args.no_repair)
+    except ReceiptError as exc:
+        print(f"fabric index rebuild: {exc}", file=sys.stderr)
+        return 1
+    print(f"expected index sha256 {report.expected_sha256}")
+    print(f"rebuilt  index sha256 {report.rebuilt_sha256} on {report.device}")
+    print(f"tolerance {report.tolerance['kind']}: {report.detail}")
+    for name in report.repaired:
+        print(f"repaired {name}")
+    print("MATCH" if report.matches else "MISMATCH")
+    return 0 if report.matches else 1
+
+
 def _worker(argv: list[str]) -> int:
     from fabric_pipelines.lib.workers import main as worker_main
 
@@ -355,6 +416,16 @@ def build_parser() -> argparse.ArgumentParser:
     db.add_argument("action", choices=["upgrade", "downgrade", "current"])
     db.add_argument("revision", nargs="?", help="target revision (upgrade: head; downgrade: -1)")
     db.set_defaults(func=cmd_db)
+
+    index = sub.add_parser(
+        "index", help="vector indexes: status, verify files, rebuild from a receipt"
+    )
+    index.add_argument("action", choices=["status", "verify", "rebuild"])
+    index.add_argument("--receipt", help="receipt JSON (dagster_home/receipts/<sha256>.json)")
+    index.add_argument(
+        "--no-repair", action="store_true", help="rebuild: do not write back missing files"
+    )
+    index.set_defaults(func=cmd_index)
 
     status = sub.add_parser(
         "status", help="accounting per task set: tasks = completed + failed + ..."

@@ -6,8 +6,9 @@ import json
 from pathlib import Path
 
 import dagster as dg
+import numpy as np
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, insert, select
 
 from fabric_pipelines.defs.assets import (
     extraction_outputs,
@@ -18,7 +19,8 @@ from fabric_pipelines.defs.assets import (
 from fabric_pipelines.defs.resources import ArtifactStore, Database, EngineConfig
 from fabric_pipelines.lib.index.receipt import canonical_json, receipt_sha256
 from fabric_pipelines.lib.settings import FabricPaths
-from fabric_pipelines.lib.store.db import make_engine
+from fabric_pipelines.lib.store.db import create_schema, make_engine
+from fabric_pipelines.lib.store.keys import model_id
 from fabric_pipelines.lib.store.models import Embedding, IndexReceipt
 from fabric_pipelines.lib.tasks.inbox import submit
 
@@ -88,7 +90,8 @@ def test_materialize_the_chain_then_again(paths: FabricPaths, db_url: str, tmp_p
     receipt = json.loads(receipt_path.read_text())
     assert receipt_path.read_bytes() == canonical_json(receipt)
     assert meta["receipt_sha256"] == receipt_sha256(receipt) == receipt_path.stem
-    assert receipt["source"]["watermark"]["rows"] == 60
+    assert receipt["source"]["rows"] == 60
+    assert meta["receipt"] == receipt  # the whole receipt, in the materialisation's metadata
     assert receipt["inputs"][0]["partition"] == "mixed"
     assert receipt["inputs"][0]["run_id"] == first.run_id
     assert receipt["model"]["weights_sha256"] == EngineConfig().manifest().weights_sha256
@@ -109,6 +112,56 @@ def test_materialize_the_chain_then_again(paths: FabricPaths, db_url: str, tmp_p
     engine = make_engine(db_url)
     with engine.connect() as conn:
         assert conn.execute(select(func.count()).select_from(Embedding)).scalar_one() == 60
+        assert conn.execute(select(func.count()).select_from(IndexReceipt)).scalar_one() == 1
+    engine.dispose()
+
+
+def test_the_recall_check_blocks_a_bad_index(paths: FabricPaths) -> None:
+    """An index under its recall floor fails its blocking check: the run fails, the receipt is
+    not recorded as current, and the good index that follows is recorded with a file link."""
+    db_url = f"sqlite:///{paths.sqlite_path}"
+    resources = _resources(paths, db_url)
+    engine = make_engine(db_url)
+    create_schema(engine)
+    rng = np.random.default_rng(0)
+    centres = rng.normal(size=(30, 32))
+    x = (centres[rng.integers(0, 30, 4000)] + 0.3 * rng.normal(size=(4000, 32))).astype("<f4")
+    with engine.begin() as conn:
+        model = model_id(conn, resources["engine"].manifest().model_key)  # type: ignore[attr-defined]
+        conn.execute(
+            insert(Embedding),
+            [
+                {"model_id": model, "task_set_id": 1, "record_no": i, "n_tokens": 4,
+                 "vector": v.tobytes()}
+                for i, v in enumerate(x)
+            ],
+        )  # fmt: skip
+    instance = dg.DagsterInstance.ephemeral()
+    bad_config = {"factory": "IVF64,Flat", "nprobe": 1, "min_recall": 0.99, "shards": 2}
+    bad = dg.materialize(
+        [vector_index],
+        instance=instance,
+        resources=resources,
+        run_config={"ops": {"vector_index": {"config": bad_config}}},
+        raise_on_error=False,
+    )
+    assert not bad.success
+    check = next(iter(bad.get_asset_check_evaluations()))
+    assert check.check_name == "recall_at_10" and not check.passed
+    assert check.metadata["recall_at_10"].value < 0.99
+    failure = next(e for e in bad.all_events if e.is_step_failure)
+    assert "recall_at_10" in str(failure.event_specific_data)
+    assert _metadata(bad, "vector_index")["published"] is False
+    with engine.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(IndexReceipt)).scalar_one() == 0
+
+    good = dg.materialize([vector_index], instance=instance, resources=resources)
+    assert good.success
+    event = good.get_asset_materialization_events()[0].materialization
+    link = event.metadata["receipt_path"]
+    assert isinstance(link, dg.PathMetadataValue) and Path(link.path).is_file()
+    assert json.loads(Path(link.path).read_text()) == event.metadata["receipt"].value
+    with engine.connect() as conn:
         assert conn.execute(select(func.count()).select_from(IndexReceipt)).scalar_one() == 1
     engine.dispose()
 

@@ -107,7 +107,7 @@ def test_publish_writes_index_receipt_file_and_row(db: Engine, paths: FabricPath
     )
     receipt = published.receipt
     assert receipt["index"]["factory"] == "IVF64,Flat"
-    assert receipt["source"]["watermark"]["rows"] == 2500
+    assert receipt["source"]["rows"] == 2500
     assert sha256_file(published.index_path) == receipt["index_sha256"]
     assert published.receipt_path.read_bytes() == canonical_json(receipt)
     assert published.receipt_sha256 == receipt_sha256(receipt)

@@ -21,13 +21,13 @@ def test_upgrade_from_empty_then_downgrade_one_step(db_url: str) -> None:
     engine = make_engine(db_url)
     assert current_revision(engine) is None
     upgrade(engine)
-    assert current_revision(engine) == "0002"
+    assert current_revision(engine) == "0003"
     assert set(inspect(engine).get_table_names()) >= TABLES
     downgrade(engine, "-1")
-    assert current_revision(engine) == "0001"
+    assert current_revision(engine) == "0002"
     assert set(inspect(engine).get_table_names()) >= TABLES
     upgrade(engine)
-    assert current_revision(engine) == "0002"
+    assert current_revision(engine) == "0003"
     downgrade(engine, "base")
     assert not TABLES & set(inspect(create_engine(db_url)).get_table_names())
     engine.dispose()

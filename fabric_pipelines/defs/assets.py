@@ -15,6 +15,7 @@ from fabric_pipelines.lib.broker.ledger import Accounting, accounting
 from fabric_pipelines.lib.broker.plans import current_plan, plan_task_set
 from fabric_pipelines.lib.index.build import IndexSpec
 from fabric_pipelines.lib.index.publish import build_and_publish
+from fabric_pipelines.lib.index.staleness import latest_receipt
 from fabric_pipelines.lib.tasks.catalog import ingest_task_set
 from fabric_pipelines.lib.tasks.ingest import SubmissionError
 from fabric_pipelines.lib.workers import extract_task_set
@@ -227,6 +228,9 @@ class IndexConfig(dg.Config):
     metric: str = "cosine"
     nprobe: int = 16
     min_recall: float = 0.9
+    shards: int = 8
+    device: str = "auto"
+    full_rebuild: bool = False  # retrain and refill every shard instead of only the stale ones
 
 
 @dg.asset(
@@ -240,6 +244,7 @@ class IndexConfig(dg.Config):
             "recall_at_10",
             asset="vector_index",
             description="recall@10 against exact search is at least the configured floor",
+            blocking=True,
         )
     ],
     description=(
@@ -256,9 +261,18 @@ def vector_index(
 ) -> dg.MaterializeResult:
     manifest = engine.manifest()
     paths = store.paths()
-    spec = IndexSpec(factory=config.factory, metric=config.metric, nprobe=config.nprobe)
+    spec = IndexSpec(
+        factory=config.factory,
+        metric=config.metric,
+        nprobe=config.nprobe,
+        shards=config.shards,
+        device=config.device,
+    )
+    db = database.engine()
+    with db.connect() as conn:
+        latest = None if config.full_rebuild else latest_receipt(conn, manifest.model_key)
     published = build_and_publish(
-        database.engine(),
+        db,
         model_key=manifest.model_key,
         model={
             "model_id": manifest.model_id,
@@ -272,6 +286,11 @@ def vector_index(
         index_folder=paths.indexes,
         receipt_folder=paths.receipts,
         inputs=_input_partitions(context),
+        previous=latest[1] if latest else None,
+        min_recall=config.min_recall,
+    )
+    context.log.info(
+        f"vector_index: rebuilt shards {published.rebuilt_shards or 'none'} of {spec.shards}"
     )
     recall = published.recall_at_k
     return dg.MaterializeResult(
@@ -280,9 +299,12 @@ def vector_index(
             "index_sha256": published.receipt["index_sha256"],
             "index_path": dg.MetadataValue.path(str(published.index_path)),
             "receipt_path": dg.MetadataValue.path(str(published.receipt_path)),
-            "vectors": published.receipt["source"]["watermark"]["rows"],
+            "vectors": published.receipt["source"]["rows"],
             "factory": published.receipt["index"]["factory"],
             "recall_at_10": recall,
+            "rebuilt_shards": dg.MetadataValue.json(published.rebuilt_shards),
+            "published": published.accepted,
+            "receipt": dg.MetadataValue.json(published.receipt),
         },
         data_version=dg.DataVersion(published.receipt_sha256),
         check_results=[

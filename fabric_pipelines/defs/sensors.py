@@ -1,4 +1,4 @@
-"""Sensors: new files in the inbox become task-set partitions and extraction runs."""
+"""Sensors: inbox files become task-set runs; changed rows make their index shards rebuild."""
 
 import dagster as dg
 
@@ -9,7 +9,8 @@ from fabric_pipelines.defs.assets import (
     vector_index,
 )
 from fabric_pipelines.defs.partitions import TASK_SET_PARTITIONS, task_sets
-from fabric_pipelines.defs.resources import ArtifactStore
+from fabric_pipelines.defs.resources import ArtifactStore, Database
+from fabric_pipelines.lib.index.staleness import indexed_models, staleness
 from fabric_pipelines.lib.tasks.inbox import scan
 
 extract_task_set = dg.define_asset_job(
@@ -55,3 +56,47 @@ index_automation = dg.AutomationConditionSensorDefinition(
     minimum_interval_seconds=30,
     description="Rebuilds vector_index once new extraction outputs land (eager condition).",
 )
+
+
+@dg.sensor(
+    job=index_job,
+    minimum_interval_seconds=60,
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    description=(
+        "Rebuilds an index whose rows changed in the database (per-shard watermarks kept by "
+        "triggers) or whose file is gone; only the stale shards are rebuilt."
+    ),
+)
+def index_staleness_sensor(
+    context: dg.SensorEvaluationContext, store: ArtifactStore, database: Database
+) -> dg.SensorResult:
+    busy = context.instance.get_runs_count(
+        dg.RunsFilter(
+            statuses=[
+                dg.DagsterRunStatus.QUEUED,
+                dg.DagsterRunStatus.STARTING,
+                dg.DagsterRunStatus.STARTED,
+            ]
+        )
+    )
+    if busy:  # rows may still be landing, or the eager condition already asked for a build
+        return dg.SensorResult(skip_reason=f"{busy} run(s) in progress; checking after they end")
+    requests = []
+    with database.engine().connect() as conn:
+        for model_key in indexed_models(conn):
+            found = staleness(conn, model_key, store.paths().indexes)
+            if found is None or not found.stale:
+                continue
+            shards = ",".join(map(str, found.stale_shards)) or "none"
+            context.log.info(
+                f"index of {model_key} is stale: shards [{shards}]"
+                + ("; served file missing" if found.index_missing else "")
+            )
+            requests.append(
+                dg.RunRequest(
+                    # One run per (receipt, stale set): a failed rebuild is not retried in a loop.
+                    run_key=f"{found.receipt_sha256[:16]}:{shards}:{found.index_missing}",
+                    tags={"fabric/model_key": model_key, "fabric/stale_shards": shards},
+                )
+            )
+    return dg.SensorResult(run_requests=requests)

@@ -12,6 +12,30 @@ import numpy as np
 from fabric_pipelines.lib.index.vectors import check_vectors
 
 METRICS = ("cosine", "l2")
+DEVICES = ("auto", "cpu", "gpu")
+
+
+def gpu_available() -> bool:
+    return hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
+
+
+def build_device(spec: IndexSpec) -> str:
+    """Where training runs: the spec's choice, "auto" meaning the GPU when FAISS can use one."""
+    if spec.device == "auto":
+        return "gpu" if gpu_available() else "cpu"
+    return spec.device
+
+
+def tolerance(device: str) -> dict[str, object]:
+    """How closely a rebuild must match: bitwise on CPU; on GPU k-means sums in a varying order,
+    so a rebuild must hold the same rows and reach the recorded recall within 0.01."""
+    if device == "cpu":
+        return {"kind": "bitwise", "why": "faiss-cpu training and adds are deterministic per seed"}
+    return {
+        "kind": "recall",
+        "max_recall_drop": 0.01,
+        "why": "GPU k-means reduces in a nondeterministic order; centroids differ in low bits",
+    }
 
 
 @dataclass(frozen=True)
@@ -23,12 +47,21 @@ class IndexSpec:
     seed: int = 1234
     recall_queries: int = 500
     k: int = 10
+    shards: int = 1  # rows split by a fixed hash; one shared quantizer; merged for serving
+    device: str = "auto"  # where k-means trains: "gpu" needs faiss-gpu; "auto" picks it if present
 
     def __post_init__(self) -> None:
         if self.metric not in METRICS:
             raise ValueError(f"metric {self.metric!r}: expected one of {METRICS}")
-        if self.nprobe < 1 or self.k < 1 or self.recall_queries < 1 or self.train_sample < 1:
-            raise ValueError("nprobe, k, recall_queries and train_sample must be positive")
+        if self.device not in DEVICES:
+            raise ValueError(f"device {self.device!r}: expected one of {DEVICES}")
+        if self.device == "gpu" and not gpu_available():
+            raise ValueError(
+                "device 'gpu': this FAISS has no GPU support or sees no GPU; "
+                "install faiss-gpu or use device 'cpu'"
+            )
+        if min(self.nprobe, self.k, self.recall_queries, self.train_sample, self.shards) < 1:
+            raise ValueError("nprobe, k, recall_queries, train_sample and shards must be positive")
 
 
 def resolve_factory(spec: IndexSpec, n: int) -> str:
@@ -57,14 +90,15 @@ def prepared(vectors: np.ndarray, metric: str) -> np.ndarray:
     return x
 
 
-def build_index(vectors: np.ndarray, ids: np.ndarray, spec: IndexSpec) -> BuiltIndex:
+def train(vectors: np.ndarray, spec: IndexSpec) -> BuiltIndex:
+    """An empty index with its quantizer trained (IVF) on a seeded sample; Flat needs none."""
     check_vectors(vectors, spec.metric)
     n, dim = vectors.shape
     x = prepared(vectors, spec.metric)
     factory = resolve_factory(spec, n)
     metric = faiss.METRIC_INNER_PRODUCT if spec.metric == "cosine" else faiss.METRIC_L2
     index = faiss.index_factory(dim, factory, metric)
-    if not isinstance(index, faiss.IndexIDMap) and not _is_ivf(index):
+    if not _is_ivf(index):
         index = faiss.IndexIDMap2(index)
     train_rows = np.arange(0)
     centroids_sha = None
@@ -72,22 +106,69 @@ def build_index(vectors: np.ndarray, ids: np.ndarray, spec: IndexSpec) -> BuiltI
         rng = np.random.default_rng(spec.seed)
         take = min(n, spec.train_sample)
         train_rows = np.sort(rng.choice(n, size=take, replace=False)) if take < n else np.arange(n)
-        ivf = faiss.extract_index_ivf(index) if _is_ivf(index) else None
-        if ivf is not None:
-            ivf.cp.seed = spec.seed
+        ivf = faiss.extract_index_ivf(index)
+        ivf.cp.seed = spec.seed
+        if build_device(spec) == "gpu":  # k-means assignment on the GPU; the index stays on CPU
+            ivf.clustering_index = faiss.index_cpu_to_all_gpus(faiss.IndexFlatL2(dim))
         index.train(x[train_rows])
-        if ivf is not None:
-            centroids = ivf.quantizer.reconstruct_n(0, ivf.nlist)
-            centroids_sha = hashlib.sha256(np.ascontiguousarray(centroids).tobytes()).hexdigest()
-    order = np.argsort(ids, kind="stable")  # rows go in by ascending id
-    index.add_with_ids(x[order], np.ascontiguousarray(ids[order], dtype=np.int64))
-    set_search_params(index, spec)
+        # Not part of the index: clones must not share the GPU clustering index.
+        ivf.clustering_index = None  # type: ignore[assignment]
+        centroids_sha = hashlib.sha256(np.ascontiguousarray(centroids(index)).tobytes()).hexdigest()
     return BuiltIndex(index, factory, train_rows, centroids_sha)
+
+
+def fill(
+    trained: faiss.Index, vectors: np.ndarray, ids: np.ndarray, spec: IndexSpec
+) -> faiss.Index:
+    """A copy of the trained empty index holding `vectors`, added in ascending id order."""
+    index = faiss.clone_index(trained)
+    order = np.argsort(ids, kind="stable")
+    if len(ids):
+        index.add_with_ids(
+            prepared(vectors[order], spec.metric), np.ascontiguousarray(ids[order], dtype=np.int64)
+        )
+    set_search_params(index, spec)
+    return index
+
+
+def merge(parts: list[faiss.Index], spec: IndexSpec) -> faiss.Index:
+    """One index serving every shard (same quantizer, so lists merge)."""
+    merged = faiss.clone_index(parts[0])
+    for part in parts[1:]:
+        merged.merge_from(part, 0)
+    set_search_params(merged, spec)
+    return merged
+
+
+def build_index(vectors: np.ndarray, ids: np.ndarray, spec: IndexSpec) -> BuiltIndex:
+    """Train and fill in one go (a single shard)."""
+    built = train(vectors, spec)
+    return BuiltIndex(
+        fill(built.index, vectors, ids, spec),
+        built.factory,
+        built.train_rows,
+        built.centroids_sha256,
+    )
+
+
+def centroids(index: faiss.Index) -> np.ndarray:
+    ivf = faiss.extract_index_ivf(index)
+    return ivf.quantizer.reconstruct_n(0, ivf.nlist)
+
+
+def list_sizes(index: faiss.Index) -> np.ndarray:
+    lists = faiss.extract_index_ivf(index).invlists
+    assert lists is not None
+    return np.array([lists.list_size(i) for i in range(lists.nlist)], dtype=np.int64)
 
 
 def set_search_params(index: faiss.Index, spec: IndexSpec) -> None:
     if _is_ivf(index):
         faiss.extract_index_ivf(index).nprobe = spec.nprobe
+
+
+def is_ivf(index: faiss.Index) -> bool:
+    return _is_ivf(index)
 
 
 def _is_ivf(index: faiss.Index) -> bool:
@@ -99,14 +180,15 @@ def _is_ivf(index: faiss.Index) -> bool:
 
 
 def recall_at_k(
-    index: faiss.Index, vectors: np.ndarray, ids: np.ndarray, spec: IndexSpec
+    index: faiss.Index, vectors: np.ndarray, ids: np.ndarray, spec: IndexSpec, k: int | None = None
 ) -> tuple[float, int]:
     """Recall@k of `index` against exact search, over a seeded sample of the rows as queries.
 
     Each query's own row is left out of both answers, so recall measures its neighbours.
     """
+    k = spec.k if k is None else k
     n = len(ids)
-    if n <= spec.k:
+    if n <= k:
         return 1.0, 0
     x = prepared(vectors, spec.metric)
     rng = np.random.default_rng(spec.seed + 1)
@@ -115,14 +197,35 @@ def recall_at_k(
         faiss.IndexFlatIP(x.shape[1]) if spec.metric == "cosine" else faiss.IndexFlatL2(x.shape[1])
     )
     exact.add(x)
-    _, truth_pos = exact.search(x[q], spec.k + 1)
-    _, found = index.search(x[q], spec.k + 1)
+    _, truth_pos = exact.search(x[q], k + 1)
+    _, found = index.search(x[q], k + 1)
+    truth = ids[truth_pos]
+    own = ids[q][:, None]
     hits = 0
-    for row, truth_row, found_row in zip(q, ids[truth_pos], found, strict=True):
-        truth = [i for i in truth_row if i != ids[row]][: spec.k]
-        got = {i for i in found_row if i != ids[row] and i >= 0}
-        hits += len(got.intersection(truth))
-    return hits / (len(q) * spec.k), len(q)
+    for truth_row, found_row, me in zip(truth, found, own[:, 0], strict=True):
+        expected = truth_row[truth_row != me][:k]
+        got = found_row[(found_row != me) & (found_row >= 0)][:k]
+        hits += np.intersect1d(expected, got).size
+    return hits / (len(q) * k), len(q)
+
+
+def nprobe_curve(
+    index: faiss.Index, vectors: np.ndarray, ids: np.ndarray, spec: IndexSpec
+) -> dict[int, float]:
+    """recall@k at each nprobe 1, 2, 4, ... up to the number of lists (IVF only)."""
+    if not _is_ivf(index):
+        return {}
+    ivf = faiss.extract_index_ivf(index)
+    curve = {}
+    probe = 1
+    while True:
+        ivf.nprobe = min(probe, ivf.nlist)
+        curve[ivf.nprobe] = round(recall_at_k(index, vectors, ids, spec)[0], 6)
+        if probe >= ivf.nlist:
+            break
+        probe *= 2
+    set_search_params(index, spec)
+    return curve
 
 
 def serialize(index: faiss.Index) -> bytes:

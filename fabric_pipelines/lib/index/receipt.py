@@ -14,7 +14,7 @@ from typing import Any
 import faiss
 import numpy as np
 
-RECEIPT_SCHEMA = "fabric.index_receipt/1"
+RECEIPT_SCHEMA = "fabric.index_receipt/2"
 
 
 def canonical_json(receipt: dict[str, Any]) -> bytes:
@@ -36,8 +36,10 @@ def array_sha256(array: np.ndarray) -> str:
 
 
 def library_versions() -> dict[str, str]:
+    """Versions and FAISS compile options (SIMD level decides which kernels ran)."""
     return {
         "faiss": faiss.__version__,
+        "faiss_compile_options": faiss.get_compile_options(),
         "numpy": np.__version__,
         "python": platform.python_version(),
     }

@@ -148,6 +148,17 @@ class Embedding(Base):
     vector: Mapped[bytes] = mapped_column(LargeBinary)
 
 
+class ShardWatermark(Base):
+    """How often the rows of one index shard changed (raised by triggers; migration 0003)."""
+
+    __tablename__ = "shard_watermarks"
+
+    model_id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    n_shards: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    shard: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    version: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
 class HiddenStateShard(Base):
     """A content-addressed Arrow file of one batch's hook-layer hidden states."""
 

@@ -1,0 +1,265 @@
+"""An index's life after its first build: rebuilt from its receipt, repaired when its files are
+damaged, and partly rebuilt when the database says some of its shards went stale."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import dagster as dg
+import numpy as np
+import pytest
+from sqlalchemy import Engine, delete, func, insert, select, update
+
+from fabric_pipelines.defs.resources import ArtifactStore, Database
+from fabric_pipelines.defs.sensors import index_staleness_sensor
+from fabric_pipelines.lib.index.build import IndexSpec, deserialize, fill, merge, serialize
+from fabric_pipelines.lib.index.publish import (
+    PublishedIndex,
+    build_and_publish,
+    model_folder,
+    split_shards,
+)
+from fabric_pipelines.lib.index.rebuild import ReceiptError, check_files, rebuild_from_receipt
+from fabric_pipelines.lib.index.shards import shard_of
+from fabric_pipelines.lib.index.staleness import staleness
+from fabric_pipelines.lib.index.vectors import ID_STRIDE, load_vectors
+from fabric_pipelines.lib.settings import FabricPaths
+from fabric_pipelines.lib.store.keys import model_id
+from fabric_pipelines.lib.store.models import Embedding, IndexReceipt
+
+SHARDS = 8
+SPEC = IndexSpec(factory="IVF32,Flat", nprobe=4, shards=SHARDS)
+
+
+def _clustered(n: int, dim: int = 16, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(size=(20, dim))
+    return (centres[rng.integers(0, 20, n)] + 0.3 * rng.normal(size=(n, dim))).astype(np.float32)
+
+
+def _seed_rows(db: Engine, n: int = 3000) -> int:
+    """n embeddings of model "m" in task sets 1 and 2; returns the model id."""
+    x = _clustered(n)
+    with db.begin() as conn:
+        model = model_id(conn, "m")
+        conn.execute(
+            insert(Embedding),
+            [
+                {
+                    "model_id": model, "task_set_id": 1 + i % 2, "record_no": i // 2,
+                    "n_tokens": 5, "vector": v.astype("<f4").tobytes(),
+                }
+                for i, v in enumerate(x)
+            ],
+        )  # fmt: skip
+    return model
+
+
+def _publish(db: Engine, paths: FabricPaths, **kwargs: Any) -> PublishedIndex:
+    return build_and_publish(
+        db,
+        model_key="m",
+        model={"model_id": "test", "weights_sha256": "w"},
+        spec=kwargs.pop("spec", SPEC),
+        index_folder=paths.indexes,
+        receipt_folder=paths.receipts,
+        inputs=[],
+        **kwargs,
+    )
+
+
+def _rows_of_shard(db: Engine, model: int, shard: int) -> list[tuple[int, int]]:
+    with db.connect() as conn:
+        keys = conn.execute(
+            select(Embedding.task_set_id, Embedding.record_no).where(Embedding.model_id == model)
+        ).all()
+    ids = np.array([t * ID_STRIDE + r for t, r in keys], dtype=np.int64)
+    mine = shard_of(ids, SHARDS) == shard
+    return [k for k, m in zip(keys, mine, strict=True) if m]
+
+
+def test_rebuild_from_receipt_is_bitwise_and_repairs_lost_files(
+    db: Engine, paths: FabricPaths
+) -> None:
+    _seed_rows(db)
+    published = _publish(db, paths)
+    receipt = published.receipt
+    assert receipt["tolerance"]["kind"] == "bitwise" and receipt["build_device"] == "cpu"
+    assert "faiss_compile_options" in receipt["libraries"]
+    assert len(receipt["shards"]) == SHARDS and sum(s["rows"] for s in receipt["shards"]) == 3000
+    assert check_files(receipt, paths.indexes) == []
+
+    folder = model_folder(paths.indexes, "m")
+    (folder / receipt["index_file"]).unlink()  # the served index, lost
+    shard_file = folder / receipt["shards"][5]["index_file"]
+    shard_file.write_bytes(shard_file.read_bytes()[:-7] + b"garbage")  # a shard, corrupted
+    problems = {(p.file, p.problem) for p in check_files(receipt, paths.indexes)}
+    assert problems == {
+        (receipt["index_file"], "missing"),
+        (receipt["shards"][5]["index_file"], "corrupt"),
+    }
+
+    report = rebuild_from_receipt(db, receipt, paths.indexes)
+    assert report.matches, report.detail
+    assert report.rebuilt_sha256 == receipt["index_sha256"]
+    assert sorted(report.repaired) == sorted(f for f, _ in problems)
+    assert check_files(receipt, paths.indexes) == []
+
+
+def test_rebuild_refuses_rows_the_receipt_does_not_describe(db: Engine, paths: FabricPaths) -> None:
+    model = _seed_rows(db)
+    receipt = _publish(db, paths).receipt
+    with db.begin() as conn:
+        conn.execute(delete(Embedding).where(Embedding.model_id == model, Embedding.record_no == 7))
+    with pytest.raises(ReceiptError, match="2998 rows now, 3000 recorded"):
+        rebuild_from_receipt(db, receipt, paths.indexes)
+
+
+def test_a_non_bitwise_backend_is_held_to_the_stated_recall_tolerance(
+    db: Engine, paths: FabricPaths
+) -> None:
+    """No faiss-gpu here, so a GPU build is stood in for by its receipt: a recorded sha256 this
+    machine cannot reproduce, with the recall tolerance a GPU build states."""
+    _seed_rows(db)
+    receipt = json.loads(json.dumps(_publish(db, paths).receipt))
+    receipt["build_device"] = "gpu"
+    receipt["index_sha256"] = "0" * 64
+    receipt["tolerance"] = {"kind": "recall", "max_recall_drop": 0.01}
+    report = rebuild_from_receipt(db, receipt, paths.indexes, repair=False)
+    assert report.matches and "allowed drop 0.01" in report.detail
+    receipt["quality"]["recall_at_k"] = 1.5  # a recall no rebuild can come within 0.01 of
+    assert not rebuild_from_receipt(db, receipt, paths.indexes, repair=False).matches
+
+
+def test_only_the_changed_shard_is_rebuilt_and_search_equals_a_full_rebuild(
+    db: Engine, paths: FabricPaths
+) -> None:
+    model = _seed_rows(db)
+    first = _publish(db, paths)
+    assert first.rebuilt_shards == list(range(SHARDS))
+    with db.connect() as conn:
+        assert staleness(conn, "m", paths.indexes).stale_shards == []  # type: ignore[union-attr]
+
+    # Insert, update and delete rows of shard 3 only: the triggers must notice all three.
+    target = 3
+    rows = _rows_of_shard(db, model, target)
+    new_record = next(r for r in range(10_000, 20_000) if (1 * 7919 + r) % SHARDS == target)
+    with db.begin() as conn:
+        conn.execute(
+            update(Embedding)
+            .where(Embedding.model_id == model)
+            .where(Embedding.task_set_id == rows[0][0], Embedding.record_no == rows[0][1])
+            .values(vector=_clustered(1, seed=9)[0].astype("<f4").tobytes())
+        )
+        conn.execute(
+            delete(Embedding).where(
+                Embedding.model_id == model,
+                Embedding.task_set_id == rows[1][0],
+                Embedding.record_no == rows[1][1],
+            )
+        )
+        conn.execute(
+            insert(Embedding).values(
+                model_id=model, task_set_id=1, record_no=new_record, n_tokens=3,
+                vector=_clustered(1, seed=10)[0].astype("<f4").tobytes(),
+            )
+        )  # fmt: skip
+    with db.connect() as conn:
+        found = staleness(conn, "m", paths.indexes)
+    assert found is not None and found.stale_shards == [target] and not found.index_missing
+
+    second = _publish(db, paths, previous=first.receipt)
+    assert second.rebuilt_shards == [target]
+    assert second.receipt["training"] == first.receipt["training"]  # the same quantizer
+    for before, after in zip(first.receipt["shards"], second.receipt["shards"], strict=True):
+        assert (before == after) == (before["shard"] != target)
+    with db.connect() as conn:
+        assert staleness(conn, "m", paths.indexes).stale_shards == []  # type: ignore[union-attr]
+
+    # A full rebuild from the same quantizer over today's rows: same bytes, same answers.
+    folder = model_folder(paths.indexes, "m")
+    quantizer = deserialize((folder / first.receipt["training"]["quantizer_file"]).read_bytes())
+    with db.connect() as conn:
+        source = load_vectors(conn, "m")
+    full = merge([fill(quantizer, v, i, SPEC) for i, v in split_shards(source, SHARDS)], SPEC)
+    partial = deserialize(second.index_path.read_bytes())
+    assert serialize(full) == serialize(partial)
+    queries = _clustered(200, seed=11)
+    queries /= np.linalg.norm(queries, axis=1, keepdims=True)
+    d_full, i_full = full.search(queries, 10)
+    d_part, i_part = partial.search(queries, 10)
+    assert np.array_equal(i_full, i_part) and np.array_equal(d_full, d_part)
+    # And the partial build's receipt rebuilds bitwise, its quantizer coming from the file.
+    assert rebuild_from_receipt(db, second.receipt, paths.indexes).matches
+
+
+def test_a_missing_shard_file_is_rebuilt_on_the_next_build(db: Engine, paths: FabricPaths) -> None:
+    _seed_rows(db)
+    first = _publish(db, paths)
+    (model_folder(paths.indexes, "m") / first.receipt["shards"][2]["index_file"]).unlink()
+    second = _publish(db, paths, previous=first.receipt)
+    assert second.rebuilt_shards == [2]
+    assert second.receipt["index_sha256"] == first.receipt["index_sha256"]
+
+
+def test_an_index_below_its_recall_floor_is_not_recorded(db: Engine, paths: FabricPaths) -> None:
+    _seed_rows(db)
+    poor = IndexSpec(factory="IVF64,Flat", nprobe=1, shards=2)
+    published = _publish(db, paths, spec=poor, min_recall=0.999)
+    assert not published.accepted and published.recall_at_k < 0.999
+    assert published.receipt_path.is_file()  # kept for inspection
+    with db.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(IndexReceipt)).scalar_one() == 0
+
+
+def test_the_staleness_sensor_asks_for_a_rebuild_of_the_stale_shards(
+    db: Engine, db_url: str, paths: FabricPaths
+) -> None:
+    model = _seed_rows(db)
+    _publish(db, paths)
+    store = ArtifactStore(root=str(paths.root))
+    resources = {"store": store, "database": Database(store=store, url=db_url)}
+    instance = dg.DagsterInstance.ephemeral()
+
+    def evaluate() -> dg.SensorResult:
+        with dg.build_sensor_context(instance=instance, resources=resources) as context:
+            result = index_staleness_sensor(context)
+        assert isinstance(result, dg.SensorResult)
+        return result
+
+    assert evaluate().run_requests == []
+    row = _rows_of_shard(db, model, 6)[0]
+    with db.begin() as conn:
+        conn.execute(
+            delete(Embedding).where(
+                Embedding.model_id == model,
+                Embedding.task_set_id == row[0],
+                Embedding.record_no == row[1],
+            )
+        )
+    requests = evaluate().run_requests or []
+    assert len(requests) == 1
+    assert requests[0].tags["fabric/stale_shards"] == "6"
+    assert requests[0].tags["fabric/model_key"] == "m"
+
+
+def test_fabric_index_cli_verifies_and_rebuilds(
+    db: Engine, db_url: str, paths: FabricPaths, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    from fabric_pipelines.cli import main
+
+    monkeypatch.setenv("FABRIC_DATABASE_URL", db_url)
+    monkeypatch.setenv("FABRIC_HOME", str(paths.root))
+    _seed_rows(db)
+    published = _publish(db, paths)
+    receipt = str(published.receipt_path)
+    assert main(["index", "verify", "--receipt", receipt]) == 0
+    published.index_path.unlink()
+    assert main(["index", "verify", "--receipt", receipt]) == 1
+    assert "missing" in capsys.readouterr().out
+    assert main(["index", "rebuild", "--receipt", receipt]) == 0
+    out = capsys.readouterr().out
+    assert "MATCH" in out and f"repaired {published.index_path.name}" in out
+    assert main(["index", "status"]) == 0
+    assert "stale shards none, files intact" in capsys.readouterr().out
