@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from fabric_pipelines.lib.index import gpu_topk
+
 TILE = 8192  # database rows per distance tile: bounds memory at queries x TILE
 
 
@@ -41,7 +43,12 @@ def pairwise(a: Any, b: Any, metric: str, xp: Any) -> Any:
 
 
 def knn(queries: Any, base: Any, k: int, metric: str, xp: Any, tile: int = TILE) -> tuple[Any, Any]:
-    """Exact k nearest neighbours: (distances, positions) [len(queries), k], nearest first."""
+    """Exact k nearest neighbours: (distances, positions) [len(queries), k], nearest first.
+
+    On CuPy a fused GEMM + top-k kernel (gpu_topk); on NumPy tiles of the distance matrix,
+    each reduced with argpartition and merged into the running best k."""
+    if xp is not np and k <= gpu_topk.K_MAX:
+        return gpu_topk.knn(queries, base, k, metric)
     best_d = xp.full((queries.shape[0], 0), xp.inf, dtype=queries.dtype)
     best_i = xp.zeros((queries.shape[0], 0), dtype=xp.int64)
     for start in range(0, base.shape[0], tile):
@@ -50,7 +57,8 @@ def knn(queries: Any, base: Any, k: int, metric: str, xp: Any, tile: int = TILE)
         part = xp.argpartition(d, take - 1, axis=1)[:, :take]
         d = xp.concatenate([best_d, xp.take_along_axis(d, part, axis=1)], axis=1)
         i = xp.concatenate([best_i, part + start], axis=1)
-        keep = xp.argsort(d, axis=1)[:, :k]
+        # Nearest first, ties by position (as the GPU kernel breaks them).
+        keep = np.lexsort((i, d), axis=1)[:, :k] if xp is np else xp.argsort(d, axis=1)[:, :k]
         best_d, best_i = xp.take_along_axis(d, keep, axis=1), xp.take_along_axis(i, keep, axis=1)
     return best_d, best_i
 
@@ -111,22 +119,17 @@ def cluster_health(x: Any, centroids: Any, metric: str, xp: Any, tile: int = TIL
     label = xp.empty(n, dtype=xp.int64)
     for start in range(0, n, tile):
         d = pairwise(x[start : start + tile], centroids, metric, xp)
-        two = xp.argsort(d, axis=1)[:, :2] if c > 1 else xp.zeros((d.shape[0], 1), dtype=xp.int64)
-        label[start : start + tile] = two[:, 0]
-        own[start : start + tile] = xp.take_along_axis(d, two[:, :1], axis=1)[:, 0]
-        other[start : start + tile] = (
-            xp.take_along_axis(d, two[:, 1:2], axis=1)[:, 0] if c > 1 else xp.inf
-        )
+        rows = xp.arange(d.shape[0])
+        nearest = xp.argmin(d, axis=1)
+        label[start : start + tile] = nearest
+        own[start : start + tile] = d[rows, nearest]
+        d[rows, nearest] = xp.inf  # the second nearest is the nearest of the rest
+        other[start : start + tile] = d.min(axis=1) if c > 1 else xp.inf
     size = xp.bincount(label, minlength=c).astype(x.dtype)
     total = xp.bincount(label, weights=own, minlength=c)
     mean = total / xp.maximum(size, 1)
     radius = xp.zeros(c, dtype=x.dtype)
-    if hasattr(xp, "maximum") and hasattr(xp.maximum, "at"):
-        xp.maximum.at(radius, label, own)
-    else:  # CuPy: scatter max through an atomic-max add-style kernel
-        import cupyx
-
-        cupyx.scatter_max(radius, label, own)
+    xp.maximum.at(radius, label, own)  # scatter max: NumPy and CuPy alike
     a, b = own, other
     sil = xp.where(xp.maximum(a, b) > 0, (b - a) / xp.maximum(xp.maximum(a, b), 1e-30), 0)
     silhouette = xp.bincount(label, weights=sil, minlength=c) / xp.maximum(size, 1)
@@ -166,3 +169,9 @@ def near_duplicates(sample: Any, base: Any, threshold: float, metric: str, xp: A
 
 def _host(a: Any, xp: Any) -> np.ndarray:
     return np.asarray(a.get() if hasattr(a, "get") and xp is not np else a, dtype=np.float64)
+
+
+def recall(found: Any, truth: Any, k: int, xp: Any) -> float:
+    """Share of each row's true k nearest (truth[:, :k]) that `found[:, :k]` holds."""
+    hits = (found[:, :k, None] == truth[:, None, :k]).any(axis=2)
+    return float(hits.sum()) / max(int(truth.shape[0]) * k, 1)
