@@ -263,3 +263,16 @@ def test_fabric_index_cli_verifies_and_rebuilds(
     assert "MATCH" in out and f"repaired {published.index_path.name}" in out
     assert main(["index", "status"]) == 0
     assert "stale shards none, files intact" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("factory", ["Flat", "IVF32,PQ4x4"])
+def test_flat_and_ivf_pq_shard_merge_and_rebuild_bitwise(
+    factory: str, db: Engine, paths: FabricPaths
+) -> None:
+    _seed_rows(db)
+    spec = IndexSpec(factory=factory, metric="l2", nprobe=8, shards=4)
+    published = _publish(db, paths, spec=spec)
+    assert published.receipt["index"]["factory"] == factory
+    assert deserialize(published.index_path.read_bytes()).ntotal == 3000
+    assert published.recall_at_k > (0.99 if factory == "Flat" else 0.3)
+    assert rebuild_from_receipt(db, published.receipt, paths.indexes).matches
