@@ -50,7 +50,7 @@ from fabric_pipelines.lib.index.vectors import VectorSet, check_vectors, load_ve
 from fabric_pipelines.lib.store.db import insert_ignoring_duplicates
 from fabric_pipelines.lib.store.keys import model_id
 from fabric_pipelines.lib.store.models import IndexReceipt
-from fabric_pipelines.lib.tasks.store import CorruptFileError, atomic_write, sha256_file
+from fabric_pipelines.lib.tasks.store import CorruptFileError, atomic_write, verify_sha256
 
 HEALTH_SAMPLE = 20_000  # rows the cluster-health metrics look at
 
@@ -88,13 +88,7 @@ def write_content_addressed(folder: Path, data: bytes) -> tuple[str, Path]:
 
 def read_verified(path: Path, sha256: str) -> faiss.Index:
     """An index file, refused unless it hashes to what the receipt recorded."""
-    if not path.is_file():
-        raise FileNotFoundError(f"index file {path} is missing")
-    actual = sha256_file(path)
-    if actual != sha256:
-        raise CorruptFileError(
-            f"index file {path} is corrupt: sha256 {actual}, receipt says {sha256}"
-        )
+    verify_sha256(path, sha256, "index file", "fabric index rebuild --receipt writes it again")
     return deserialize(path.read_bytes())
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import faiss
+from sqlalchemy import Engine
 
 from fabric_pipelines.lib.index.build import (
     IndexSpec,
@@ -103,7 +104,7 @@ def _check_source(receipt: dict[str, Any], source: VectorSet) -> None:
 
 
 def rebuild_from_receipt(
-    db: Any, receipt: dict[str, Any], index_folder: Path, *, repair: bool = True
+    db: Engine, receipt: dict[str, Any], index_folder: Path, *, repair: bool = True
 ) -> RebuildReport:
     if receipt.get("schema") != RECEIPT_SCHEMA:
         raise ReceiptError(

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from fabric_pipelines.lib.tasks.store import CorruptFileError, atomic_write, sha256_file
+from fabric_pipelines.lib.tasks.store import atomic_write, verify_sha256
 
 
 @dataclass(frozen=True)
@@ -65,13 +65,9 @@ def write_shard(
 
 def read_shard(path: Path, expected_sha256: str) -> dict[str, list[np.ndarray] | list[str]]:
     """{'task_id': [...], 'layer_<k>': [array[tokens, hidden] per item]}; checks the hash first."""
-    if not path.is_file():
-        raise FileNotFoundError(f"hidden-state shard {path} is missing")
-    actual = sha256_file(path)
-    if actual != expected_sha256:
-        raise CorruptFileError(
-            f"hidden-state shard {path} is corrupt: sha256 {actual}, expected {expected_sha256}"
-        )
+    verify_sha256(
+        path, expected_sha256, "hidden-state shard", "re-extract its batch to write it again"
+    )
     with pa.memory_map(str(path), "r") as source:
         table = pa.ipc.open_file(source).read_all()
     hidden = int(table.schema.metadata[b"fabric.hidden_size"])

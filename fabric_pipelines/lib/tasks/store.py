@@ -88,19 +88,25 @@ def write_table(path: Path, table: pa.Table, metadata: dict[str, str] | None = N
     return atomic_write(path, write)
 
 
+def verify_sha256(path: Path, expected: str, what: str, remedy: str) -> None:
+    """Refuse a missing file, or one whose sha256 is not the one recorded when it was written."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} {path} is missing; {remedy}")
+    actual = sha256_file(path)
+    if actual != expected:
+        raise CorruptFileError(
+            f"{what} {path} is corrupt: sha256 {actual} but {expected} was recorded when it "
+            f"was written; {remedy}"
+        )
+
+
 def read_table(path: Path, expected_sha256: str | None) -> pa.Table:
     """Memory-map an Arrow IPC file, first checking its sha256 against the recorded one."""
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"stored file {path} is missing; re-materialise the asset that wrote it"
-        )
+    remedy = "re-materialise the asset that wrote it"
     if expected_sha256 is not None:
-        actual = sha256_file(path)
-        if actual != expected_sha256:
-            raise CorruptFileError(
-                f"{path} is corrupt: sha256 {actual} but {expected_sha256} was recorded when it "
-                "was written; re-materialise the asset that wrote it"
-            )
+        verify_sha256(path, expected_sha256, "stored file", remedy)
+    elif not path.is_file():
+        raise FileNotFoundError(f"stored file {path} is missing; {remedy}")
     try:
         with pa.memory_map(str(path), "r") as source:
             return pa.ipc.open_file(source).read_all()
