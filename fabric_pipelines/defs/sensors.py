@@ -1,4 +1,8 @@
-"""Sensors: inbox files become task-set runs; changed rows make their index shards rebuild."""
+"""Sensors: inbox files become task-set runs, changed rows rebuild their index shards, failed
+runs are written down."""
+
+from datetime import UTC, datetime
+from typing import Any
 
 import dagster as dg
 
@@ -10,6 +14,7 @@ from fabric_pipelines.defs.assets import (
 )
 from fabric_pipelines.defs.partitions import TASK_SET_PARTITIONS, task_sets
 from fabric_pipelines.defs.resources import ArtifactStore, Database
+from fabric_pipelines.lib.alerts import RunFailure, record_run_failure
 from fabric_pipelines.lib.index.staleness import indexed_models, staleness
 from fabric_pipelines.lib.tasks.inbox import scan
 
@@ -100,3 +105,38 @@ def index_staleness_sensor(
                 )
             )
     return dg.SensorResult(run_requests=requests)
+
+
+@dg.run_failure_sensor(
+    name="run_failure_alerts",
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    monitor_all_code_locations=False,
+    description="Writes every failed run, with its reason, to <data root>/alerts/run_failures.jsonl.",
+)
+def run_failure_alerts(context: dg.RunFailureSensorContext, store: ArtifactStore) -> None:
+    run = context.dagster_run
+    # The run's own message names the failed steps; the steps' errors say why.
+    causes = [
+        f"{e.step_key}: {_root_cause(e.step_failure_data.error)}"
+        for e in context.get_step_failure_events()
+        if e.step_failure_data.error is not None
+    ]
+    message = "; ".join([context.failure_event.message or "run failed", *causes])
+    path = record_run_failure(
+        store.paths().root,
+        RunFailure(
+            run_id=run.run_id,
+            job=run.job_name,
+            partition=run.tags.get("dagster/partition"),
+            failed_at=datetime.now(UTC).isoformat(timespec="seconds"),
+            reason=message[:2000],
+        ),
+    )
+    context.log.warning(f"run {run.run_id} of {run.job_name} failed: {message[:200]} ({path})")
+
+
+def _root_cause(error: Any) -> str:
+    """The innermost error of Dagster's wrapped error chain: the user's own exception."""
+    while error.cause is not None:
+        error = error.cause
+    return str(error.message).strip()

@@ -1,0 +1,69 @@
+"""Automation that must work on a fresh DAGSTER_HOME without clicks: every sensor and the
+schedule start RUNNING; the schedule asks for an index build; a failed run is written down."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import dagster as dg
+
+from fabric_pipelines.definitions import defs
+from fabric_pipelines.defs.resources import ArtifactStore
+from fabric_pipelines.defs.schedules import index_refresh
+from fabric_pipelines.defs.sensors import run_failure_alerts
+from fabric_pipelines.lib.alerts import read_run_failures
+from fabric_pipelines.lib.settings import FabricPaths
+
+
+def test_every_sensor_and_schedule_starts_running() -> None:
+    definitions = defs()
+    sensors = {s.name: s.default_status for s in definitions.sensors or []}
+    assert sensors == {
+        "inbox_sensor": dg.DefaultSensorStatus.RUNNING,
+        "index_automation": dg.DefaultSensorStatus.RUNNING,
+        "index_staleness_sensor": dg.DefaultSensorStatus.RUNNING,
+        "run_failure_alerts": dg.DefaultSensorStatus.RUNNING,
+    }
+    schedules = {s.name: s.default_status for s in definitions.schedules or []}
+    assert schedules == {"nightly_index_refresh": dg.DefaultScheduleStatus.RUNNING}
+
+
+def test_the_nightly_schedule_requests_an_index_build() -> None:
+    context = dg.build_schedule_context(
+        scheduled_execution_time=datetime(2026, 11, 30, 3, 0, tzinfo=UTC)
+    )
+    result = index_refresh.evaluate_tick(context)
+    assert result.run_requests is not None and len(result.run_requests) == 1
+    assert index_refresh.job_name == "build_vector_index"
+    assert index_refresh.cron_schedule == "0 3 * * *"
+
+
+@dg.op
+def refuses_its_input() -> None:
+    raise ValueError("record 17: token id 99999 outside the vocabulary")
+
+
+@dg.job
+def failing_job() -> None:
+    refuses_its_input()
+
+
+def test_a_failed_run_is_written_to_the_alerts_file(paths: FabricPaths) -> None:
+    instance = dg.DagsterInstance.ephemeral()
+    result = failing_job.execute_in_process(instance=instance, raise_on_error=False)
+    assert not result.success
+    failure = next(e for e in result.all_events if e.event_type == dg.DagsterEventType.RUN_FAILURE)
+    run = instance.get_run_by_id(result.run_id)
+    assert run is not None
+    context = dg.build_run_status_sensor_context(
+        sensor_name="run_failure_alerts",
+        dagster_event=failure,
+        dagster_instance=instance,
+        dagster_run=run,
+        resources={"store": ArtifactStore(root=str(paths.root))},
+    ).for_run_failure()
+    run_failure_alerts(context)
+    [alert] = read_run_failures(paths.root)
+    assert alert.run_id == result.run_id and alert.job == "failing_job"
+    assert "refuses_its_input" in alert.reason
+    assert "token id 99999 outside the vocabulary" in alert.reason  # the step's own error
