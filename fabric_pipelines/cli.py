@@ -1,4 +1,4 @@
-"""The `fabric` command line: demo, submit, run, status, db, index, worker.
+"""The `fabric` command line: demo, submit, run, status, db, index, receipt, worker.
 
 Runs go through the same Dagster definitions the UI uses, in-process, against the instance in
 DAGSTER_HOME, so every run shows up in the UI afterwards.
@@ -353,6 +353,26 @@ def cmd_index(args: argparse.Namespace) -> int:
     return 0 if report.matches else 1
 
 
+def cmd_receipt(args: argparse.Namespace) -> int:
+    """Trace an index back to its task sets, batches, model and code versions."""
+    from fabric_pipelines.lib.index.lineage import find_receipt, render, trace
+    from fabric_pipelines.lib.settings import FabricPaths, database_url
+    from fabric_pipelines.lib.store.db import create_schema, make_engine
+
+    root = _prepare_environment()
+    db = make_engine(database_url(FabricPaths(root)))
+    create_schema(db)
+    with db.connect() as conn:
+        try:
+            sha, receipt = find_receipt(conn, args.index)
+        except (LookupError, ValueError) as exc:
+            print(f"fabric receipt show: {exc}", file=sys.stderr)
+            return 2
+        lineage = trace(conn, sha, receipt)
+    print(lineage.to_json() if args.json else render(lineage))
+    return 0
+
+
 def _worker(argv: list[str]) -> int:
     from fabric_pipelines.lib.workers import main as worker_main
 
@@ -426,6 +446,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-repair", action="store_true", help="rebuild: do not write back missing files"
     )
     index.set_defaults(func=cmd_index)
+
+    receipt = sub.add_parser("receipt", help="an index's lineage, from its receipt")
+    receipt.add_argument("action", choices=["show"])
+    receipt.add_argument(
+        "index", help="receipt file, receipt or index sha256 (a prefix will do), or model key"
+    )
+    receipt.add_argument("--json", action="store_true", help="machine-readable output")
+    receipt.set_defaults(func=cmd_receipt)
 
     status = sub.add_parser(
         "status", help="accounting per task set: tasks = completed + failed + ..."

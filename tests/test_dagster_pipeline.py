@@ -17,6 +17,7 @@ from fabric_pipelines.defs.assets import (
     vector_index,
 )
 from fabric_pipelines.defs.resources import ArtifactStore, Database, EngineConfig
+from fabric_pipelines.lib.index.lineage import find_receipt, render, trace
 from fabric_pipelines.lib.index.receipt import canonical_json, receipt_sha256
 from fabric_pipelines.lib.settings import FabricPaths
 from fabric_pipelines.lib.store.db import create_schema, make_engine
@@ -100,6 +101,22 @@ def test_materialize_the_chain_then_again(paths: FabricPaths, db_url: str, tmp_p
     assert event.asset_materialization.tags["dagster/data_version"] == meta["receipt_sha256"]
     index_checks = {e.check_name: e for e in index.get_asset_check_evaluations()}
     assert index_checks["recall_at_10"].passed
+
+    # Lineage: from the index back to its task set, plan and ledger, model and code versions.
+    engine = make_engine(db_url)
+    with engine.connect() as conn:
+        sha, found = find_receipt(conn, str(meta["index_sha256"])[:12])
+        lineage = trace(conn, sha, found)
+    assert sha == meta["receipt_sha256"]
+    [mixed] = lineage.task_sets
+    assert (mixed.name, mixed.records, mixed.tasks, mixed.embeddings) == ("mixed", 64, 60, 60)
+    assert mixed.run_id == first.run_id
+    [plan] = mixed.plans
+    assert plan.current and plan.states == {"completed": plan.batches}
+    assert lineage.code["extraction_outputs"].startswith("extract-")
+    assert lineage.model["weights_sha256"] == receipt["model"]["weights_sha256"]
+    assert f"plan {plan.plan_id[:16]} (current)" in render(lineage)
+    engine.dispose()
 
     # The same set again: nothing is extracted twice, no row is duplicated.
     second = dg.materialize(

@@ -263,6 +263,14 @@ def test_fabric_index_cli_verifies_and_rebuilds(
     assert "MATCH" in out and f"repaired {published.index_path.name}" in out
     assert main(["index", "status"]) == 0
     assert "stale shards none, files intact" in capsys.readouterr().out
+    assert main(["receipt", "show", published.receipt_sha256[:10], "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["receipt_sha256"] == published.receipt_sha256
+    assert shown["index"]["index_sha256"] == published.receipt["index_sha256"]
+    assert main(["receipt", "show", "m"]) == 0  # by model key: its newest index
+    assert f"receipt   {published.receipt_sha256}" in capsys.readouterr().out
+    assert main(["receipt", "show", "no-such-index"]) == 2
+    assert "no index matches 'no-such-index'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("factory", ["Flat", "IVF32,PQ4x4"])

@@ -21,13 +21,20 @@ from fabric_pipelines.lib.tasks.ingest import SubmissionError
 from fabric_pipelines.lib.workers import extract_task_set
 
 CODE_VERSION = "0.1.0"
+# Each asset's code version; the index receipt records them all.
+CODE_VERSIONS = {
+    "tokenised_tasks": f"tokenise-{CODE_VERSION}",
+    "shape_batches": f"plan-{CODE_VERSION}",
+    "extraction_outputs": f"extract-{CODE_VERSION}",
+    "vector_index": f"index-{CODE_VERSION}",
+}
 
 
 @dg.asset(
     partitions_def=task_sets,
     group_name="tasks",
     kinds={"python", "arrow"},
-    code_version=f"tokenise-{CODE_VERSION}",
+    code_version=CODE_VERSIONS["tokenised_tasks"],
     description=(
         "A submitted task set, tokenised with the model's fast tokenizer and stored as an Arrow "
         "IPC file (atomic write, sha256 checked on read). Bad records are failed back with a "
@@ -81,7 +88,7 @@ def tokenised_tasks(
     deps=[tokenised_tasks],
     group_name="batches",
     kinds={"numpy", "arrow"},
-    code_version=f"plan-{CODE_VERSION}",
+    code_version=CODE_VERSIONS["shape_batches"],
     description=(
         "Shape-pure batches of the task set's outstanding items for the engine's consumer "
         "profile (max batch tokens, items, sequence length, granularity), plus one ledger row per "
@@ -125,7 +132,7 @@ def shape_batches(
     deps=[shape_batches],
     group_name="extraction",
     kinds={"pytorch", "sql"},
-    code_version=f"extract-{CODE_VERSION}",
+    code_version=CODE_VERSIONS["extraction_outputs"],
     pool="gpu",
     retry_policy=dg.RetryPolicy(max_retries=2, delay=10),
     check_specs=[
@@ -237,7 +244,7 @@ class IndexConfig(dg.Config):
     deps=[extraction_outputs],
     group_name="index",
     kinds={"faiss"},
-    code_version=f"index-{CODE_VERSION}",
+    code_version=CODE_VERSIONS["vector_index"],
     automation_condition=dg.AutomationCondition.eager(),
     check_specs=[
         dg.AssetCheckSpec(
@@ -288,6 +295,7 @@ def vector_index(
         inputs=_input_partitions(context),
         previous=latest[1] if latest else None,
         min_recall=config.min_recall,
+        code=CODE_VERSIONS,
     )
     context.log.info(
         f"vector_index: rebuilt shards {published.rebuilt_shards or 'none'} of {spec.shards}"

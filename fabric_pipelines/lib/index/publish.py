@@ -103,6 +103,7 @@ def build_and_publish(
     inputs: list[dict[str, Any]],
     previous: dict[str, Any] | None = None,
     min_recall: float = 0.0,
+    code: dict[str, str] | None = None,
 ) -> PublishedIndex:
     """Build (or partly rebuild, given the previous receipt) and publish; `model` and `inputs`
     go into the receipt. Below `min_recall` the files and receipt file are kept for inspection
@@ -212,6 +213,7 @@ def build_and_publish(
         "index_bytes": len(data),
         "quality": quality(served, source, spec),
         "inputs": inputs,
+        "code": code or {},
     }
     sha = receipt_sha256(receipt)
     receipt_path = receipt_folder / f"{sha}.json"
