@@ -76,6 +76,8 @@ def test_materialize_the_chain_then_again(paths: FabricPaths, db_url: str, tmp_p
     assert first.success
     tasks = _metadata(first, "tokenised_tasks")
     assert (tasks["records"], tasks["tasks"], tasks["failed"]) == (64, 60, 4)
+    assert "| tokens | tasks |" in str(tasks["length_histogram"])
+    assert "tokens |" in str(_metadata(first, "shape_batches")["padding_by_bucket"])
     failures = str(tasks["failures"])
     for reason in ("empty text", "only whitespace", "over-long", "duplicate id 'doc-1'"):
         assert reason in failures
@@ -93,6 +95,8 @@ def test_materialize_the_chain_then_again(paths: FabricPaths, db_url: str, tmp_p
     assert meta["receipt_sha256"] == receipt_sha256(receipt) == receipt_path.stem
     assert receipt["source"]["rows"] == 60
     assert meta["receipt"] == receipt  # the whole receipt, in the materialisation's metadata
+    assert "nprobe" in str(meta["recall_curve"]) or "recall@10" in str(meta["recall_curve"])
+    assert "| vectors_nan | 0 |" in str(meta["cluster_health"])
     assert receipt["inputs"][0]["partition"] == "mixed"
     assert receipt["inputs"][0]["run_id"] == first.run_id
     assert receipt["model"]["weights_sha256"] == EngineConfig().manifest().weights_sha256

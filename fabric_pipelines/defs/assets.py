@@ -13,8 +13,13 @@ from fabric_pipelines.defs.partitions import TASK_SET_PARTITIONS, task_sets
 from fabric_pipelines.defs.resources import ArtifactStore, Database, EngineConfig
 from fabric_pipelines.lib.broker.ledger import Accounting, accounting
 from fabric_pipelines.lib.broker.plans import current_plan, plan_task_set
+from fabric_pipelines.lib.charts import bar_table, length_histogram
 from fabric_pipelines.lib.index.build import IndexSpec
-from fabric_pipelines.lib.index.publish import build_and_publish
+from fabric_pipelines.lib.index.publish import (
+    build_and_publish,
+    cluster_health_table,
+    recall_curve_chart,
+)
 from fabric_pipelines.lib.index.staleness import latest_receipt
 from fabric_pipelines.lib.tasks.catalog import ingest_task_set
 from fabric_pipelines.lib.tasks.ingest import SubmissionError
@@ -75,6 +80,7 @@ def tokenised_tasks(
             "reused": summary.reused,
             "path": dg.MetadataValue.path(str(summary.path)),
             "sha256": summary.content_sha256,
+            "length_histogram": dg.MetadataValue.md(length_histogram(lengths)),
             "failures": dg.MetadataValue.md(
                 "| record | id | reason |\n|---|---|---|\n" + failures if failures else "none"
             ),
@@ -118,8 +124,12 @@ def shape_batches(
             "padding_fraction": round(plan.padding_fraction, 5),
             "shapes": len(plan.shapes()),
             "padding_by_bucket": dg.MetadataValue.md(
-                "| bucket | padding |\n|---|---|\n"
-                + "\n".join(f"| {k} | {v:.3%} |" for k, v in by_bucket.items())
+                bar_table(
+                    [f"{k} tokens" for k in by_bucket],
+                    [100 * v for v in by_bucket.values()],
+                    ("bucket", "padding %"),
+                    "{:.3f}",
+                )
             ),
             "path": dg.MetadataValue.path(str(summary.path)),
         },
@@ -311,6 +321,10 @@ def vector_index(
             "factory": published.receipt["index"]["factory"],
             "recall_at_10": recall,
             "rebuilt_shards": dg.MetadataValue.json(published.rebuilt_shards),
+            "recall_curve": dg.MetadataValue.md(recall_curve_chart(published.receipt["quality"])),
+            "cluster_health": dg.MetadataValue.md(
+                cluster_health_table(published.receipt["quality"])
+            ),
             "published": published.accepted,
             "receipt": dg.MetadataValue.json(published.receipt),
         },

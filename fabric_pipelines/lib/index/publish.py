@@ -23,6 +23,7 @@ import faiss
 import numpy as np
 from sqlalchemy import Engine
 
+from fabric_pipelines.lib.charts import bar_table
 from fabric_pipelines.lib.index import metrics, shards
 from fabric_pipelines.lib.index.build import (
     IndexSpec,
@@ -310,6 +311,42 @@ def quality(index: faiss.Index, source: VectorSet, spec: IndexSpec) -> dict[str,
         out["knn_density_10"] = round(metrics.knn_density(probe, x, 10, spec.metric, np), 6)
         out["near_duplicates"] = metrics.near_duplicates(probe, x, 1e-6, spec.metric, np)
     return out
+
+
+def recall_curve_chart(quality: dict[str, Any]) -> str:
+    """recall@k per nprobe (IVF), and recall@1/10/100, as Markdown bars."""
+    curve = quality.get("nprobe_curve", {})
+    at = {k: quality[f"recall_at_{k}"] for k in (1, 10, 100) if f"recall_at_{k}" in quality}
+    parts = [bar_table([f"recall@{k}" for k in at], list(at.values()), ("", "recall"), "{:.4f}")]
+    if curve:
+        parts.append(
+            bar_table(
+                [f"nprobe {n}" for n in curve],
+                list(curve.values()),
+                ("", f"recall@{quality['k']}"),
+                "{:.4f}",
+            )
+        )
+    return "\n\n".join(parts)
+
+
+def cluster_health_table(quality: dict[str, Any]) -> str:
+    """The cluster-health summary and vector counts as a Markdown table."""
+    rows = {
+        **quality.get("cluster_health", {}),
+        **{f"vectors_{k}": v for k, v in quality["vectors"].items()},
+    }
+    for key in ("lists", "knn_density_10", "near_duplicates"):
+        if key in quality:
+            value = quality[key]
+            rows.update(
+                {f"lists_{k}": v for k, v in value.items()}
+                if isinstance(value, dict)
+                else {key: value}
+            )
+    return "| measure | value |\n|---|---:|\n" + "\n".join(
+        f"| {k} | {v} |" for k, v in rows.items()
+    )
 
 
 def load_receipt(path: Path) -> dict[str, Any]:

@@ -1,0 +1,43 @@
+"""Small charts as Markdown tables with bars of block characters: the Dagster UI renders
+Markdown metadata, and so does every terminal and README, with nothing to install."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import numpy as np
+
+WIDTH = 30  # characters in the longest bar
+BLOCKS = " ▏▎▍▌▋▊▉█"  # eighths of a character
+
+
+def bar(value: float, largest: float, width: int = WIDTH) -> str:
+    if largest <= 0 or value <= 0:
+        return ""
+    eighths = round(8 * width * value / largest)
+    return "█" * (eighths // 8) + (BLOCKS[eighths % 8] if eighths % 8 else "")
+
+
+def bar_table(
+    labels: Sequence[str], values: Sequence[float], header: tuple[str, str], fmt: str = "{:,}"
+) -> str:
+    """| label | value | bar | for each row; bars scaled to the largest value."""
+    largest = max((float(v) for v in values), default=0.0)
+    rows = [f"| {header[0]} | {header[1]} | |", "|---|---:|---|"]
+    rows += [
+        f"| {label} | {fmt.format(value)} | `{bar(float(value), largest)}` |"
+        for label, value in zip(labels, values, strict=True)
+    ]
+    return "\n".join(rows)
+
+
+def length_histogram(lengths: np.ndarray) -> str:
+    """Tasks per length range, in powers of two (1-8, 9-16, 17-32, ...)."""
+    if lengths.size == 0:
+        return "no tasks"
+    top = int(np.ceil(np.log2(max(int(lengths.max()), 8))))
+    edges = [0] + [2**e for e in range(3, top + 1)]
+    counts, _ = np.histogram(lengths, bins=[e + 1 for e in edges])  # [lo + 1, hi + 1)
+    labels = [f"{lo + 1}–{hi}" for lo, hi in itertools.pairwise(edges)]
+    return bar_table(labels, [int(c) for c in counts], ("tokens", "tasks"))
