@@ -6,12 +6,14 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 import dagster as dg
+import pytest
 
 from fabric_pipelines.definitions import defs
 from fabric_pipelines.defs.resources import ArtifactStore
 from fabric_pipelines.defs.schedules import index_refresh
-from fabric_pipelines.defs.sensors import run_failure_alerts
+from fabric_pipelines.defs.sensors import inbox_sensor, run_failure_alerts
 from fabric_pipelines.lib.alerts import read_run_failures
+from fabric_pipelines.lib.gpu_pool import GPU_POOL, gpu_slots, sync_gpu_pool, visible_gpus
 from fabric_pipelines.lib.settings import FabricPaths
 
 
@@ -67,3 +69,24 @@ def test_a_failed_run_is_written_to_the_alerts_file(paths: FabricPaths) -> None:
     assert alert.run_id == result.run_id and alert.job == "failing_job"
     assert "refuses_its_input" in alert.reason
     assert "token id 99999 outside the vocabulary" in alert.reason  # the step's own error
+
+
+def test_the_gpu_pool_is_sized_from_the_visible_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    instance = dg.DagsterInstance.ephemeral()
+    assert sync_gpu_pool(instance, visible=2) == 2
+    assert instance.event_log_storage.get_concurrency_info(GPU_POOL).slot_count == 2
+    assert sync_gpu_pool(instance, visible=2) is None  # already right: left alone
+    assert sync_gpu_pool(instance, visible=0) == 1  # a CPU machine still runs one step
+    monkeypatch.setenv("FABRIC_GPU_POOL_AUTO", "0")
+    assert sync_gpu_pool(instance, visible=8) is None
+    assert instance.event_log_storage.get_concurrency_info(GPU_POOL).slot_count == 1
+
+
+def test_the_inbox_sensor_sizes_the_gpu_pool(paths: FabricPaths) -> None:
+    instance = dg.DagsterInstance.ephemeral()
+    with dg.build_sensor_context(
+        instance=instance, resources={"store": ArtifactStore(root=str(paths.root))}
+    ) as context:
+        inbox_sensor(context)
+    expected = gpu_slots(visible_gpus())
+    assert instance.event_log_storage.get_concurrency_info(GPU_POOL).slot_count == expected

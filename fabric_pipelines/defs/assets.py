@@ -21,6 +21,7 @@ from fabric_pipelines.lib.index.publish import (
     recall_curve_chart,
 )
 from fabric_pipelines.lib.index.staleness import latest_receipt
+from fabric_pipelines.lib.progress import TaskProgress
 from fabric_pipelines.lib.tasks.catalog import ingest_task_set
 from fabric_pipelines.lib.tasks.ingest import SubmissionError
 from fabric_pipelines.lib.workers import extract_task_set
@@ -172,7 +173,10 @@ def extraction_outputs(
     except LookupError as exc:
         raise dg.Failure(description=str(exc), allow_retries=False) from exc
 
+    bar = TaskProgress(f"extract {task_set}")
+
     def progress(counts: Accounting) -> None:
+        bar.update(counts)
         context.log.info(
             f"{task_set}: {counts.completed:,} completed, {counts.failed:,} failed, "
             f"{counts.in_flight:,} in flight, {counts.queued:,} queued of {counts.tasks:,}"
@@ -189,17 +193,20 @@ def extraction_outputs(
             )
         )
 
-    report = extract_task_set(
-        db,
-        store.paths(),
-        task_set,
-        manifest,
-        database_url=database.resolved_url(),
-        workers=engine.workers,
-        lease_seconds=engine.lease_seconds,
-        devices=engine.devices(),
-        on_progress=progress,
-    )
+    try:
+        report = extract_task_set(
+            db,
+            store.paths(),
+            task_set,
+            manifest,
+            database_url=database.resolved_url(),
+            workers=engine.workers,
+            lease_seconds=engine.lease_seconds,
+            devices=engine.devices(),
+            on_progress=progress,
+        )
+    finally:
+        bar.close()
     with db.connect() as conn:
         counts = accounting(conn, task_set, manifest.model_key)
     version = hashlib.sha256(

@@ -15,6 +15,7 @@ from fabric_pipelines.defs.assets import (
 from fabric_pipelines.defs.partitions import TASK_SET_PARTITIONS, task_sets
 from fabric_pipelines.defs.resources import ArtifactStore, Database
 from fabric_pipelines.lib.alerts import RunFailure, record_run_failure
+from fabric_pipelines.lib.gpu_pool import sync_gpu_pool
 from fabric_pipelines.lib.index.staleness import indexed_models, staleness
 from fabric_pipelines.lib.tasks.inbox import scan
 
@@ -35,9 +36,15 @@ index_job = dg.define_asset_job(
     job=extract_task_set,
     minimum_interval_seconds=15,
     default_status=dg.DefaultSensorStatus.RUNNING,
-    description="Registers each file dropped in the inbox as a task set and runs its extraction.",
+    description=(
+        "Registers each file dropped in the inbox as a task set and runs its extraction; keeps "
+        "the gpu pool at one slot per visible GPU."
+    ),
 )
 def inbox_sensor(context: dg.SensorEvaluationContext, store: ArtifactStore) -> dg.SensorResult:
+    resized = sync_gpu_pool(context.instance)
+    if resized is not None:
+        context.log.info(f"gpu pool: {resized} slot(s), one per visible GPU")
     accepted, rejected = scan(store.paths().inbox)
     for bad in rejected:
         context.log.warning(f"inbox: ignoring {bad.path.name}: {bad.reason}")

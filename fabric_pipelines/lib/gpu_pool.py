@@ -1,0 +1,38 @@
+"""The Dagster `gpu` pool follows the hardware: one slot per visible GPU (one on a CPU machine).
+
+The pool only counts concurrent GPU steps; which GPU a worker uses is decided by its device lease
+(workers.py sets CUDA_VISIBLE_DEVICES per worker). FABRIC_GPU_POOL_AUTO=0 leaves the pool's limit
+to the operator (set in the UI or with `dagster instance concurrency set gpu N`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+GPU_POOL = "gpu"
+
+
+def gpu_slots(visible_gpus: int) -> int:
+    return max(1, visible_gpus)
+
+
+def visible_gpus() -> int:
+    from fabric_gpu import probe_gpu
+
+    status = probe_gpu()
+    return len(status.devices) if status.available else 0
+
+
+def sync_gpu_pool(instance: Any, visible: int | None = None) -> int | None:
+    """Set the pool's limit to one slot per GPU if it differs; returns the new limit, or None
+    when nothing changed (or automatic sizing is off)."""
+    if os.environ.get("FABRIC_GPU_POOL_AUTO", "1") == "0":
+        return None
+    wanted = gpu_slots(visible_gpus() if visible is None else visible)
+    storage = instance.event_log_storage
+    if GPU_POOL in storage.get_concurrency_keys():
+        if storage.get_concurrency_info(GPU_POOL).slot_count == wanted:
+            return None
+    storage.set_concurrency_slots(GPU_POOL, wanted)
+    return wanted
