@@ -46,6 +46,9 @@ class ExtractionReport:
     real_tokens: int = 0
     padded_tokens: int = 0
     seconds: float = 0.0
+    warmup_seconds: float = 0.0  # opening the runner: graph capture, first allocations
+    ready_at: float = 0.0  # unix time the engine was ready for its first batch
+    last_ack_at: float = 0.0  # unix time of the last acknowledged batch
     errors: list[str] = field(default_factory=list)
     runtime: dict[str, Any] = field(default_factory=dict)  # the runtime's own counters
 
@@ -120,6 +123,8 @@ def run_worker(
             report.padded_tokens += lease.padded_tokens
         report.rows_inserted += outcome.inserted
         report.seconds = time.perf_counter() - started
+        if outcome.acked:
+            report.last_ack_at = time.time()
 
     def hidden_states_to_shard(batch: BatchRows) -> None:  # the writer thread, before the write
         hooks = pending_hooks.pop(batch.lease.batch_no, None)
@@ -171,6 +176,8 @@ def run_worker(
             pad_token_id=job.pad_token_id,
             max_in_flight=max_in_flight,
         ) as runner:
+            report.warmup_seconds = time.perf_counter() - started
+            report.ready_at = time.time()
             claimed: list[Lease] = []
             while True:
                 if not claimed:  # a few leases per transaction: claims stay off the critical path

@@ -31,8 +31,8 @@ def sync_gpu_pool(instance: Any, visible: int | None = None) -> int | None:
         return None
     wanted = gpu_slots(visible_gpus() if visible is None else visible)
     storage = instance.event_log_storage
-    if GPU_POOL in storage.get_concurrency_keys():
-        if storage.get_concurrency_info(GPU_POOL).slot_count == wanted:
-            return None
+    known = GPU_POOL in storage.get_concurrency_keys()
+    if known and storage.get_concurrency_info(GPU_POOL).slot_count == wanted:
+        return None
     storage.set_concurrency_slots(GPU_POOL, wanted)
     return wanted

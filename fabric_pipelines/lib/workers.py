@@ -175,7 +175,10 @@ class ExtractionSummary:
     stale_acks: int
     rows_inserted: int
     real_tokens: int
-    seconds: float
+    seconds: float  # wall time of the stage, worker start-up included
+    worker_seconds: tuple[float, ...] = ()  # each worker's run, from its engine's creation
+    # From the first engine ready (graphs captured) to the last batch acknowledged, any worker.
+    pulling_seconds: float = 0.0
 
     @property
     def tokens_per_second(self) -> float:
@@ -247,4 +250,12 @@ def extract_task_set(
         rows_inserted=sum(r["rows_inserted"] for r in reports),
         real_tokens=sum(r["real_tokens"] for r in reports),
         seconds=time.perf_counter() - started,
+        worker_seconds=tuple(float(r["seconds"]) for r in reports),
+        pulling_seconds=_pulling_window(reports),
     )
+
+
+def _pulling_window(reports: list[dict[str, Any]]) -> float:
+    ready = [r["ready_at"] for r in reports if r.get("ready_at")]
+    acked = [r["last_ack_at"] for r in reports if r.get("last_ack_at")]
+    return max(acked) - min(ready) if ready and acked else 0.0
