@@ -166,7 +166,7 @@ def render(lineage: Lineage) -> str:
         f"  quantizer {i['quantizer_sha256'][:16]}",
         f"  libraries {', '.join(f'{k} {v}' for k, v in sorted(i['libraries'].items()))}",
         f"  model     {m.get('model_id')}  weights {str(m.get('weights_sha256'))[:16]}  "
-        f"{m.get('pooling')} pooling of {m.get('layer')}, {m.get('dtype')}, {m.get('backend')}",
+        f"{m.get('pooling')} pooling, {m.get('dtype')}, {m.get('backend')} backend",
     ]
     if lineage.code:
         lines.append(
