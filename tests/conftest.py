@@ -68,6 +68,24 @@ def postgres_server_url() -> Iterator[str]:
         admin.dispose()
 
 
+@pytest.fixture
+def own_postgres_database(postgres_server_url: str) -> Iterator[str]:
+    """URL of a database of its own, for a test whose tenant (e.g. Dagster's instance storage)
+    keeps its own Alembic history and must not meet the product's tables."""
+    from sqlalchemy import create_engine, text
+
+    admin = create_engine(POSTGRES_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    name = f"fabric_own_{uuid.uuid4().hex[:12]}"
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield POSTGRES_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def db_url(request: pytest.FixtureRequest, paths: FabricPaths) -> Iterator[str]:
     """Each test using this runs twice: on a fresh SQLite file and on a fresh PostgreSQL schema."""

@@ -44,10 +44,10 @@ def hello_job() -> None:
 
 @pytest.mark.postgres
 def test_postgres_instance_storage_runs_a_job(
-    postgres_server_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    own_postgres_database: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     shutil.copy(DEPLOY / "postgres" / "dagster.yaml", tmp_path / "dagster.yaml")
-    for key, value in _pg_env(postgres_server_url).items():
+    for key, value in _pg_env(own_postgres_database).items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("DAGSTER_HOME", str(tmp_path))
     with dg.DagsterInstance.get() as instance:
