@@ -16,6 +16,7 @@ from fabric_pipelines.lib.broker.ledger import (
     StaleLeaseError,
     accounting,
     ack,
+    ack_many,
     claim,
     register_plan,
     report_failure,
@@ -89,6 +90,26 @@ def test_an_expired_lease_is_taken_over_and_the_late_ack_refused(db: Engine) -> 
         ack(conn, taken)  # the holder's ack again (a replay after a lost reply) is accepted
     with pytest.raises(StaleLeaseError), db.begin() as conn:
         ack(conn, first)  # the old epoch stays refused after completion
+
+
+def test_one_statement_acks_a_group_and_names_only_its_stale_leases(db: Engine) -> None:
+    plan, _ = _setup(db)
+    stale = claim(db, plan, "slow-worker", lease_seconds=10, now=1000.0)
+    current = claim(db, plan, "w2", 10, now=1001.0)
+    assert stale is not None and current is not None
+    taken = claim(db, plan, "w3", 10, now=1011.0)  # takes over the expired first lease
+    assert taken is not None and taken.batch_no == stale.batch_no
+    with db.begin() as conn:
+        assert ack_many(conn, [stale, current]) == [stale]
+    with db.connect() as conn:
+        state = conn.execute(
+            select(Batch.batch_no, Batch.state).where(
+                Batch.batch_no.in_([stale.batch_no, current.batch_no])
+            )
+        ).all()
+    assert dict(state) == {stale.batch_no: "leased", current.batch_no: COMPLETED}
+    with db.begin() as conn:
+        assert ack_many(conn, [taken, current]) == []  # a replay of current's ack is accepted
 
 
 def test_failures_are_retried_then_failed_with_the_items(db: Engine) -> None:

@@ -113,23 +113,36 @@ def test_a_full_queue_blocks_the_producer_and_drops_nothing(db: Engine) -> None:
     _assert_exactly_once(db, 12 * ITEMS)
 
 
-def _kill_writer_backends(url: str, stop: threading.Event, killed: list[int]) -> None:
+def _kill_writer_backends(
+    url: str, locked: threading.Event, stop: threading.Event, killed: list[int]
+) -> None:
+    """Cut the writer's connection mid-write, then keep cutting it until told to stop.
+
+    The first cut is certain: this thread holds a lock on `embeddings`, so the writer's first
+    transaction acks its batches and then waits at the COPY; that backend is terminated in the
+    middle of its transaction and only then is the lock released. Later cuts land wherever the
+    writer happens to be (active or inside a transaction), a few times a second."""
     admin = make_engine(url)
+    writer_backends = (
+        "select pg_terminate_backend(pid) from pg_stat_activity where "
+        "datname = current_database() and application_name = 'fabric' "
+        "and pid <> pg_backend_pid() and {}"
+    )
+    with admin.connect() as holder:
+        holder.execute(text("lock table embeddings in access exclusive mode"))
+        locked.set()
+        with admin.connect() as conn:
+            deadline = time.monotonic() + 30
+            while not killed and not stop.is_set() and time.monotonic() < deadline:
+                waiting = writer_backends.format("wait_event_type = 'Lock'")
+                killed.extend(1 for ok in conn.execute(text(waiting)).scalars() if ok)
+                time.sleep(0.01)
+        holder.rollback()  # release the lock: the writer's retry goes through
     while not stop.is_set():
         with admin.connect() as conn:
-            pids = (
-                conn.execute(
-                    text(
-                        "select pg_terminate_backend(pid) from pg_stat_activity where "
-                        "datname = current_database() and application_name = 'fabric' "
-                        "and state = 'active' and pid <> pg_backend_pid()"
-                    )
-                )
-                .scalars()
-                .all()
-            )
-            killed.extend(1 for ok in pids if ok)
-        time.sleep(0.05)
+            anywhere = writer_backends.format("state in ('active', 'idle in transaction')")
+            killed.extend(1 for ok in conn.execute(text(anywhere)).scalars() if ok)
+        time.sleep(0.25)  # sparse enough that the writer's retries get through
     admin.dispose()
 
 
@@ -139,11 +152,12 @@ def test_terminating_the_writer_backend_mid_write_loses_and_doubles_nothing(
 ) -> None:
     db = _fresh(postgres_server_url)
     batches = _ledger(db, 60)
-    stop, killed = threading.Event(), []
+    locked, stop, killed = threading.Event(), threading.Event(), []
     killer = threading.Thread(
-        target=_kill_writer_backends, args=(postgres_server_url, stop, killed)
+        target=_kill_writer_backends, args=(postgres_server_url, locked, stop, killed)
     )
     killer.start()
+    assert locked.wait(10), "the killer could not lock the embeddings table"
     try:
         _, writer = _write_all(db, batches, group_batches=2, first_backoff_s=0.05)
     finally:

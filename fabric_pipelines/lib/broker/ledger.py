@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Connection, Engine, Select, func, insert, select, update
+from sqlalchemy import Connection, Engine, Select, func, insert, select, tuple_, update
 
 from fabric_pipelines.lib.broker.planner import BatchPlan
 from fabric_pipelines.lib.store.models import Batch, Embedding, Model, TaskFailure, TaskSet
@@ -190,21 +190,34 @@ def ack(conn: Connection, lease: Lease) -> None:
 
     Idempotent for its holder: a batch this lease already completed (a replay after a lost
     reply) acks again; one whose epoch moved on does not."""
-    result = conn.execute(
+    if ack_many(conn, [lease]):
+        raise StaleLeaseError(stale_reason(lease))
+
+
+def ack_many(conn: Connection, leases: list[Lease]) -> list[Lease]:
+    """`ack` for several batches in one statement; returns the leases that were stale."""
+    if not leases:
+        return []
+    retired = conn.execute(
         update(Batch)
         .where(
-            Batch.plan_id == lease.plan_id,
-            Batch.batch_no == lease.batch_no,
-            Batch.lease_epoch == lease.epoch,
+            tuple_(Batch.plan_id, Batch.batch_no, Batch.lease_epoch).in_(
+                [(lease.plan_id, lease.batch_no, lease.epoch) for lease in leases]
+            ),
             Batch.state.in_((LEASED, COMPLETED)),
         )
         .values(state=COMPLETED, lease_deadline=None, error=None)
+        .returning(Batch.plan_id, Batch.batch_no)
+    ).all()
+    done = {(plan_id, batch_no) for plan_id, batch_no in retired}
+    return [lease for lease in leases if (lease.plan_id, lease.batch_no) not in done]
+
+
+def stale_reason(lease: Lease) -> str:
+    return (
+        f"batch {lease.batch_no} of plan {lease.plan_id}: lease epoch {lease.epoch} is no longer "
+        "current (it expired and was taken over, or the plan was superseded); results discarded"
     )
-    if result.rowcount != 1:
-        raise StaleLeaseError(
-            f"batch {lease.batch_no} of plan {lease.plan_id}: lease epoch {lease.epoch} is no longer "
-            "current (it expired and was taken over, or the plan was superseded); results discarded"
-        )
 
 
 def report_failure(

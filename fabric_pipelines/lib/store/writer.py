@@ -1,8 +1,9 @@
 """Writing results: write-behind, batched, idempotent, and fenced by the ledger.
 
 The drain hands each finished batch to `WriteBehind.put`, which queues it (a full queue blocks
-the producer: nothing is dropped). One writer thread takes a few batches at a time and commits
-them in one transaction: first each batch's ack (accepted only with the lease's current epoch),
+the producer: nothing is dropped). Writer threads (two on PostgreSQL, each with its own
+connection, so one builds its COPY payload while the server ingests the other's; one on SQLite,
+which has a single write lock) take a few batches at a time and commit them in one transaction: first each batch's ack (accepted only with the lease's current epoch),
 then the rows of the acked batches — on PostgreSQL one binary COPY built in bulk (pgcopy.py),
 on SQLite one executemany — and their hidden-state shard references. A stale batch is dropped
 from the group before its rows are written. Rows are keyed by (task set, task, model): if a
@@ -26,7 +27,7 @@ from typing import Any
 import numpy as np
 from sqlalchemy import Connection, Engine, exc
 
-from fabric_pipelines.lib.broker.ledger import Lease, StaleLeaseError, ack
+from fabric_pipelines.lib.broker.ledger import Lease, StaleLeaseError, ack_many, stale_reason
 from fabric_pipelines.lib.store.db import insert_ignoring_duplicates
 from fabric_pipelines.lib.store.models import HiddenStateShard
 from fabric_pipelines.lib.store.pgcopy import embeddings_payload
@@ -66,15 +67,20 @@ def write_group(
     outcome = GroupOutcome()
     with engine.begin() as conn:
         if conn.dialect.name == "postgresql":
-            # Safe to not wait for the WAL flush: rows and ack commit or vanish together, and a
-            # batch whose commit a crash loses is simply run again (its ack is lost with it).
-            conn.exec_driver_sql("SET LOCAL synchronous_commit = off")
+            # synchronous_commit off: safe, rows and ack commit or vanish together, and a batch
+            # whose commit a crash loses is simply run again (its ack is lost with it).
+            # work_mem 64MB: the watermark trigger's transition table holds the whole COPY
+            # (~6 MB a group at 384-d); at the default 4MB it spills to a temp file.
+            conn.exec_driver_sql(
+                "SELECT set_config('synchronous_commit', 'off', true), "
+                "set_config('work_mem', '64MB', true)"
+            )
+        stale = {id(lease) for lease in ack_many(conn, [batch.lease for batch in group])}
         for batch in group:
-            try:
-                ack(conn, batch.lease)
+            if id(batch.lease) in stale:
+                outcome.stale.append((batch, stale_reason(batch.lease)))
+            else:
                 outcome.acked.append(batch)
-            except StaleLeaseError as stale:
-                outcome.stale.append((batch, str(stale)))
         if outcome.acked:
             outcome.inserted = _insert_rows(conn, outcome.acked, upsert, pgvector)
             shards = [_shard_row(b) for b in outcome.acked if b.shard is not None]
@@ -186,8 +192,9 @@ class WriterGaveUp(RuntimeError):
 
 
 class WriteBehind:
-    """A bounded queue and one writer thread. `on_written(outcome)` runs on the writer thread
-    after each committed group; `close()` flushes, joins and re-raises a writer failure."""
+    """A bounded queue and its writer threads. `on_written(outcome)` runs after each committed
+    group, one call at a time; `before_write(batch)` may run on several writer threads at once.
+    `close()` flushes, joins and re-raises a writer failure."""
 
     def __init__(
         self,
@@ -196,6 +203,7 @@ class WriteBehind:
         *,
         max_batches: int = 16,
         group_batches: int = 8,
+        writers: int | None = None,
         attempts: int = 8,
         first_backoff_s: float = 0.25,
         max_backoff_s: float = 5.0,
@@ -210,9 +218,18 @@ class WriteBehind:
         self._backoff = (first_backoff_s, max_backoff_s)
         self._error: BaseException | None = None
         self._pgvector: bool | None = None  # asked of the schema at the first write
+        self._lock = threading.Lock()  # serialises on_written and the retry count
         self.retries = 0
-        self._thread = threading.Thread(target=self._run, name="fabric-writer", daemon=True)
-        self._thread.start()
+        if writers is None:
+            writers = 2 if engine.dialect.name == "postgresql" else 1
+        if writers < 1:
+            raise ValueError(f"writers must be at least 1, got {writers}")
+        self._threads = [
+            threading.Thread(target=self._run, name=f"fabric-writer-{n}", daemon=True)
+            for n in range(writers)
+        ]
+        for thread in self._threads:
+            thread.start()
 
     def put(self, batch: BatchRows) -> None:
         """Queue a batch; blocks while the queue is full. Raises if the writer has failed."""
@@ -227,8 +244,10 @@ class WriteBehind:
             raise self._error
 
     def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
+        for _ in self._threads:  # one end mark per thread: each stops at the first it takes
+            self._queue.put(None)
+        for thread in self._threads:
+            thread.join()
         if self._error is not None:
             raise self._error
 
@@ -256,7 +275,9 @@ class WriteBehind:
                     if self._before_write is not None:
                         for batch in group:
                             self._before_write(batch)
-                    self._on_written(self._write_with_retries(group))
+                    outcome = self._write_with_retries(group)
+                    with self._lock:
+                        self._on_written(outcome)
             except BaseException as error:
                 self._error = error
             finally:
@@ -284,7 +305,8 @@ class WriteBehind:
                             f"{time.monotonic() - started:.1f} s: {error}"
                         ) from error
                     raise
-                self.retries += 1
+                with self._lock:
+                    self.retries += 1
                 upsert = True  # the lost attempt may have committed
                 time.sleep(delay)
                 delay = min(delay * 2, cap)
