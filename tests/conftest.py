@@ -68,6 +68,29 @@ def postgres_server_url() -> Iterator[str]:
         admin.dispose()
 
 
+@pytest.fixture(scope="session")
+def pgvector_server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A throw-away PostgreSQL server that has pgvector, for the pgvector storage path.
+
+    The local server (Debian's PostgreSQL 15) has no pgvector package in the reachable
+    registries, so this runs the PostgreSQL 16 + pgvector build of the `pgserver` wheel (a real
+    server, on a Unix socket in a temporary folder), stopped and deleted at the end."""
+    try:
+        import pgserver
+    except ImportError as exc:
+        if IN_CI:
+            pytest.fail(f"pgserver (a test dependency) is required in CI: {exc}")
+        pytest.skip(f"pgserver is not installed: {exc}")
+    server = pgserver.get_server(
+        tmp_path_factory.mktemp("pgvector") / "data", cleanup_mode="delete"
+    )
+    socket_dir = server.get_uri().split("host=", 1)[1]
+    try:
+        yield f"postgresql+psycopg://postgres@/postgres?host={socket_dir}"
+    finally:
+        server.cleanup()
+
+
 @pytest.fixture
 def own_postgres_database(postgres_server_url: str) -> Iterator[str]:
     """URL of a database of its own, for a test whose tenant (e.g. Dagster's instance storage)

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from types import SimpleNamespace
-from typing import Any
 
 import numpy as np
-from sqlalchemy import BigInteger, Connection, cast, literal, select, text
+from sqlalchemy import BigInteger, Connection, cast, column, func, literal, select
 
 from fabric_pipelines.lib.store.models import Embedding, Model, TaskSet
+from fabric_pipelines.lib.store.schema import has_pgvector_column
 
 # An index id packs the task set and the task: task_set_id * 2**40 + record_no.
 ID_STRIDE = 1 << 40
@@ -35,19 +33,21 @@ class VectorSet:
 def load_vectors(conn: Connection, model_key: str) -> VectorSet:
     """Every embedding of `model_key`, ascending by id."""
     model = select(Model.id).where(Model.model_key == model_key).scalar_subquery()
+    columns = [
+        (
+            cast(Embedding.task_set_id, BigInteger) * literal(ID_STRIDE, BigInteger)
+            + Embedding.record_no
+        ).label("id"),
+        Embedding.vector,
+    ]
+    if has_pgvector_column(conn):  # schema revision 0002 on a server with pgvector
+        columns.append(func.vector_send(column("embedding")).label("pgvector"))
     rows = conn.execute(
-        select(
-            (
-                cast(Embedding.task_set_id, BigInteger) * literal(ID_STRIDE, BigInteger)
-                + Embedding.record_no
-            ).label("id"),
-            Embedding.vector,
-        )
+        select(*columns)
+        .select_from(Embedding)
         .where(Embedding.model_id == model)
         .order_by(Embedding.task_set_id, Embedding.record_no)
     ).all()
-    if rows and any(r.vector is None for r in rows):
-        rows = _with_pgvector_values(conn, list(rows))
     task_sets = conn.execute(
         select(TaskSet.name)
         .where(TaskSet.id.in_(select(Embedding.task_set_id).where(Embedding.model_id == model)))
@@ -55,37 +55,22 @@ def load_vectors(conn: Connection, model_key: str) -> VectorSet:
     ).scalars()
     if not rows:
         return VectorSet(model_key, np.zeros(0, np.int64), np.zeros((0, 0), np.float32), ())
-    sizes = {len(r.vector) for r in rows}
+    blobs = [r.vector if r.vector is not None else _float32_bytes(r.pgvector) for r in rows]
+    sizes = {len(b) for b in blobs}
     if len(sizes) != 1:
         raise BadVectorsError(
             f"model {model_key}: embeddings of several dimensions {sorted(s // 4 for s in sizes)}"
         )
     dim = sizes.pop() // 4
-    vectors = np.frombuffer(b"".join(r.vector for r in rows), dtype="<f4").reshape(len(rows), dim)
+    vectors = np.frombuffer(b"".join(blobs), dtype="<f4").reshape(len(rows), dim)
     ids = np.fromiter((r.id for r in rows), dtype=np.int64, count=len(rows))
     return VectorSet(model_key, ids, vectors.astype(np.float32), tuple(task_sets))
 
 
-def _with_pgvector_values(conn: Connection, rows: list[Any]) -> Any:
-    """Rows whose embedding is stored as a pgvector value (schema revision 0002): read its text
-    form and turn it into the same float32 bytes as the `vector` column holds."""
-    ids = [r.id for r in rows if r.vector is None]
-    values: dict[int, str] = dict(
-        conn.execute(
-            text(
-                "select task_set_id::bigint * :stride + record_no, embedding::text "
-                "from embeddings where task_set_id::bigint * :stride + record_no = any(:ids)"
-            ),
-            {"ids": ids, "stride": ID_STRIDE},
-        ).all()
-    )
-    out = []
-    for r in rows:
-        if r.vector is None:
-            floats = np.array(json.loads(values[r.id]), dtype="<f4")
-            r = SimpleNamespace(id=r.id, vector=floats.tobytes())
-        out.append(r)
-    return out
+def _float32_bytes(pgvector_binary: bytes) -> bytes:
+    """pgvector's binary form (16-bit dimension, 16-bit zero, float32 in network order) as the
+    little-endian float32 bytes the `vector` column holds."""
+    return np.frombuffer(pgvector_binary, dtype=">f4", offset=4).astype("<f4").tobytes()
 
 
 def check_vectors(vectors: np.ndarray, metric: str) -> None:

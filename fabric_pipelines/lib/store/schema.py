@@ -11,7 +11,7 @@ from pathlib import Path
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import Engine, inspect
+from sqlalchemy import Connection, Engine, inspect, text
 
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
 
@@ -52,5 +52,19 @@ def stores_pgvector(engine: Engine) -> bool:
     """Whether embeddings go into a pgvector column (decided by migration 0002 at upgrade)."""
     if engine.dialect.name != "postgresql":
         return False
-    columns = {c["name"] for c in inspect(engine).get_columns("embeddings")}
-    return "embedding" in columns
+    with engine.connect() as conn:
+        return has_pgvector_column(conn)
+
+
+def has_pgvector_column(conn: Connection) -> bool:
+    """`stores_pgvector` inside an open connection (asked of the catalogue, not the inspector,
+    which does not know the `vector` type)."""
+    if conn.dialect.name != "postgresql":
+        return False
+    found = conn.execute(
+        text(
+            "select 1 from information_schema.columns where table_schema = current_schema() "
+            "and table_name = 'embeddings' and column_name = 'embedding'"
+        )
+    ).first()
+    return found is not None
