@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +43,24 @@ def paths(tmp_path: Path) -> FabricPaths:
     return FabricPaths(tmp_path / "fabric").ensure()
 
 
+@contextmanager
+def _scratch_database(prefix: str) -> Iterator[str]:
+    """A new database on the PostgreSQL server, dropped (with its connections) at the end."""
+    from sqlalchemy import create_engine, text
+
+    admin = create_engine(POSTGRES_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield POSTGRES_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+    finally:
+        admin.dispose()  # a test may have restarted the server: start from fresh connections
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
 @pytest.fixture(scope="session")
 def postgres_server_url() -> Iterator[str]:
     """URL of a scratch database on the PostgreSQL server, for the whole session."""
@@ -55,17 +74,10 @@ def postgres_server_url() -> Iterator[str]:
         if IN_CI:
             pytest.fail(f"PostgreSQL at {POSTGRES_ADMIN_URL} is required in CI: {exc}")
         pytest.skip(f"PostgreSQL not reachable at {POSTGRES_ADMIN_URL}: {exc}")
-    name = f"fabric_test_{uuid.uuid4().hex[:12]}"
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    url = POSTGRES_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
-    try:
-        yield url
     finally:
-        admin.dispose()  # a test may have restarted the server: start from fresh connections
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
+    with _scratch_database("fabric_test") as url:
+        yield url
 
 
 @pytest.fixture(scope="session")
@@ -95,18 +107,8 @@ def pgvector_server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[st
 def own_postgres_database(postgres_server_url: str) -> Iterator[str]:
     """URL of a database of its own, for a test whose tenant (e.g. Dagster's instance storage)
     keeps its own Alembic history and must not meet the product's tables."""
-    from sqlalchemy import create_engine, text
-
-    admin = create_engine(POSTGRES_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    name = f"fabric_own_{uuid.uuid4().hex[:12]}"
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield POSTGRES_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+    with _scratch_database("fabric_own") as url:
+        yield url
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +19,8 @@ from fabric_pipelines.lib.store.models import Embedding, Model, Task, TaskSet
 from fabric_pipelines.lib.tasks.catalog import IngestSummary, ingest_task_set
 from fabric_pipelines.lib.tasks.inbox import submit
 from fabric_pipelines.lib.tasks.store import read_table
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def run_stages(
@@ -71,3 +76,26 @@ def embedding_counts(db: Engine) -> tuple[int, int]:
             )
         ).scalar_one()
     return int(rows), int(distinct)
+
+
+def validate_workspace(dagster_home: Path, **env: str) -> str:
+    """`dagster definitions validate -w workspace.yaml` as a user runs it, with `env` on top of
+    this process's environment; checks that the code location validated and returns the output."""
+    result = subprocess.run(
+        [
+            Path(sys.executable).parent / "dagster",
+            "definitions",
+            "validate",
+            "-w",
+            "workspace.yaml",
+        ],
+        cwd=REPO,
+        env={**os.environ, "DAGSTER_HOME": str(dagster_home), **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "Validation successful for code location fabric_pipelines" in output, output
+    return output

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import dagster as dg
@@ -14,8 +11,8 @@ from fabric_pipelines.definitions import defs
 from fabric_pipelines.defs.resources import ArtifactStore
 from fabric_pipelines.defs.sensors import inbox_sensor
 from fabric_pipelines.lib.settings import FabricPaths
+from tests.pipeline_helpers import validate_workspace
 
-REPO = Path(__file__).resolve().parents[1]
 FAMILIES = {
     "tokenised_tasks": "tasks",
     "shape_batches": "batches",
@@ -44,25 +41,7 @@ def test_definitions_have_the_four_asset_families() -> None:
 
 
 def test_dagster_cli_validates_the_workspace(tmp_path: Path) -> None:
-    env = {**os.environ, "DAGSTER_HOME": str(tmp_path)}
-    result = subprocess.run(
-        [
-            Path(sys.executable).parent / "dagster",
-            "definitions",
-            "validate",
-            "-w",
-            "workspace.yaml",
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert (
-        "Validation successful for code location fabric_pipelines" in result.stdout + result.stderr
-    )
+    validate_workspace(tmp_path)
 
 
 def test_inbox_sensor_registers_new_sets_once(tmp_path: Path) -> None:

@@ -4,10 +4,7 @@ no cluster here)."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import dagster as dg
@@ -16,6 +13,8 @@ import yaml
 from dagster._config import process_config
 from dagster._core.instance.config import dagster_instance_config
 from sqlalchemy.engine import make_url
+
+from tests.pipeline_helpers import validate_workspace
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
@@ -98,22 +97,7 @@ def test_k8s_executor_puts_the_extraction_step_on_a_gpu_node(
 
 
 def test_dagster_validates_the_workspace_with_the_k8s_executor(tmp_path: Path) -> None:
-    env = {**os.environ, "DAGSTER_HOME": str(tmp_path), "FABRIC_EXECUTOR": "k8s"}
-    result = subprocess.run(
-        [
-            Path(sys.executable).parent / "dagster",
-            "definitions",
-            "validate",
-            "-w",
-            "workspace.yaml",
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    validate_workspace(tmp_path, FABRIC_EXECUTOR="k8s")
 
 
 def test_an_unknown_executor_choice_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
