@@ -67,3 +67,12 @@ def test_the_writer_fills_pgvector_once_and_index_builds_read_the_same_floats(
     written = np.concatenate([b.pooled for b in batches])
     assert loaded.vectors.dtype == np.float32 and np.array_equal(loaded.vectors, written)
     assert np.array_equal(loaded.ids % (1 << 40), np.arange(6 * ITEMS))
+    # Rows written before the server had pgvector keep float32 bytes: a mix reads back the same.
+    with pgvector_db.begin() as conn:
+        for record_no in (0, 7, ITEMS + 3):
+            conn.execute(
+                text("update embeddings set vector = :v, embedding = null where record_no = :r"),
+                {"v": written[record_no].astype("<f4").tobytes(), "r": record_no},
+            )
+    with pgvector_db.connect() as conn:
+        assert np.array_equal(load_vectors(conn, "model").vectors, written)

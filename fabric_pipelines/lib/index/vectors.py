@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from sqlalchemy import BigInteger, Connection, cast, column, func, literal, select
@@ -55,22 +56,31 @@ def load_vectors(conn: Connection, model_key: str) -> VectorSet:
     ).scalars()
     if not rows:
         return VectorSet(model_key, np.zeros(0, np.int64), np.zeros((0, 0), np.float32), ())
-    blobs = [r.vector if r.vector is not None else _float32_bytes(r.pgvector) for r in rows]
-    sizes = {len(b) for b in blobs}
+    vectors = _float32_rows(model_key, rows)
+    ids = np.fromiter((r.id for r in rows), dtype=np.int64, count=len(rows))
+    return VectorSet(model_key, ids, vectors, tuple(task_sets))
+
+
+def _float32_rows(model_key: str, rows: Any) -> np.ndarray:
+    """The rows' vectors as float32 [n, dim]: from the `vector` column (little-endian float32
+    bytes) or, where that is empty, from pgvector's binary form (16-bit dimension, 16-bit zero,
+    float32 in network order). Each kind is decoded in one NumPy pass."""
+    as_bytes = np.fromiter((r.vector is not None for r in rows), dtype=bool, count=len(rows))
+    sizes = {len(r.vector) if r.vector is not None else len(r.pgvector) - 4 for r in rows}
     if len(sizes) != 1:
         raise BadVectorsError(
             f"model {model_key}: embeddings of several dimensions {sorted(s // 4 for s in sizes)}"
         )
     dim = sizes.pop() // 4
-    vectors = np.frombuffer(b"".join(blobs), dtype="<f4").reshape(len(rows), dim)
-    ids = np.fromiter((r.id for r in rows), dtype=np.int64, count=len(rows))
-    return VectorSet(model_key, ids, vectors.astype(np.float32), tuple(task_sets))
-
-
-def _float32_bytes(pgvector_binary: bytes) -> bytes:
-    """pgvector's binary form (16-bit dimension, 16-bit zero, float32 in network order) as the
-    little-endian float32 bytes the `vector` column holds."""
-    return np.frombuffer(pgvector_binary, dtype=">f4", offset=4).astype("<f4").tobytes()
+    out = np.empty((len(rows), dim), dtype=np.float32)
+    if as_bytes.any():
+        joined = b"".join(r.vector for r in rows if r.vector is not None)
+        out[as_bytes] = np.frombuffer(joined, dtype="<f4").reshape(-1, dim)
+    if not as_bytes.all():
+        joined = b"".join(r.pgvector for r in rows if r.vector is None)
+        values = np.frombuffer(joined, dtype=np.uint8).reshape(-1, 4 + 4 * dim)[:, 4:]
+        out[~as_bytes] = np.ascontiguousarray(values).view(">f4")
+    return out
 
 
 def check_vectors(vectors: np.ndarray, metric: str) -> None:

@@ -75,9 +75,9 @@ def write_group(
                 "SELECT set_config('synchronous_commit', 'off', true), "
                 "set_config('work_mem', '64MB', true)"
             )
-        stale = {id(lease) for lease in ack_many(conn, [batch.lease for batch in group])}
+        stale = set(ack_many(conn, [batch.lease for batch in group]))
         for batch in group:
-            if id(batch.lease) in stale:
+            if batch.lease in stale:
                 outcome.stale.append((batch, stale_reason(batch.lease)))
             else:
                 outcome.acked.append(batch)
