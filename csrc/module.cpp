@@ -26,39 +26,25 @@ namespace {
 
 using fabric::BatchDescriptor;
 
+// The descriptor's fields as Python sees them (one dict entry each), listed once for both
+// directions so that packing and unpacking cannot drift apart.
+#define FABRIC_DESCRIPTOR_FIELDS(X)                                                           \
+  X(batch_id) X(publish_seq) X(real_tokens) X(padded_tokens) X(output_limit) X(offsets_at) \
+  X(tokens_at) X(lane) X(batch_class) X(bucket_max) X(item_count) X(shape_epoch) X(payload_bytes)
+
 nb::dict descriptor_to_dict(const BatchDescriptor& d) {
   nb::dict out;
-  out["batch_id"] = d.batch_id;
-  out["publish_seq"] = d.publish_seq;
-  out["real_tokens"] = d.real_tokens;
-  out["padded_tokens"] = d.padded_tokens;
-  out["output_limit"] = d.output_limit;
-  out["offsets_at"] = d.offsets_at;
-  out["tokens_at"] = d.tokens_at;
-  out["lane"] = d.lane;
-  out["batch_class"] = d.batch_class;
-  out["bucket_max"] = d.bucket_max;
-  out["item_count"] = d.item_count;
-  out["shape_epoch"] = d.shape_epoch;
-  out["payload_bytes"] = d.payload_bytes;
+#define FABRIC_TO_DICT(field) out[#field] = d.field;
+  FABRIC_DESCRIPTOR_FIELDS(FABRIC_TO_DICT)
+#undef FABRIC_TO_DICT
   return out;
 }
 
 nb::bytes pack_descriptor(nb::dict f) {
   BatchDescriptor d{};
-  d.batch_id = nb::cast<std::uint64_t>(f["batch_id"]);
-  d.publish_seq = nb::cast<std::uint64_t>(f["publish_seq"]);
-  d.real_tokens = nb::cast<std::uint64_t>(f["real_tokens"]);
-  d.padded_tokens = nb::cast<std::uint64_t>(f["padded_tokens"]);
-  d.output_limit = nb::cast<std::uint64_t>(f["output_limit"]);
-  d.offsets_at = nb::cast<std::uint32_t>(f["offsets_at"]);
-  d.tokens_at = nb::cast<std::uint32_t>(f["tokens_at"]);
-  d.lane = nb::cast<std::uint32_t>(f["lane"]);
-  d.batch_class = nb::cast<std::uint32_t>(f["batch_class"]);
-  d.bucket_max = nb::cast<std::uint32_t>(f["bucket_max"]);
-  d.item_count = nb::cast<std::uint32_t>(f["item_count"]);
-  d.shape_epoch = nb::cast<std::uint32_t>(f["shape_epoch"]);
-  d.payload_bytes = nb::cast<std::uint32_t>(f["payload_bytes"]);
+#define FABRIC_FROM_DICT(field) d.field = nb::cast<decltype(d.field)>(f[#field]);
+  FABRIC_DESCRIPTOR_FIELDS(FABRIC_FROM_DICT)
+#undef FABRIC_FROM_DICT
   return nb::bytes(reinterpret_cast<const char*>(&d), sizeof(d));
 }
 
