@@ -42,18 +42,23 @@ def embed_layer_norm_reference(
 if HAVE_TRITON:
 
     @triton.jit
-    def _add_layer_norm_kernel(X, R, Y, W, B, n_cols, eps, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        h = tl.load(X + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-        h += tl.load(R + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    def _layer_norm_store(h, Y, W, B, row, cols, mask, n_cols, eps):
+        """LayerNorm of one row `h` (float32, masked columns zero) in float32, stored to Y."""
         mean = tl.sum(h, axis=0) / n_cols
         d = tl.where(mask, h - mean, 0.0)
         rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=0) / n_cols + eps)
         w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
         b = tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(Y + row * n_cols + cols, (d * rstd * w + b).to(Y.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _add_layer_norm_kernel(X, R, Y, W, B, n_cols, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        h = tl.load(X + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        h += tl.load(R + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        _layer_norm_store(h, Y, W, B, row, cols, mask, n_cols, eps)
 
     @triton.jit
     def _embed_layer_norm_kernel(
@@ -67,12 +72,7 @@ if HAVE_TRITON:
         h = tl.load(WORD + token * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
         h += tl.load(POSITION + pos * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
         h += tl.load(TYPE0 + cols, mask=mask, other=0.0).to(tl.float32)
-        mean = tl.sum(h, axis=0) / n_cols
-        d = tl.where(mask, h - mean, 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=0) / n_cols + eps)
-        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(Y + row * n_cols + cols, (d * rstd * w + b).to(Y.dtype.element_ty), mask=mask)
+        _layer_norm_store(h, Y, W, B, row, cols, mask, n_cols, eps)
 
 
 def _use_triton(t: torch.Tensor) -> bool:
