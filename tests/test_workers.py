@@ -16,7 +16,7 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -61,6 +61,21 @@ def _prepare(db: Engine, paths: FabricPaths, manifest: EngineManifest, n: int, t
     return path
 
 
+STARTED: list[subprocess.Popen[bytes]] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_worker_outlives_its_test() -> Iterator[None]:
+    """A failed test must not leave a stopped worker holding locks that block the next test."""
+    yield
+    while STARTED:
+        process = STARTED.pop()
+        if process.poll() is None:
+            process.send_signal(signal.SIGCONT)
+            process.kill()
+            process.wait()
+
+
 class Worker:
     def __init__(
         self, paths: FabricPaths, db_url: str, manifest: Path, owner: str, lease: float, tmp: Path
@@ -76,6 +91,7 @@ class Worker:
         ]  # fmt: skip
         with open(self.log, "wb") as out:
             self.process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+        STARTED.append(self.process)
 
     def wait(self, timeout: float = 300) -> dict:
         assert self.process.wait(timeout=timeout) == 0, self.log.read_text()[-3000:]
@@ -106,9 +122,9 @@ def _inside_a_transaction(db: Engine) -> bool:
     with db.connect() as conn:
         return bool(
             conn.execute(
-                text(
+                text(  # an open transaction: idle in it, or active (e.g. streaming a COPY)
                     "select count(*) from pg_stat_activity where datname = current_database() "
-                    "and state like 'idle in transaction%' and pid <> pg_backend_pid()"
+                    "and xact_start is not null and pid <> pg_backend_pid()"
                 )
             ).scalar_one()
         )
