@@ -130,14 +130,24 @@ def _inside_a_transaction(db: Engine) -> bool:
         )
 
 
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    """SIGSTOP the process and return once it has stopped: kill() returns before the signal is
+    delivered, and a worker still running could open a transaction after the probe has looked."""
+    assert process.poll() is None, "the worker finished before it could be caught"
+    os.kill(process.pid, signal.SIGSTOP)
+    _, status = os.waitpid(process.pid, os.WUNTRACED)
+    if not os.WIFSTOPPED(status):  # it exited in between; keep its status for Popen
+        process.returncode = os.waitstatus_to_exitcode(status)
+        raise AssertionError("the worker finished before it could be caught")
+
+
 def _stop_holding_a_lease(worker: Worker, db: Engine, timeout: float = 120) -> list[int]:
     """SIGSTOP the worker at a moment it holds a lease and is between transactions (stopped
     inside one, it would hold the database's locks: the server would end the session, or with
     SQLite every other writer would wait)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        assert worker.process.poll() is None, "the worker finished before it could be caught"
-        os.kill(worker.process.pid, signal.SIGSTOP)
+        _stop(worker.process)
         if not _inside_a_transaction(db):
             held = _leased_by(db, worker.owner)
             if held:
