@@ -103,7 +103,7 @@ def run_worker(
     those that expire (their holder died), so the plan ends with nothing queued or in flight."""
     tokens, offsets = flat_tokens(job.tasks)
     record_no = job.tasks.column("record_no").to_numpy()
-    task_ids = job.tasks.column("id").to_pylist()
+    task_ids = job.tasks.column("id")  # Arrow: taken per batch only where ids are needed
     report = ExtractionReport()
     in_flight: dict[int, tuple[Lease, np.ndarray]] = {}
     started = last_progress = time.perf_counter()
@@ -127,16 +127,17 @@ def run_worker(
             report.last_ack_at = time.time()
 
     def hidden_states_to_shard(batch: BatchRows) -> None:  # the writer thread, before the write
-        hooks = pending_hooks.pop(batch.lease.batch_no, None)
-        if hooks:
-            ids = [task_ids[r] for r in pending_rows.pop(batch.lease.batch_no)]
+        pending = pending_hooks.pop(batch.lease.batch_no, None)
+        if pending:
+            hooks, rows = pending
+            ids = task_ids.take(rows).combine_chunks()
             batch.shard = write_shard(
                 job.shard_folder, ids, batch.n_tokens, hooks, engine.hidden_size
             )
             batch.layers = tuple(hooks)
 
-    pending_hooks: dict[int, dict[int, np.ndarray]] = {}
-    pending_rows: dict[int, np.ndarray] = {}
+    # batch no -> (hidden states per hook layer, task rows): from the drain to the writer
+    pending_hooks: dict[int, tuple[dict[int, np.ndarray], np.ndarray]] = {}
     writer = WriteBehind(db, written, before_write=hidden_states_to_shard)
 
     def on_result(result: BatchResult) -> None:  # the runtime's drain thread
@@ -146,8 +147,7 @@ def run_worker(
             return
         assert result.pooled is not None
         if result.hooks:
-            pending_hooks[lease.batch_no] = result.hooks
-            pending_rows[lease.batch_no] = rows
+            pending_hooks[lease.batch_no] = (result.hooks, rows)
         writer.put(
             BatchRows(
                 lease=lease,
@@ -226,13 +226,13 @@ def _fail(
     lease: Lease,
     rows: np.ndarray,
     record_no: np.ndarray,
-    task_ids: list[str],
+    task_ids: pa.ChunkedArray,
     message: str,
     max_attempts: int,
     report: ExtractionReport,
 ) -> None:
     report.errors.append(f"batch {lease.batch_no} (attempt {lease.attempts}): {message}")
-    items = [(int(record_no[r]), task_ids[r]) for r in rows]
+    items = list(zip(record_no[rows].tolist(), task_ids.take(rows).to_pylist(), strict=True))
     try:
         state = report_failure(db, lease, message, max_attempts, items, job.task_set)
     except StaleLeaseError as stale:

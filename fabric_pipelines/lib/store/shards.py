@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +32,7 @@ def _column(name: str) -> str:
 
 def write_shard(
     folder: Path,
-    task_ids: list[str],
+    task_ids: Sequence[str] | pa.Array,
     lengths: np.ndarray,
     hooks: dict[int, np.ndarray],
     hidden_size: int,

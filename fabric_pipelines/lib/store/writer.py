@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from sqlalchemy import Connection, Engine, exc
 
-from fabric_pipelines.lib.broker.ledger import Lease, StaleLeaseError, ack_many, stale_reason
+from fabric_pipelines.lib.broker.ledger import Lease, ack_many, stale_reason
 from fabric_pipelines.lib.store.db import insert_ignoring_duplicates
 from fabric_pipelines.lib.store.models import HiddenStateShard
 from fabric_pipelines.lib.store.pgcopy import embeddings_payload
@@ -311,11 +311,3 @@ class WriteBehind:
                 time.sleep(delay)
                 delay = min(delay * 2, cap)
         raise AssertionError("unreachable")
-
-
-def write_batch(engine: Engine, lease: Lease, rows: BatchRows) -> int:
-    """Write one batch synchronously (tests, small tools); StaleLeaseError if its lease moved on."""
-    outcome = write_group(engine, [rows])
-    if outcome.stale:
-        raise StaleLeaseError(outcome.stale[0][1])
-    return outcome.inserted
