@@ -110,6 +110,8 @@ def test_one_statement_acks_a_group_and_names_only_its_stale_leases(db: Engine) 
     assert dict(state) == {stale.batch_no: "leased", current.batch_no: COMPLETED}
     with db.begin() as conn:
         assert ack_many(conn, [taken, current]) == []  # a replay of current's ack is accepted
+    with db.begin() as conn:  # an expired lease and its retake of the same batch, in one group
+        assert ack_many(conn, [stale, taken]) == [stale]
 
 
 def test_failures_are_retried_then_failed_with_the_items(db: Engine) -> None:

@@ -207,10 +207,11 @@ def ack_many(conn: Connection, leases: list[Lease]) -> list[Lease]:
             Batch.state.in_((LEASED, COMPLETED)),
         )
         .values(state=COMPLETED, lease_deadline=None, error=None)
-        .returning(Batch.plan_id, Batch.batch_no)
+        .returning(Batch.plan_id, Batch.batch_no, Batch.lease_epoch)
     ).all()
-    done = {(plan_id, batch_no) for plan_id, batch_no in retired}
-    return [lease for lease in leases if (lease.plan_id, lease.batch_no) not in done]
+    # Keyed with the epoch: a group can hold an expired lease and its retake of the same batch.
+    done = {tuple(row) for row in retired}
+    return [lease for lease in leases if (lease.plan_id, lease.batch_no, lease.epoch) not in done]
 
 
 def stale_reason(lease: Lease) -> str:
