@@ -193,18 +193,22 @@ def extraction_outputs(
             )
         )
 
+    def waiting_for_gpus() -> None:
+        context.log.info(f"{task_set}: waiting for {engine.workers} free GPU(s)")
+
     try:
-        report = extract_task_set(
-            db,
-            store.paths(),
-            task_set,
-            manifest,
-            database_url=database.resolved_url(),
-            workers=engine.workers,
-            lease_seconds=engine.lease_seconds,
-            devices=engine.devices(),
-            on_progress=progress,
-        )
+        with engine.devices(store.paths(), waiting_for_gpus) as devices:
+            report = extract_task_set(
+                db,
+                store.paths(),
+                task_set,
+                manifest,
+                database_url=database.resolved_url(),
+                workers=engine.workers,
+                lease_seconds=engine.lease_seconds,
+                devices=devices,
+                on_progress=progress,
+            )
     finally:
         bar.close()
     with db.connect() as conn:

@@ -1,6 +1,8 @@
 """Typed resources: where files live, which database, which engine."""
 
 import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import dagster as dg
@@ -12,6 +14,8 @@ from fabric_gpu.engines import create_engine
 from fabric_gpu.manifest import EngineManifest, HookSpec, manifest_for_model
 from fabric_gpu.model import DEFAULT_MODEL_ID
 from fabric_gpu.profile import ConsumerProfile
+from fabric_pipelines.lib.device_lease import lease_devices
+from fabric_pipelines.lib.gpu_pool import visible_gpus
 from fabric_pipelines.lib.settings import FabricPaths, database_url, default_root, redact_url
 from fabric_pipelines.lib.store.db import create_schema, make_engine
 
@@ -65,18 +69,19 @@ class EngineConfig(dg.ConfigurableResource):
     workers: int = 1
     lease_seconds: float = 600.0
 
-    def devices(self) -> list[int] | None:
-        """GPU per worker for GPU backends (worker i -> device i); None for the CPU engine."""
+    @contextmanager
+    def devices(
+        self, paths: FabricPaths, on_wait: Callable[[], None]
+    ) -> Iterator[list[int] | None]:
+        """GPU per worker for GPU backends (worker i -> the i-th leased device), held for the
+        block so concurrent steps never share a GPU; None for the CPU engine and in-process runs."""
         if self.manifest().backend == "cpu" or self.workers == 0:
-            return None
-        from fabric_gpu import probe_gpu
-
-        count = len(probe_gpu().devices)
-        if self.workers > count:
-            raise ValueError(
-                f"workers={self.workers} but this machine has {count} GPU(s): one worker per GPU"
-            )
-        return list(range(self.workers))
+            yield None
+            return
+        with lease_devices(
+            paths.device_leases, self.workers, visible_gpus(), on_wait=on_wait
+        ) as leased:
+            yield leased
 
     def manifest(self) -> EngineManifest:
         path = self.manifest_path or os.environ.get("FABRIC_ENGINE_MANIFEST", "")

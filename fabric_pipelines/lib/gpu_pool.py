@@ -1,7 +1,7 @@
 """The Dagster `gpu` pool follows the hardware: one slot per visible GPU (one on a CPU machine).
 
-The pool only counts concurrent GPU steps; which GPU a worker uses is decided by its device lease
-(workers.py sets CUDA_VISIBLE_DEVICES per worker). FABRIC_GPU_POOL_AUTO=0 leaves the pool's limit
+The pool only counts concurrent GPU steps; which GPUs a step's workers use is decided by its
+device lease (device_lease.py; workers.py sets CUDA_VISIBLE_DEVICES per worker). FABRIC_GPU_POOL_AUTO=0 leaves the pool's limit
 to the operator (set in the UI or with `dagster instance concurrency set gpu N`).
 """
 

@@ -51,6 +51,10 @@ class FabricPaths:
         return self.root / "receipts"
 
     @property
+    def device_leases(self) -> Path:
+        return self.root / "device-leases"
+
+    @property
     def sqlite_path(self) -> Path:
         return self.root / "fabric.db"
 
