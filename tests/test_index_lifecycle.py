@@ -194,6 +194,29 @@ def test_only_the_changed_shard_is_rebuilt_and_search_equals_a_full_rebuild(
     assert rebuild_from_receipt(db, second.receipt, paths.indexes).matches
 
 
+def test_after_an_in_place_update_the_receipt_rebuilds_from_its_stored_quantizer(
+    db: Engine, paths: FabricPaths
+) -> None:
+    """Same ids, one vector changed: the partial build reuses the quantizer trained on the old
+    vectors, so a rebuild must load it rather than train on today's vectors."""
+    model = _seed_rows(db)
+    first = _publish(db, paths)
+    set_id, record_no = _rows_of_shard(db, model, 0)[0]
+    with db.begin() as conn:
+        conn.execute(
+            update(Embedding)
+            .where(Embedding.model_id == model)
+            .where(Embedding.task_set_id == set_id, Embedding.record_no == record_no)
+            .values(vector=_clustered(1, seed=9)[0].astype("<f4").tobytes())
+        )
+    second = _publish(db, paths, previous=first.receipt)
+    assert second.receipt["ids_sha256"] == first.receipt["ids_sha256"]
+    assert second.receipt["vectors_sha256"] != first.receipt["vectors_sha256"]
+    assert second.receipt["training"] == first.receipt["training"]
+    report = rebuild_from_receipt(db, second.receipt, paths.indexes)
+    assert report.matches, report.detail
+
+
 def test_a_missing_shard_file_is_rebuilt_on_the_next_build(db: Engine, paths: FabricPaths) -> None:
     _seed_rows(db)
     first = _publish(db, paths)

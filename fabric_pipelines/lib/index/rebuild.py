@@ -120,7 +120,13 @@ def rebuild_from_receipt(
     training = receipt["training"]
     outputs: dict[str, tuple[str, bytes]] = {}  # file -> (sha, bytes) of what the rebuild made
 
-    if training["trained_on"]["ids_sha256"] == receipt["ids_sha256"]:
+    trained_on = training["trained_on"]
+    # Trained on exactly these rows (ids and vectors): train again. A partial build reuses an
+    # earlier quantizer, trained on other rows or older vectors: only its file reproduces it.
+    if (trained_on["ids_sha256"], trained_on["vectors_sha256"]) == (
+        receipt["ids_sha256"],
+        receipt["vectors_sha256"],
+    ):
         quantizer = train(source.vectors, spec).index
         outputs[training["quantizer_file"]] = _serialized(quantizer)
     else:
@@ -130,8 +136,8 @@ def rebuild_from_receipt(
             )
         except (FileNotFoundError, CorruptFileError) as exc:
             raise ReceiptError(
-                f"the quantizer was trained on earlier rows ({training['trained_on']['rows']} "
-                f"of them, ids sha256 {training['trained_on']['ids_sha256'][:12]}...) and its "
+                f"the quantizer was trained on earlier rows ({trained_on['rows']} of them, "
+                f"ids sha256 {trained_on['ids_sha256'][:12]}...) and its "
                 f"file, the only copy, is unusable: {exc}. Build a fresh index instead."
             ) from exc
     parts = []
