@@ -9,8 +9,6 @@ from dataclasses import dataclass
 import faiss
 import numpy as np
 
-from fabric_pipelines.lib.index.vectors import check_vectors
-
 METRICS = ("cosine", "l2")
 DEVICES = ("auto", "cpu", "gpu")
 
@@ -91,14 +89,13 @@ def prepared(vectors: np.ndarray, metric: str) -> np.ndarray:
 
 
 def train(vectors: np.ndarray, spec: IndexSpec) -> BuiltIndex:
-    """An empty index with its quantizer trained (IVF) on a seeded sample; Flat needs none."""
-    check_vectors(vectors, spec.metric)
+    """An empty index with its quantizer trained (IVF) on a seeded sample; Flat needs none.
+    The caller has checked the vectors (vectors.check_vectors)."""
     n, dim = vectors.shape
-    x = prepared(vectors, spec.metric)
     factory = resolve_factory(spec, n)
     metric = faiss.METRIC_INNER_PRODUCT if spec.metric == "cosine" else faiss.METRIC_L2
     index = faiss.index_factory(dim, factory, metric)
-    if not _is_ivf(index):
+    if not is_ivf(index):
         index = faiss.IndexIDMap2(index)
     train_rows = np.arange(0)
     centroids_sha = None
@@ -110,7 +107,7 @@ def train(vectors: np.ndarray, spec: IndexSpec) -> BuiltIndex:
         ivf.cp.seed = spec.seed
         if build_device(spec) == "gpu":  # k-means assignment on the GPU; the index stays on CPU
             ivf.clustering_index = faiss.index_cpu_to_all_gpus(faiss.IndexFlatL2(dim))
-        index.train(x[train_rows])
+        index.train(prepared(vectors[train_rows], spec.metric))
         # Not part of the index: clones must not share the GPU clustering index.
         ivf.clustering_index = None  # type: ignore[assignment]
         centroids_sha = hashlib.sha256(np.ascontiguousarray(centroids(index)).tobytes()).hexdigest()
@@ -163,15 +160,11 @@ def list_sizes(index: faiss.Index) -> np.ndarray:
 
 
 def set_search_params(index: faiss.Index, spec: IndexSpec) -> None:
-    if _is_ivf(index):
+    if is_ivf(index):
         faiss.extract_index_ivf(index).nprobe = spec.nprobe
 
 
 def is_ivf(index: faiss.Index) -> bool:
-    return _is_ivf(index)
-
-
-def _is_ivf(index: faiss.Index) -> bool:
     try:
         faiss.extract_index_ivf(index)
     except RuntimeError:
@@ -179,51 +172,65 @@ def _is_ivf(index: faiss.Index) -> bool:
     return True
 
 
+class RecallProbe:
+    """Recall against exact search, over a seeded sample of the rows as queries. The exact
+    neighbours are found once, up to `max_k`; any index over the same rows is then scored at
+    any k up to it with one search. Each query's own row is left out of both answers, so recall
+    measures its neighbours."""
+
+    def __init__(self, vectors: np.ndarray, ids: np.ndarray, spec: IndexSpec, max_k: int) -> None:
+        n = len(ids)
+        self.rows = n
+        self.max_k = max_k
+        rng = np.random.default_rng(spec.seed + 1)
+        q = np.sort(rng.choice(n, size=min(spec.recall_queries, n), replace=False))
+        x = prepared(vectors, spec.metric)
+        self.queries = x[q]
+        self.own = ids[q]
+        self.truth = np.empty((len(q), 0), dtype=ids.dtype)
+        if n > 1:  # with one row there is no neighbour: every k gives recall 1
+            dim = x.shape[1]
+            exact = faiss.IndexFlatIP(dim) if spec.metric == "cosine" else faiss.IndexFlatL2(dim)
+            exact.add(x)
+            _, truth_pos = exact.search(self.queries, min(max_k + 1, n))
+            self.truth = ids[truth_pos]
+
+    def recall(self, index: faiss.Index, k: int) -> tuple[float, int]:
+        """(recall@k of `index`, queries used); 1.0 when there are no k neighbours to find."""
+        if k > self.max_k:
+            raise ValueError(f"k={k}: this probe holds exact neighbours up to k={self.max_k}")
+        if self.rows <= k:
+            return 1.0, 0
+        _, found = index.search(self.queries, k + 1)
+        hits = 0
+        for truth_row, found_row, me in zip(self.truth[:, : k + 1], found, self.own, strict=True):
+            expected = truth_row[truth_row != me][:k]
+            got = found_row[(found_row != me) & (found_row >= 0)][:k]
+            hits += np.intersect1d(expected, got).size
+        return hits / (len(self.queries) * k), len(self.queries)
+
+
 def recall_at_k(
     index: faiss.Index, vectors: np.ndarray, ids: np.ndarray, spec: IndexSpec, k: int | None = None
 ) -> tuple[float, int]:
-    """Recall@k of `index` against exact search, over a seeded sample of the rows as queries.
-
-    Each query's own row is left out of both answers, so recall measures its neighbours.
-    """
+    """Recall@k (default the spec's k) of `index` against exact search: one RecallProbe."""
     k = spec.k if k is None else k
-    n = len(ids)
-    if n <= k:
-        return 1.0, 0
-    x = prepared(vectors, spec.metric)
-    rng = np.random.default_rng(spec.seed + 1)
-    q = np.sort(rng.choice(n, size=min(spec.recall_queries, n), replace=False))
-    exact = (
-        faiss.IndexFlatIP(x.shape[1]) if spec.metric == "cosine" else faiss.IndexFlatL2(x.shape[1])
-    )
-    exact.add(x)
-    _, truth_pos = exact.search(x[q], k + 1)
-    _, found = index.search(x[q], k + 1)
-    truth = ids[truth_pos]
-    own = ids[q][:, None]
-    hits = 0
-    for truth_row, found_row, me in zip(truth, found, own[:, 0], strict=True):
-        expected = truth_row[truth_row != me][:k]
-        got = found_row[(found_row != me) & (found_row >= 0)][:k]
-        hits += np.intersect1d(expected, got).size
-    return hits / (len(q) * k), len(q)
+    return RecallProbe(vectors, ids, spec, k).recall(index, k)
 
 
-def nprobe_curve(
-    index: faiss.Index, vectors: np.ndarray, ids: np.ndarray, spec: IndexSpec
-) -> dict[int, float]:
+def nprobe_curve(index: faiss.Index, probe: RecallProbe, spec: IndexSpec) -> dict[int, float]:
     """recall@k at each nprobe 1, 2, 4, ... up to the number of lists (IVF only)."""
-    if not _is_ivf(index):
+    if not is_ivf(index):
         return {}
     ivf = faiss.extract_index_ivf(index)
     curve = {}
-    probe = 1
+    nprobe = 1
     while True:
-        ivf.nprobe = min(probe, ivf.nlist)
-        curve[ivf.nprobe] = round(recall_at_k(index, vectors, ids, spec)[0], 6)
-        if probe >= ivf.nlist:
+        ivf.nprobe = min(nprobe, ivf.nlist)
+        curve[ivf.nprobe] = round(probe.recall(index, spec.k)[0], 6)
+        if nprobe >= ivf.nlist:
             break
-        probe *= 2
+        nprobe *= 2
     set_search_params(index, spec)
     return curve
 

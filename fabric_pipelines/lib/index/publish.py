@@ -27,6 +27,7 @@ from fabric_pipelines.lib.charts import bar_table
 from fabric_pipelines.lib.index import metrics, shards
 from fabric_pipelines.lib.index.build import (
     IndexSpec,
+    RecallProbe,
     build_device,
     centroids,
     deserialize,
@@ -35,7 +36,6 @@ from fabric_pipelines.lib.index.build import (
     list_sizes,
     merge,
     nprobe_curve,
-    recall_at_k,
     serialize,
     tolerance,
     train,
@@ -126,6 +126,8 @@ def build_and_publish(
             f"no embeddings for model {model_key}: materialise extraction_outputs first"
         )
     check_vectors(source.vectors, spec.metric)
+    ids_sha256 = array_sha256(source.ids.astype("<i8"))
+    vectors_sha256 = array_sha256(source.vectors.astype("<f4"))
     folder = model_folder(index_folder, model_key)
     (folder / "shards").mkdir(parents=True, exist_ok=True)
     (folder / "quantizers").mkdir(parents=True, exist_ok=True)
@@ -147,8 +149,8 @@ def build_and_publish(
             "device": device,
             "trained_on": {
                 "rows": len(source.ids),
-                "ids_sha256": array_sha256(source.ids.astype("<i8")),
-                "vectors_sha256": array_sha256(source.vectors.astype("<f4")),
+                "ids_sha256": ids_sha256,
+                "vectors_sha256": vectors_sha256,
             },
             "quantizer_sha256": sha,
             "quantizer_file": f"quantizers/{path.name}",
@@ -156,7 +158,8 @@ def build_and_publish(
         }
     old = {s["shard"]: s for s in previous["shards"]} if (previous and reuse is not None) else {}
     parts, entries, rebuilt = [], [], []
-    for shard, (ids, vectors) in enumerate(split_shards(source, spec.shards)):
+    for shard, rows in enumerate(shard_rows(source, spec.shards)):
+        ids = source.ids[rows]
         before = old.get(shard)
         index = None
         if before is not None and before["version"] == versions[shard]:
@@ -166,6 +169,7 @@ def build_and_publish(
             except (FileNotFoundError, CorruptFileError):
                 index = None  # rebuilt below from the same quantizer
         if index is None:
+            vectors = source.vectors[rows]  # gathered only for the shards being rebuilt
             index = fill(trained, vectors, ids, spec)
             sha, path = write_content_addressed(folder / "shards", serialize(index))
             entries.append(
@@ -193,8 +197,8 @@ def build_and_publish(
             "task_sets": list(source.task_sets),
             "watermark": {"n_shards": spec.shards, "versions": versions},
         },
-        "ids_sha256": array_sha256(source.ids.astype("<i8")),
-        "vectors_sha256": array_sha256(source.vectors.astype("<f4")),
+        "ids_sha256": ids_sha256,
+        "vectors_sha256": vectors_sha256,
         "model": {**model, "model_key": model_key, "dim": source.dim},
         "index": {
             "factory": training["factory"],
@@ -237,10 +241,15 @@ def build_and_publish(
     return PublishedIndex(receipt, sha, index_path, receipt_path, rebuilt)
 
 
+def shard_rows(source: VectorSet, n_shards: int) -> list[np.ndarray]:
+    """Positions in `source` of each shard's rows, in the source's id order."""
+    owner = shards.shard_of(source.ids, n_shards)
+    return [np.flatnonzero(owner == s) for s in range(n_shards)]
+
+
 def split_shards(source: VectorSet, n_shards: int) -> list[tuple[np.ndarray, np.ndarray]]:
     """(ids, vectors) of each shard, in the source's id order."""
-    owner = shards.shard_of(source.ids, n_shards)
-    return [(source.ids[owner == s], source.vectors[owner == s]) for s in range(n_shards)]
+    return [(source.ids[r], source.vectors[r]) for r in shard_rows(source, n_shards)]
 
 
 def _reusable(
@@ -270,16 +279,12 @@ def _reusable(
 
 def quality(index: faiss.Index, source: VectorSet, spec: IndexSpec) -> dict[str, Any]:
     """Recall against exact search, the nprobe curve, list balance and cluster health (NumPy)."""
-    recall = {
-        f"recall_at_{k}": round(recall_at_k(index, source.vectors, source.ids, spec, k)[0], 6)
-        for k in (1, 10, 100)
-    }
+    probe = RecallProbe(source.vectors, source.ids, spec, max_k=max(100, spec.k))
+    recall = {k: round(probe.recall(index, k)[0], 6) for k in sorted({1, 10, 100, spec.k})}
     out: dict[str, Any] = {
         "k": spec.k,
-        "recall_at_k": recall.get(
-            f"recall_at_{spec.k}", round(recall_at_k(index, source.vectors, source.ids, spec)[0], 6)
-        ),
-        **recall,
+        "recall_at_k": recall[spec.k],
+        **{f"recall_at_{k}": recall[k] for k in (1, 10, 100)},
         "queries": min(spec.recall_queries, len(source.ids)),
         "query_rule": "seeded sample of indexed rows, each query's own row left out",
         "query_seed": spec.seed + 1,
@@ -292,9 +297,7 @@ def quality(index: faiss.Index, source: VectorSet, spec: IndexSpec) -> dict[str,
         "zero_norm": health.zero_norm_rows,
     }
     if is_ivf(index):
-        out["nprobe_curve"] = {
-            str(k): v for k, v in nprobe_curve(index, source.vectors, source.ids, spec).items()
-        }
+        out["nprobe_curve"] = {str(k): v for k, v in nprobe_curve(index, probe, spec).items()}
         sizes = list_sizes(index)
         out["lists"] = {
             "count": int(sizes.size),
