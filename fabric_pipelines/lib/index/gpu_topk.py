@@ -161,7 +161,7 @@ def knn(
         parts_d, parts_i = [], []
         for c0 in range(0, n, col_tile):
             dots = q @ base[c0 : c0 + col_tile].T
-            d, i = topk_of_products(dots, colterm[c0 : c0 + col_tile], alpha, min(k, K_MAX), c0)
+            d, i = topk_of_products(dots, colterm[c0 : c0 + col_tile], alpha, k, c0)
             parts_d.append(d)
             parts_i.append(i)
             del dots

@@ -66,7 +66,7 @@ def find_receipt(conn: Connection, ref: str) -> tuple[str, dict[str, Any]]:
         receipt: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
         return path.stem, receipt
     rows = conn.execute(
-        select(IndexReceipt.receipt_sha256, IndexReceipt.receipt_json)
+        select(IndexReceipt.receipt_sha256, IndexReceipt.model_key, IndexReceipt.receipt_json)
         .where(
             IndexReceipt.receipt_sha256.startswith(ref)
             | IndexReceipt.index_sha256.startswith(ref)
@@ -80,7 +80,7 @@ def find_receipt(conn: Connection, ref: str) -> tuple[str, dict[str, Any]]:
             "or a model key; `fabric index status` lists the indexed models"
         )
     shas = {r.receipt_sha256 for r in rows}
-    by_model = all(json.loads(r.receipt_json)["model"]["model_key"] == ref for r in rows)
+    by_model = all(r.model_key == ref for r in rows)
     if len(shas) > 1 and not by_model:
         raise LookupError(f"{ref!r} matches {len(shas)} receipts: give more of the sha256")
     return rows[0].receipt_sha256, json.loads(rows[0].receipt_json)

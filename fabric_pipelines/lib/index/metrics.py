@@ -17,16 +17,6 @@ from fabric_pipelines.lib.index import gpu_topk
 TILE = 8192  # database rows per distance tile: bounds memory at queries x TILE
 
 
-def array_module(device: str) -> Any:
-    """numpy for "cpu", cupy for "gpu" (ImportError with the reason if CuPy is unusable)."""
-    if device == "cpu":
-        return np
-    import cupy
-
-    cupy.cuda.runtime.getDeviceCount()  # raises without a driver
-    return cupy
-
-
 def prepare(x: Any, metric: str, xp: Any, dtype: Any) -> Any:
     x = xp.asarray(x, dtype=dtype)
     if metric == "cosine":
