@@ -27,14 +27,11 @@ def embeddings_payload(
     little-endian float32 (`vector`), or with `pgvector` the extension's binary `vector` value:
     16-bit dimension, 16-bit zero, float32 in network order (`embedding`)."""
     rows, dim = vectors.shape
-    if pgvector:
-        head = np.zeros((rows, 2), dtype=">i2")
-        head[:, 0] = dim
-        values = np.ascontiguousarray(vectors, dtype=">f4").view(np.uint8).reshape(rows, dim * 4)
-        last = np.concatenate([head.view(np.uint8).reshape(rows, 4), values], axis=1)
-    else:
-        last = np.ascontiguousarray(vectors, dtype="<f4").view(np.uint8).reshape(rows, dim * 4)
-    vector_bytes = last.shape[1]
+    if pgvector:  # the vector value: its own 4-byte head, then big-endian float32
+        value = [("dim", ">i2"), ("unused", ">i2"), ("vector", ">f4", (dim,))]
+    else:  # bytea of little-endian float32
+        value = [("vector", "<f4", (dim,))]
+    vector_bytes = (4 if pgvector else 0) + 4 * dim
     layout = np.dtype(
         [
             ("fields", ">i2"),
@@ -42,7 +39,7 @@ def embeddings_payload(
             ("len_record", ">i4"), ("record_no", ">i8"),
             ("len_model", ">i4"), ("model_id", ">i4"),
             ("len_tokens", ">i4"), ("n_tokens", ">i4"),
-            ("len_vector", ">i4"), ("vector", f"V{vector_bytes}"),
+            ("len_vector", ">i4"), *value,
         ]
     )  # fmt: skip
     # One buffer: header, rows, trailer. The rows are a structured view into it, so the payload
@@ -61,5 +58,8 @@ def embeddings_payload(
     out["len_tokens"] = 4
     out["n_tokens"] = n_tokens
     out["len_vector"] = vector_bytes
-    out["vector"] = np.ascontiguousarray(last).view(f"V{vector_bytes}").reshape(rows)
+    if pgvector:
+        out["dim"] = dim
+        out["unused"] = 0
+    out["vector"] = vectors  # converted to the field's byte order in this one copy
     return buffer
