@@ -14,7 +14,12 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
+
+    from fabric_pipelines.lib.settings import FabricPaths
 
 DEMO_TASK_SET = "demo"
 
@@ -30,6 +35,17 @@ def _prepare_environment() -> Path:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     return root
+
+
+def _open_database() -> tuple[FabricPaths, Engine]:
+    """The data root's paths and its results database, brought to the newest schema."""
+    from fabric_pipelines.lib.settings import FabricPaths, database_url
+    from fabric_pipelines.lib.store.db import create_schema, make_engine
+
+    paths = FabricPaths(_prepare_environment()).ensure()
+    db = make_engine(database_url(paths))
+    create_schema(db)
+    return paths, db
 
 
 def _engine_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -119,16 +135,12 @@ def _checks(result: Any) -> list[tuple[str, bool]]:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from fabric_pipelines.lib.demo_corpus import write_demo_set
-    from fabric_pipelines.lib.settings import FabricPaths, database_url, redact_url
-    from fabric_pipelines.lib.store.db import create_schema, make_engine
+    from fabric_pipelines.lib.settings import database_url, redact_url
     from fabric_pipelines.lib.tasks.catalog import forget_task_set
     from fabric_pipelines.lib.tasks.inbox import submit
 
-    root = _prepare_environment()
-    paths = FabricPaths(root).ensure()
-    db = make_engine(database_url(paths))
-    create_schema(db)
-    print(f"fabric demo: data root {root}, database {redact_url(database_url(paths))}")
+    paths, db = _open_database()
+    print(f"fabric demo: data root {paths.root}, database {redact_url(database_url(paths))}")
     # The demo owns its task set: start it afresh so every demo run does (and times) real work.
     forget_task_set(db, paths, DEMO_TASK_SET)
     with tempfile.TemporaryDirectory() as tmp:
@@ -213,14 +225,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     from sqlalchemy.orm import Session
 
     from fabric_pipelines.lib.broker.ledger import accounting
-    from fabric_pipelines.lib.settings import FabricPaths, database_url
-    from fabric_pipelines.lib.store.db import create_schema, make_engine
     from fabric_pipelines.lib.store.models import TaskFailure
     from fabric_pipelines.lib.tasks.catalog import list_task_sets
 
-    root = _prepare_environment()
-    db = make_engine(database_url(FabricPaths(root)))
-    create_schema(db)
+    _, db = _open_database()
     names = [args.task_set] if args.task_set else list_task_sets(db)
     if not names:
         print("no task sets yet: fabric submit FILE --task-set NAME, or fabric demo")
@@ -296,14 +304,9 @@ def cmd_index(args: argparse.Namespace) -> int:
     """Check an index's files against its receipt, or rebuild it from the receipt."""
     from fabric_pipelines.lib.index.publish import load_receipt
     from fabric_pipelines.lib.index.rebuild import ReceiptError, check_files, rebuild_from_receipt
-    from fabric_pipelines.lib.index.staleness import indexed_models, latest_receipt, staleness
-    from fabric_pipelines.lib.settings import FabricPaths, database_url
-    from fabric_pipelines.lib.store.db import create_schema, make_engine
+    from fabric_pipelines.lib.index.staleness import indexed_models, staleness
 
-    root = _prepare_environment()
-    paths = FabricPaths(root)
-    db = make_engine(database_url(paths))
-    create_schema(db)
+    paths, db = _open_database()
     if args.action == "status":
         with db.connect() as conn:
             models = indexed_models(conn)
@@ -311,12 +314,11 @@ def cmd_index(args: argparse.Namespace) -> int:
                 print("no index yet: materialise vector_index (fabric demo builds one)")
             for key in models:
                 found = staleness(conn, key, paths.indexes)
-                latest = latest_receipt(conn, key)
-                assert found is not None and latest is not None
-                problems = check_files(latest[1], paths.indexes)
+                assert found is not None  # an indexed model has a receipt
+                problems = check_files(found.receipt, paths.indexes)
                 print(
                     f"{key}: receipt {found.receipt_sha256[:16]}, "
-                    f"{latest[1]['source']['rows']} vectors, "
+                    f"{found.receipt['source']['rows']} vectors, "
                     f"stale shards {found.stale_shards or 'none'}, "
                     + (
                         "files: " + ", ".join(f"{p.file} {p.problem}" for p in problems)
@@ -356,12 +358,8 @@ def cmd_index(args: argparse.Namespace) -> int:
 def cmd_receipt(args: argparse.Namespace) -> int:
     """Trace an index back to its task sets, batches, model and code versions."""
     from fabric_pipelines.lib.index.lineage import find_receipt, render, trace
-    from fabric_pipelines.lib.settings import FabricPaths, database_url
-    from fabric_pipelines.lib.store.db import create_schema, make_engine
 
-    root = _prepare_environment()
-    db = make_engine(database_url(FabricPaths(root)))
-    create_schema(db)
+    _, db = _open_database()
     with db.connect() as conn:
         try:
             sha, receipt = find_receipt(conn, args.index)

@@ -26,6 +26,7 @@ class Staleness:
     receipt_sha256: str
     stale_shards: list[int]
     index_missing: bool
+    receipt: dict[str, Any]
 
     @property
     def stale(self) -> bool:
@@ -61,4 +62,4 @@ def staleness(conn: Connection, model_key: str, index_folder: Path) -> Staleness
     stale = [s for s, (then, current) in enumerate(zip(watermark["versions"], now, strict=True))
              if then != current]  # fmt: skip
     missing = not (model_folder(index_folder, model_key) / receipt["index_file"]).is_file()
-    return Staleness(model_key, sha, stale, missing)
+    return Staleness(model_key, sha, stale, missing, receipt)
