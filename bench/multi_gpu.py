@@ -5,8 +5,8 @@ The product's path end to end below Dagster: a task set of token ids (lengths fr
 yardstick's `reference_lengths`) is ingested, planned and extracted by `extract_task_set` with
 worker processes (`python -m fabric_pipelines.lib.workers`), each owning one GPU through
 CUDA_VISIBLE_DEVICES, writing pooled embeddings to the database (SQLite here) with their acks.
-The model is a BERT of the chosen size with random fp16 weights (its tokenizer is all-MiniLM's:
-the same vocabulary), so each GPU has real work per token and the database is not the limit.
+The model is the yardstick's `random_encoder` of the chosen size (random fp16 weights; saved with
+all-MiniLM's tokenizer: the same vocabulary), so each GPU has real work per token and the database is not the limit.
 
 Throughput is real tokens over the pulling window — from the first worker's engine ready (its
 CUDA graphs captured) to the last batch acknowledged by any worker — and also over the stage's
@@ -38,11 +38,6 @@ from fabric_gpu.manifest import HookSpec, manifest_for_model
 from fabric_gpu.model import DEFAULT_MODEL_ID, resolve_model_dir
 from fabric_gpu.profile import ConsumerProfile
 
-SIZES = {  # hidden, layers, heads, intermediate
-    "tiny": (128, 2, 2, 512),  # for a smoke run of this script on a CPU (--backend cpu)
-    "bert_base": (768, 12, 12, 3072),
-    "bert_large": (1024, 24, 16, 4096),
-}
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -51,17 +46,9 @@ TOKENIZER_FILES = (
 )
 
 
-def random_bert(folder: Path, size: str, tokenizer_from: Path) -> Path:
-    import torch
-    from transformers import BertConfig, BertModel
-
-    hidden, layers, heads, inter = SIZES[size]
-    config = BertConfig(
-        vocab_size=30522, hidden_size=hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, intermediate_size=inter, max_position_embeddings=512,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    BertModel(config).half().save_pretrained(folder)
+def random_model(reference: Any, folder: Path, size: str, tokenizer_from: Path) -> Path:
+    """The yardstick's random fp16 encoder of this size, saved with all-MiniLM's tokenizer."""
+    reference.random_encoder(size, device="cpu").save_pretrained(folder)
     for name in TOKENIZER_FILES:
         if (tokenizer_from / name).is_file():
             shutil.copy(tokenizer_from / name, folder / name)
@@ -127,7 +114,11 @@ def run(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--items", type=int, default=300_000)
-    parser.add_argument("--model", choices=sorted(SIZES), default="bert_large")
+    parser.add_argument(
+        "--model",
+        default="bert_large",
+        help="a yardstick CONFIGS size (minilm_l6 for a CPU smoke run)",
+    )
     parser.add_argument("--gpus", type=int, default=2)
     parser.add_argument("--reference", default=str(DEFAULT))
     parser.add_argument("--tokenizer", help="model folder whose tokenizer to use")
@@ -139,11 +130,13 @@ def main() -> None:
     if args.backend == "torch" and torch.cuda.device_count() < args.gpus:
         raise SystemExit(f"needs {args.gpus} GPUs; torch sees {torch.cuda.device_count()}")
     reference = load_reference(args.reference)
+    if args.model not in reference.CONFIGS:
+        parser.error(f"--model {args.model!r}: the yardstick has {sorted(reference.CONFIGS)}")
     lengths = np.asarray(reference.reference_lengths(args.items, max_len=512))
     tokenizer_from = Path(args.tokenizer) if args.tokenizer else resolve_model_dir(DEFAULT_MODEL_ID)
     with tempfile.TemporaryDirectory(prefix="fabric-multi-gpu-") as tmp:
         root = Path(tmp)
-        model = random_bert(root / "model", args.model, tokenizer_from)
+        model = random_model(reference, root / "model", args.model, tokenizer_from)
         manifest = manifest_for_model(
             str(model), backend=args.backend,
             dtype="float16" if args.backend == "torch" else "float32",
