@@ -19,11 +19,10 @@ import argparse
 import json
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import numpy as np
-from sqlalchemy import create_engine, insert, text
+from sqlalchemy import insert
 from sqlalchemy.orm import Session
 
 from fabric_pipelines.lib.broker.ledger import claim_many, register_plan
@@ -31,6 +30,7 @@ from fabric_pipelines.lib.broker.planner import BatchPlan
 from fabric_pipelines.lib.store.db import create_schema, make_engine
 from fabric_pipelines.lib.store.keys import model_id
 from fabric_pipelines.lib.store.models import Embedding, TaskSet
+from fabric_pipelines.lib.store.scratch import scratch_database
 from fabric_pipelines.lib.store.writer import BatchRows, WriteBehind
 
 BATCH_ROWS = 512  # items per batch: a 32K-token batch at ~64 tokens per item
@@ -115,18 +115,12 @@ def orm(engine, rows: int, dim: int) -> float:  # type: ignore[no-untyped-def]
 
 def on_scratch_database(server_url: str, measure) -> float:  # type: ignore[no-untyped-def]
     """`measure(engine)` on a database created for it and dropped after."""
-    admin = create_engine(server_url, isolation_level="AUTOCOMMIT")
-    name = f"fabric_bench_{uuid.uuid4().hex[:8]}"
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    engine = make_engine(server_url.rsplit("/", 1)[0] + f"/{name}")
-    try:
-        return round(measure(engine))
-    finally:
-        engine.dispose()
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+    with scratch_database(server_url, "fabric_bench") as url:
+        engine = make_engine(url)
+        try:
+            return round(measure(engine))
+        finally:
+            engine.dispose()
 
 
 def main() -> None:

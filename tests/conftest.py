@@ -11,9 +11,7 @@ tests also run on a GPU machine that has only fabric_gpu's own dependencies.
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,24 +41,6 @@ def paths(tmp_path: Path) -> FabricPaths:
     return FabricPaths(tmp_path / "fabric").ensure()
 
 
-@contextmanager
-def _scratch_database(prefix: str) -> Iterator[str]:
-    """A new database on the PostgreSQL server, dropped (with its connections) at the end."""
-    from sqlalchemy import create_engine, text
-
-    admin = create_engine(POSTGRES_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield POSTGRES_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
-    finally:
-        admin.dispose()  # a test may have restarted the server: start from fresh connections
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
-
-
 @pytest.fixture(scope="session")
 def postgres_server_url() -> Iterator[str]:
     """URL of a scratch database on the PostgreSQL server, for the whole session."""
@@ -76,7 +56,9 @@ def postgres_server_url() -> Iterator[str]:
         pytest.skip(f"PostgreSQL not reachable at {POSTGRES_ADMIN_URL}: {exc}")
     finally:
         admin.dispose()
-    with _scratch_database("fabric_test") as url:
+    from fabric_pipelines.lib.store.scratch import scratch_database
+
+    with scratch_database(POSTGRES_ADMIN_URL, "fabric_test") as url:
         yield url
 
 
@@ -107,25 +89,24 @@ def pgvector_server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[st
 def own_postgres_database(postgres_server_url: str) -> Iterator[str]:
     """URL of a database of its own, for a test whose tenant (e.g. Dagster's instance storage)
     keeps its own Alembic history and must not meet the product's tables."""
-    with _scratch_database("fabric_own") as url:
+    from fabric_pipelines.lib.store.scratch import scratch_database
+
+    with scratch_database(POSTGRES_ADMIN_URL, "fabric_own") as url:
         yield url
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def db_url(request: pytest.FixtureRequest, paths: FabricPaths) -> Iterator[str]:
     """Each test using this runs twice: on a fresh SQLite file and on a fresh PostgreSQL schema."""
-    from sqlalchemy import text
-
     from fabric_pipelines.lib.store.db import make_engine
+    from fabric_pipelines.lib.store.scratch import empty_public_schema
 
     if request.param == "sqlite":
         yield f"sqlite:///{paths.sqlite_path}"
         return
     url = request.getfixturevalue("postgres_server_url")
     engine = make_engine(url)
-    with engine.begin() as conn:  # an empty database: every test starts from no schema at all
-        conn.execute(text("DROP SCHEMA public CASCADE"))
-        conn.execute(text("CREATE SCHEMA public"))
+    empty_public_schema(engine)  # every test starts from no schema at all
     engine.dispose()
     yield url
 

@@ -11,6 +11,7 @@ from sqlalchemy import Engine, text
 from fabric_pipelines.lib.index.vectors import load_vectors
 from fabric_pipelines.lib.store.db import make_engine
 from fabric_pipelines.lib.store.schema import current_revision, downgrade, stores_pgvector, upgrade
+from fabric_pipelines.lib.store.scratch import empty_public_schema
 from tests.test_writer import ITEMS, _assert_exactly_once, _ledger, _write_all
 
 pytestmark = pytest.mark.pgvector
@@ -19,9 +20,7 @@ pytestmark = pytest.mark.pgvector
 @pytest.fixture
 def pgvector_db(pgvector_server_url: str) -> Engine:
     engine = make_engine(pgvector_server_url)
-    with engine.begin() as conn:  # every test starts from no schema (and no extension) at all
-        conn.execute(text("DROP SCHEMA public CASCADE"))
-        conn.execute(text("CREATE SCHEMA public"))
+    empty_public_schema(engine)  # every test starts from no schema (and no extension) at all
     upgrade(engine)
     return engine
 

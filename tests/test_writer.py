@@ -19,6 +19,7 @@ from fabric_pipelines.lib.store.db import make_engine
 from fabric_pipelines.lib.store.keys import model_id
 from fabric_pipelines.lib.store.models import BatchPlan as BatchPlanRow
 from fabric_pipelines.lib.store.models import TaskSet
+from fabric_pipelines.lib.store.scratch import empty_public_schema
 from fabric_pipelines.lib.store.writer import BatchRows, GroupOutcome, WriteBehind, WriterGaveUp
 from tests.pipeline_helpers import embedding_counts
 
@@ -223,8 +224,6 @@ def _fresh(url: str) -> Engine:
     from fabric_pipelines.lib.store.db import create_schema
 
     db = make_engine(url)
-    with db.begin() as conn:
-        conn.execute(text("DROP SCHEMA public CASCADE"))
-        conn.execute(text("CREATE SCHEMA public"))
+    empty_public_schema(db)
     create_schema(db)
     return db

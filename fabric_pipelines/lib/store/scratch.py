@@ -1,0 +1,34 @@
+"""Throwaway PostgreSQL databases and schemas, for the test suite and the benchmarks: never the
+user's data."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from sqlalchemy import Engine, create_engine, text
+
+
+@contextmanager
+def scratch_database(server_url: str, prefix: str) -> Iterator[str]:
+    """URL of a new database on the server of `server_url`, dropped (with its connections) at
+    the end of the block."""
+    admin = create_engine(server_url, isolation_level="AUTOCOMMIT")
+    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield server_url.rsplit("/", 1)[0] + f"/{name}"
+    finally:
+        admin.dispose()  # the server may have restarted meanwhile: start from fresh connections
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def empty_public_schema(engine: Engine) -> None:
+    """Drop every table, type and extension of the public schema: the database is as new."""
+    with engine.begin() as conn:
+        conn.execute(text("DROP SCHEMA public CASCADE"))
+        conn.execute(text("CREATE SCHEMA public"))
