@@ -12,6 +12,7 @@ from sqlalchemy import Engine, insert
 
 from fabric_pipelines.lib.index.build import (
     IndexSpec,
+    RecallProbe,
     build_index,
     recall_at_k,
     resolve_factory,
@@ -52,6 +53,35 @@ def test_flat_recall_is_exact_and_ivf_recall_is_measured() -> None:
     assert all_lists == 1.0
     assert one_list < all_lists
     assert ivf.centroids_sha256 is not None and len(ivf.train_rows) == 5000
+
+
+def test_recall_counts_neighbours_tied_at_the_kth_distance_alike() -> None:
+    """Every vector three times over: the k-th exact neighbour is tied with others, and which of
+    them a search returns is arbitrary. Recall must not depend on it, nor on how far the exact
+    search looked."""
+    x = np.repeat(_clustered(1000), 3, axis=0)
+    ids = np.arange(len(x), dtype=np.int64)
+    spec = IndexSpec(factory="IVF32,Flat", nprobe=2, recall_queries=300)
+    ivf = build_index(x, ids, spec)
+    short, wide = RecallProbe(x, ids, spec, max_k=10), RecallProbe(x, ids, spec, max_k=100)
+    assert short.recall(ivf.index, 10) == wide.recall(ivf.index, 10)
+    # An "index" that returns the tied duplicates in reverse order of the exact search still
+    # finds every neighbour: full recall.
+    flat = build_index(x, ids, IndexSpec(factory="Flat"))
+    assert short.recall(_ReversedTies(flat.index), 10)[0] == 1.0
+
+
+class _ReversedTies:
+    """Searches `index` but lists results of equal distance in descending id order."""
+
+    def __init__(self, index: faiss.Index) -> None:
+        self.index = index
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        d, i = self.index.search(queries, k + 5)
+        order = np.lexsort((-i, -d))  # by distance (inner product: larger first), then id down
+        d, i = np.take_along_axis(d, order, 1), np.take_along_axis(i, order, 1)
+        return d[:, :k], i[:, :k]
 
 
 def test_the_same_inputs_build_the_same_bytes() -> None:

@@ -176,24 +176,39 @@ class RecallProbe:
     """Recall against exact search, over a seeded sample of the rows as queries. The exact
     neighbours are found once, up to `max_k`; any index over the same rows is then scored at
     any k up to it with one search. Each query's own row is left out of both answers, so recall
-    measures its neighbours."""
+    measures its neighbours. A returned neighbour counts when it is as close as the k-th exact
+    one, so rows tied at that distance (duplicates) count alike, whichever order a search
+    returned them in."""
 
     def __init__(self, vectors: np.ndarray, ids: np.ndarray, spec: IndexSpec, max_k: int) -> None:
         n = len(ids)
         self.rows = n
         self.max_k = max_k
+        self.metric = spec.metric
         rng = np.random.default_rng(spec.seed + 1)
         q = np.sort(rng.choice(n, size=min(spec.recall_queries, n), replace=False))
-        x = prepared(vectors, spec.metric)
-        self.queries = x[q]
+        self.x = prepared(vectors, spec.metric)
+        self.by_id = np.argsort(ids, kind="stable")  # id -> row, through searchsorted
+        self.sorted_ids = ids[self.by_id]
+        self.queries = self.x[q]
         self.own = ids[q]
         self.truth = np.empty((len(q), 0), dtype=ids.dtype)
+        self.truth_distance = np.empty((len(q), 0), dtype=np.float32)
         if n > 1:  # with one row there is no neighbour: every k gives recall 1
-            dim = x.shape[1]
+            dim = self.x.shape[1]
             exact = faiss.IndexFlatIP(dim) if spec.metric == "cosine" else faiss.IndexFlatL2(dim)
-            exact.add(x)
-            _, truth_pos = exact.search(self.queries, min(max_k + 1, n))
+            exact.add(self.x)
+            self.truth_distance, truth_pos = exact.search(self.queries, min(max_k + 1, n))
             self.truth = ids[truth_pos]
+
+    def _as_close(self, query: int, found: np.ndarray, kth: float) -> int:
+        """How many of the `found` ids are as close to the query as distance `kth` (inner
+        product under cosine: larger is closer; squared L2 otherwise), within float32 rounding."""
+        rows = self.x[self.by_id[np.searchsorted(self.sorted_ids, found)]]
+        tolerance = 1e-5 * max(1.0, abs(kth))
+        if self.metric == "cosine":
+            return int((rows @ self.queries[query] >= kth - tolerance).sum())
+        return int((((rows - self.queries[query]) ** 2).sum(1) <= kth + tolerance).sum())
 
     def recall(self, index: faiss.Index, k: int) -> tuple[float, int]:
         """(recall@k of `index`, queries used); 1.0 when there are no k neighbours to find."""
@@ -203,10 +218,12 @@ class RecallProbe:
             return 1.0, 0
         _, found = index.search(self.queries, k + 1)
         hits = 0
-        for truth_row, found_row, me in zip(self.truth[:, : k + 1], found, self.own, strict=True):
-            expected = truth_row[truth_row != me][:k]
+        for query, (truth_row, distances, found_row, me) in enumerate(
+            zip(self.truth, self.truth_distance, found, self.own, strict=True)
+        ):
+            kth = float(distances[truth_row != me][k - 1])  # the k-th exact neighbour's distance
             got = found_row[(found_row != me) & (found_row >= 0)][:k]
-            hits += np.intersect1d(expected, got).size
+            hits += self._as_close(query, got, kth)
         return hits / (len(self.queries) * k), len(self.queries)
 
 

@@ -286,7 +286,10 @@ def quality(index: faiss.Index, source: VectorSet, spec: IndexSpec) -> dict[str,
         "recall_at_k": recall[spec.k],
         **{f"recall_at_{k}": recall[k] for k in (1, 10, 100)},
         "queries": min(spec.recall_queries, len(source.ids)),
-        "query_rule": "seeded sample of indexed rows, each query's own row left out",
+        "query_rule": (
+            "seeded sample of indexed rows, each query's own row left out; a returned neighbour "
+            "counts when it is as close as the k-th exact one (ties count alike)"
+        ),
         "query_seed": spec.seed + 1,
     }
     health = metrics.vector_health(source.vectors, np)
