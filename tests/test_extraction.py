@@ -19,7 +19,7 @@ from fabric_pipelines.lib.extraction import gather_padded
 from fabric_pipelines.lib.settings import FabricPaths
 from fabric_pipelines.lib.store.models import HiddenStateShard
 from fabric_pipelines.lib.store.shards import read_shard
-from fabric_pipelines.lib.tasks.store import CorruptFileError
+from fabric_pipelines.lib.files import CorruptFileError
 from tests.pipeline_helpers import embedding_counts, run_stages, stored_embeddings
 
 TEXTS = {

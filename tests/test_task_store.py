@@ -9,10 +9,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from fabric_pipelines.lib.files import CorruptFileError, write_file
 from fabric_pipelines.lib.tasks.ingest import TokenisedTasks
 from fabric_pipelines.lib.tasks.store import (
-    CorruptFileError,
-    atomic_write,
     flat_tokens,
     read_table,
     to_table,
@@ -53,7 +52,7 @@ def test_a_write_that_dies_leaves_the_old_file_and_no_temporary(tmp_path: Path) 
         raise OSError("disk full")
 
     with pytest.raises(OSError, match="disk full"):
-        atomic_write(path, dies_half_way)
+        write_file(path, dies_half_way)
     assert read_table(path, old_sha).num_rows == 5
     assert [p.name for p in tmp_path.iterdir()] == ["set.arrow"]
 

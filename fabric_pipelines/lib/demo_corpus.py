@@ -13,6 +13,8 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
+from fabric_pipelines.lib.files import write_bytes
+
 # Folders of the standard library that hold tests or vendored code, not documentation.
 SKIP_PARTS = {
     "test",
@@ -70,9 +72,7 @@ def write_demo_set(path: Path, n_items: int = 3000) -> int:
         raise RuntimeError(f"found only {len(records)} docstrings in the standard library")
     records.extend(BAD_RECORDS)
     records.append({"id": records[0]["id"], "text": "a second record reusing the first id"})
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as handle:
-        for record in records:
-            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
-        handle.write('{"id": "bad-json", "text": "unterminated\n')
+    lines = [json.dumps(record, ensure_ascii=False) + "\n" for record in records]
+    lines.append('{"id": "bad-json", "text": "unterminated\n')
+    write_bytes(path, "".join(lines).encode("utf-8"))
     return len(records) + 1

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from fabric_pipelines.lib.broker.ledger import Accounting, accounting
+from fabric_pipelines.lib.files import write_bytes
 
 
 @dataclass(frozen=True)
@@ -154,9 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"owner": args.owner, **asdict(report), "errors": report.errors[:20]}
     summary.pop("runtime", None)
     if args.report:
-        tmp = Path(args.report).with_suffix(".tmp")
-        tmp.write_text(json.dumps(summary))
-        tmp.replace(args.report)
+        write_bytes(Path(args.report), json.dumps(summary).encode())
     print(json.dumps({k: v for k, v in summary.items() if k != "errors"}))
     return 0
 
@@ -235,7 +234,7 @@ def extract_task_set(
         folder = paths.root / "workers" / f"{task_set}-{int(time.time() * 1000)}"
         folder.mkdir(parents=True, exist_ok=True)
         manifest_path = folder / "engine.json"
-        manifest_path.write_text(json.dumps(manifest.to_mapping()))
+        write_bytes(manifest_path, json.dumps(manifest.to_mapping()).encode())
         settings = WorkerSettings(
             task_set, manifest_path, paths.root, database_url, lease_seconds=lease_seconds
         )

@@ -51,7 +51,8 @@ from fabric_pipelines.lib.index.vectors import VectorSet, check_vectors, load_ve
 from fabric_pipelines.lib.store.db import insert_ignoring_duplicates
 from fabric_pipelines.lib.store.keys import model_id
 from fabric_pipelines.lib.store.models import IndexReceipt
-from fabric_pipelines.lib.tasks.store import CorruptFileError, atomic_write, verify_sha256
+from fabric_pipelines.lib.files import CorruptFileError, verify_sha256, write_bytes
+from fabric_pipelines.lib.files import write_content_addressed as write_named_by_hash
 
 HEALTH_SAMPLE = 20_000  # rows the cluster-health metrics look at
 
@@ -80,11 +81,8 @@ def model_folder(index_folder: Path, model_key: str) -> Path:
 
 def write_content_addressed(folder: Path, data: bytes) -> tuple[str, Path]:
     """Store `data` as <folder>/<sha256>.faiss (atomically); returns (sha256, path)."""
-    staging = folder / ".staging.faiss"
-    sha = atomic_write(staging, lambda tmp: tmp.write_bytes(data))
-    path = folder / f"{sha}.faiss"
-    staging.replace(path)
-    return sha, path
+    stored = write_named_by_hash(folder, ".faiss", lambda tmp: tmp.write_bytes(data))
+    return stored.sha256, stored.path
 
 
 def read_verified(path: Path, sha256: str) -> faiss.Index:
@@ -222,7 +220,7 @@ def build_and_publish(
     }
     sha = receipt_sha256(receipt)
     receipt_path = receipt_folder / f"{sha}.json"
-    atomic_write(receipt_path, lambda tmp: tmp.write_bytes(canonical_json(receipt)))
+    write_bytes(receipt_path, canonical_json(receipt))
     if receipt["quality"]["recall_at_k"] < min_recall:
         return PublishedIndex(receipt, sha, index_path, receipt_path, rebuilt, accepted=False)
     with db.begin() as conn:

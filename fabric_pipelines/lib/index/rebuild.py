@@ -35,7 +35,7 @@ from fabric_pipelines.lib.index.publish import (
 )
 from fabric_pipelines.lib.index.receipt import RECEIPT_SCHEMA, array_sha256
 from fabric_pipelines.lib.index.vectors import VectorSet, load_vectors
-from fabric_pipelines.lib.tasks.store import CorruptFileError, sha256_file
+from fabric_pipelines.lib.files import CorruptFileError, sha256_file
 
 
 class ReceiptError(ValueError):

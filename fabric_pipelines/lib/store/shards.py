@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from fabric_pipelines.lib.tasks.store import atomic_write, verify_sha256
+from fabric_pipelines.lib.files import verify_sha256, write_content_addressed
 
 
 @dataclass(frozen=True)
@@ -50,18 +49,13 @@ def write_shard(
         {"fabric.layers": json.dumps(list(hooks)), "fabric.hidden_size": str(hidden_size)}
     )
 
-    # Write under a temporary name first, then move to the name its own hash gives it.
-    staging = folder / f".staging-{os.getpid()}.arrow"
-
     def write(tmp: Path) -> None:
         with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
             writer.write_table(table)
 
-    sha = atomic_write(staging, write)
-    final = folder / sha[:2] / f"{sha}.arrow"
-    final.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(staging, final)
-    return ShardFile(sha, final, final.stat().st_size)
+    # Named by its own hash; the writer threads of one worker call this at once (lib/files.py).
+    stored = write_content_addressed(folder, ".arrow", write, fan_out=True)
+    return ShardFile(stored.sha256, stored.path, stored.bytes)
 
 
 def read_shard(path: Path, expected_sha256: str) -> dict[str, list[np.ndarray] | list[str]]:

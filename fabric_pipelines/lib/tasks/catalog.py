@@ -29,7 +29,8 @@ from fabric_pipelines.lib.store.models import (
 )
 from fabric_pipelines.lib.tasks.inbox import submission_path
 from fabric_pipelines.lib.tasks.ingest import Failure, ingest
-from fabric_pipelines.lib.tasks.store import read_table, sha256_file, to_table, write_table
+from fabric_pipelines.lib.files import sha256_file
+from fabric_pipelines.lib.tasks.store import read_table, to_table, write_table
 
 
 class ImmutableTaskSetError(ValueError):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from fabric_pipelines.lib.names import InvalidNameError, validate_task_set_name
 from fabric_pipelines.lib.tasks.ingest import SUPPORTED_SUFFIXES, SubmissionError
-from fabric_pipelines.lib.tasks.store import atomic_write, sha256_file
+from fabric_pipelines.lib.files import sha256_file, write_file
 
 
 @dataclass(frozen=True)
@@ -91,8 +91,8 @@ def submit(source: Path, inbox: Path, task_set: str) -> InboxFile:
                 f"task set {task_set!r} was already submitted with different content "
                 f"({existing.name}); task sets are immutable, submit under a new name"
             )
-    sha = atomic_write(target, lambda tmp: shutil.copyfile(source, tmp))
-    return InboxFile(task_set, target, sha)
+    stored = write_file(target, lambda tmp: shutil.copyfile(source, tmp))
+    return InboxFile(task_set, target, stored.sha256)
 
 
 def _check_inside(inbox: Path, path: Path) -> None:

@@ -1,20 +1,16 @@
-"""Task sets on disk: Arrow IPC files (token lists + ids), written atomically, checked on read.
+"""Task sets and plans on disk: Arrow IPC files, written through lib/files.py, checked on read.
 
-A crash while writing leaves the old file or the new one, never half of one: the bytes go to a
-temporary name in the same folder, are fsynced, renamed over the target, and the folder is fsynced.
 The file's sha256 is kept by the caller (the database) and checked on every open.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
+from fabric_pipelines.lib.files import CorruptFileError, verify_sha256, write_file
 from fabric_pipelines.lib.tasks.ingest import TokenisedTasks
 
 SCHEMA = pa.schema(
@@ -24,39 +20,6 @@ SCHEMA = pa.schema(
         pa.field("token_ids", pa.list_(pa.int32()), nullable=False),
     ]
 )
-
-
-class CorruptFileError(IOError):
-    """A stored file whose bytes no longer hash to what was recorded."""
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def atomic_write(path: Path, write: Callable[[Path], object]) -> str:
-    """Run `write(tmp_path)`, fsync, rename onto `path`, fsync the folder; return the sha256."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as handle:
-            os.fsync(handle.fileno())
-        sha = sha256_file(tmp)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-    return sha
 
 
 def to_table(tasks: TokenisedTasks) -> pa.Table:
@@ -85,19 +48,7 @@ def write_table(path: Path, table: pa.Table, metadata: dict[str, str] | None = N
         with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
             writer.write_table(table)
 
-    return atomic_write(path, write)
-
-
-def verify_sha256(path: Path, expected: str, what: str, remedy: str) -> None:
-    """Refuse a missing file, or one whose sha256 is not the one recorded when it was written."""
-    if not path.is_file():
-        raise FileNotFoundError(f"{what} {path} is missing; {remedy}")
-    actual = sha256_file(path)
-    if actual != expected:
-        raise CorruptFileError(
-            f"{what} {path} is corrupt: sha256 {actual} but {expected} was recorded when it "
-            f"was written; {remedy}"
-        )
+    return write_file(path, write).sha256
 
 
 def read_table(path: Path, expected_sha256: str | None) -> pa.Table:
