@@ -6,9 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from fabric_pipelines.lib.names import InvalidNameError, validate_task_set_name
+from fabric_pipelines.lib.names import PATTERN, InvalidNameError, validate_task_set_name
 from fabric_pipelines.lib.settings import FabricPaths, redact_url
-from fabric_pipelines.lib.tasks.inbox import scan, submission_path, submit
+from fabric_pipelines.lib.tasks.inbox import (
+    record_first_seen,
+    scan,
+    submission_path,
+    submit,
+    submitted_sha256,
+)
 from fabric_pipelines.lib.tasks.ingest import SubmissionError
 
 
@@ -25,7 +31,17 @@ from fabric_pipelines.lib.tasks.ingest import SubmissionError
         'a"b',
         "a b",
         "a;drop table x",
+        "x'; DROP TABLE tasks; --",
+        "a%b",
+        "a*",
+        "a\x00b",
+        "a\nb",
+        "tab\there",
+        "$(rm -rf)",
+        "`x`",
+        "a.jsonl/..",
         "-lead",
+        ".hidden",
         "é",
         "a" * 65,
         None,
@@ -33,8 +49,9 @@ from fabric_pipelines.lib.tasks.ingest import SubmissionError
     ],
 )
 def test_unsafe_task_set_names_are_refused(name: object) -> None:
-    with pytest.raises(InvalidNameError, match="is not allowed"):
+    with pytest.raises(InvalidNameError, match="is not allowed") as err:
         validate_task_set_name(name)
+    assert repr(name)[:40] in str(err.value) and PATTERN in str(err.value)
 
 
 @pytest.mark.parametrize("name", ["demo", "set-1", "2026_11_30.part.3", "A" * 64])
@@ -54,6 +71,42 @@ def test_submit_is_atomic_idempotent_and_immutable(paths: FabricPaths, tmp_path:
     assert submission_path(paths.inbox, "set") == first.path
     with pytest.raises(SubmissionError, match="no file in the inbox"):
         submission_path(paths.inbox, "other")
+    assert submitted_sha256(paths.inbox, "set") == first.sha256
+
+
+def test_submit_replaces_only_a_set_that_was_never_ingested(
+    paths: FabricPaths, tmp_path: Path
+) -> None:
+    old = tmp_path / "old.parquet"
+    old.write_bytes(b"not parquet at all")
+    submit(old, paths.inbox, "s")
+    new = tmp_path / "new.jsonl"
+    new.write_text('{"id": 1, "text": "fixed"}\n')
+    with pytest.raises(SubmissionError, match="is ingested with different content"):
+        submit(new, paths.inbox, "s", ingested=lambda name: True)
+    asked: list[str] = []
+
+    def never_ingested(name: str) -> bool:
+        asked.append(name)
+        return False
+
+    staged = submit(new, paths.inbox, "s", ingested=never_ingested)
+    assert asked == ["s"]
+    assert sorted(p.name for p in paths.inbox.iterdir()) == [".submitted", "s.jsonl"]
+    assert submitted_sha256(paths.inbox, "s") == staged.sha256
+    # The same file again is still a no-op, whatever `ingested` would say.
+    assert submit(new, paths.inbox, "s", ingested=lambda name: True) == staged
+
+
+def test_a_dropped_file_is_recorded_once_when_first_seen(paths: FabricPaths) -> None:
+    (paths.inbox / "drop.jsonl").write_text('{"id": 1, "text": "x"}\n')
+    accepted, _ = scan(paths.inbox)
+    assert record_first_seen(paths.inbox, accepted) == accepted
+    (paths.inbox / "drop.jsonl").write_text('{"id": 1, "text": "changed"}\n')
+    again, _ = scan(paths.inbox)
+    assert record_first_seen(paths.inbox, again) == []  # the first hash stays the record
+    assert submitted_sha256(paths.inbox, "drop") == accepted[0].sha256 != again[0].sha256
+    assert [a.task_set for a in again] == ["drop"]  # the record folder is not a submission
 
 
 def test_scan_rejects_links_out_of_the_inbox_and_bad_names(

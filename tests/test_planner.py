@@ -1,13 +1,28 @@
-"""Planner properties: every item in exactly one batch, shape-pure, within all four limits."""
+"""Planner properties: every item in exactly one batch, shape-pure, within all four limits; and
+planning a finished set again."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sqlalchemy import Engine, func, select
+from sqlalchemy.orm import Session
 
+from fabric_gpu.manifest import EngineManifest
 from fabric_gpu.profile import ConsumerProfile
+from fabric_pipelines.lib.broker.ledger import accounting, claim, report_failure
 from fabric_pipelines.lib.broker.planner import plan_batches, plan_id
+from fabric_pipelines.lib.broker.plans import current_plan, load_plan_order, plan_task_set
+from fabric_pipelines.lib.settings import FabricPaths
+from fabric_pipelines.lib.store.models import Batch
+from fabric_pipelines.lib.store.models import BatchPlan as BatchPlanRow
+from fabric_pipelines.lib.tasks.catalog import get_task_set, ingest_task_set
+from fabric_pipelines.lib.tasks.inbox import submit
+from fabric_pipelines.lib.tasks.store import read_table
 
 
 @st.composite
@@ -130,3 +145,37 @@ def test_items_sharing_a_prefix_are_adjacent_within_their_bucket(prefixes, picks
         groups.setdefault((bucket, tuple(t[:prefix])), []).append(position[row])
     for places in groups.values():
         assert max(places) - min(places) == len(places) - 1, "prefix-sharing items are adjacent"
+
+
+def test_planning_a_finished_set_again_keeps_its_plan(
+    db: Engine, paths: FabricPaths, tmp_path: Path, manifest: EngineManifest
+) -> None:
+    """Every item retired (here: failed for good), the set is planned again: the plan that did
+    the work stays current, no empty plan takes its place, no ledger row is added."""
+    source = tmp_path / "s.jsonl"
+    source.write_text("".join(json.dumps({"id": i, "text": f"item {i}"}) + "\n" for i in range(30)))
+    submit(source, paths.inbox, "done")
+    ingest_task_set(
+        db, paths, "done", model_id=manifest.model_id, max_seq_len=manifest.profile.max_seq_len
+    )
+    first = plan_task_set(db, paths, "done", manifest)
+    assert first.new_batches == first.plan.n_batches > 0
+    stored = get_task_set(db, "done")
+    tasks = read_table(Path(stored.path), stored.content_sha256)
+    record_no, ids = tasks.column("record_no").to_pylist(), tasks.column("id").to_pylist()
+    order = load_plan_order(first.path, first.sha256)
+    while (lease := claim(db, first.plan_id, "test", lease_seconds=60)) is not None:
+        rows = order[lease.item_start : lease.item_start + lease.item_count]
+        items = [(record_no[r], ids[r]) for r in rows]
+        report_failure(db, lease, "poisoned", max_attempts=1, failed_items=items, task_set="done")
+
+    again = plan_task_set(db, paths, "done", manifest)
+    assert (again.plan_id, again.path, again.sha256) == (first.plan_id, first.path, first.sha256)
+    assert (again.outstanding, again.new_batches, again.plan.n_batches) == (0, 0, 0)
+    assert current_plan(db, "done").plan_id == first.plan_id
+    with Session(db) as session:
+        assert session.scalars(select(BatchPlanRow.plan_id)).all() == [first.plan_id]
+        assert session.scalar(select(func.count()).select_from(Batch)) == first.plan.n_batches
+    with db.connect() as conn:
+        a = accounting(conn, "done")
+    assert a.finished and (a.tasks, a.failed) == (30, 30)

@@ -17,7 +17,7 @@ from fabric_pipelines.defs.resources import ArtifactStore, Database
 from fabric_pipelines.lib.alerts import RunFailure, record_run_failure
 from fabric_pipelines.lib.gpu_pool import sync_gpu_pool
 from fabric_pipelines.lib.index.staleness import indexed_models, staleness
-from fabric_pipelines.lib.tasks.inbox import scan
+from fabric_pipelines.lib.tasks.inbox import record_first_seen, scan
 
 extract_task_set = dg.define_asset_job(
     "extract_task_set",
@@ -45,9 +45,13 @@ def inbox_sensor(context: dg.SensorEvaluationContext, store: ArtifactStore) -> d
     resized = sync_gpu_pool(context.instance)
     if resized is not None:
         context.log.info(f"gpu pool: {resized} slot(s), one per visible GPU")
-    accepted, rejected = scan(store.paths().inbox)
+    inbox = store.paths().inbox
+    accepted, rejected = scan(inbox)
     for bad in rejected:
         context.log.warning(f"inbox: ignoring {bad.path.name}: {bad.reason}")
+    # A dropped file's hash is recorded when first seen: ingest refuses it if it changes later.
+    for found in record_first_seen(inbox, accepted):
+        context.log.info(f"inbox: {found.path.name} registered, sha256 {found.sha256[:16]}…")
     known = set(context.instance.get_dynamic_partitions(TASK_SET_PARTITIONS))
     new = sorted({f.task_set for f in accepted} - known)
     return dg.SensorResult(

@@ -73,6 +73,11 @@ def plan_task_set(
     tokens, offsets = flat_tokens(table)
     # Items sharing their first tokens run together (padded engines; packed keep arrival order).
     plan = plan_batches(lengths, profile, rows, keys=prefix_keys(tokens, offsets))
+    kept = _finished_current_plan(db, ts, manifest.model_key) if rows.size == 0 else None
+    if kept is not None:
+        # Nothing is left to do: the plan that did the work stays current (an empty plan made
+        # current would hide it from what reads the set's lineage).
+        return PlanSummary(kept.plan_id, task_set, plan, Path(kept.path), kept.sha256, 0, 0)
     pid = plan_id(ts.content_sha256, manifest.model_key, profile, rows)
     with Session(db) as session:
         existing = session.get(BatchPlanRow, pid)
@@ -106,6 +111,15 @@ def plan_task_set(
         new = register_plan(conn, pid, task_set, plan)
         conn.execute(update(TaskSet).where(TaskSet.name == task_set).values(current_plan_id=pid))
     return PlanSummary(pid, task_set, plan, path, sha, int(rows.size), new)
+
+
+def _finished_current_plan(db: Engine, ts: TaskSet, model_key: str) -> BatchPlanRow | None:
+    """The set's current plan, if it is for `model_key` (the caller knows nothing is left)."""
+    if ts.current_plan_id is None:
+        return None
+    with Session(db, expire_on_commit=False) as session:
+        row = session.get(BatchPlanRow, ts.current_plan_id)
+    return row if row is not None and row.model_key == model_key else None
 
 
 def load_plan_order(path: Path, sha256: str) -> np.ndarray:

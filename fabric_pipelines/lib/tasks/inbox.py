@@ -3,17 +3,26 @@
 `fabric submit` copies a file in atomically; the inbox sensor registers each file it finds. Files
 are checked before they are trusted: the name must be a valid task-set name, and a symlink must
 point inside the inbox.
+
+The sha256 of each submitted file is recorded beside it, in `.submitted/<task set>.sha256` (by
+`submit`, or by the sensor when it first sees a dropped file), so that ingest can refuse a file that
+changed after it was submitted instead of reading it silently. Dot-folders are not scanned.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from fabric_pipelines.lib.files import sha256_file, write_bytes, write_file
 from fabric_pipelines.lib.names import InvalidNameError, validate_task_set_name
 from fabric_pipelines.lib.tasks.ingest import SUPPORTED_SUFFIXES, SubmissionError
-from fabric_pipelines.lib.files import sha256_file, write_file
+
+SUBMITTED = ".submitted"
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -69,8 +78,20 @@ def scan(inbox: Path) -> tuple[list[InboxFile], list[Rejected]]:
     return accepted, rejected
 
 
-def submit(source: Path, inbox: Path, task_set: str) -> InboxFile:
-    """Copy `source` into the inbox as `task_set` (atomically); idempotent for identical files."""
+def submit(
+    source: Path,
+    inbox: Path,
+    task_set: str,
+    *,
+    ingested: Callable[[str], bool] | None = None,
+) -> InboxFile:
+    """Copy `source` into the inbox as `task_set` (atomically) and record its sha256.
+
+    The same file again is a no-op. Other content under the same name is refused, unless
+    `ingested` says the set was never ingested: then the new file replaces the old one (a file
+    that could not be read at all can be fixed and submitted again). Without `ingested` nothing
+    is replaced.
+    """
     validate_task_set_name(task_set)
     suffix = source.suffix.lower()
     if suffix not in SUPPORTED_SUFFIXES:
@@ -82,17 +103,60 @@ def submit(source: Path, inbox: Path, task_set: str) -> InboxFile:
     inbox.mkdir(parents=True, exist_ok=True)
     target = inbox / f"{task_set}{suffix}"
     source_sha = sha256_file(source)
-    for other in SUPPORTED_SUFFIXES:
-        existing = inbox / f"{task_set}{other}"
-        if existing.exists():
-            if existing == target and sha256_file(existing) == source_sha:
-                return InboxFile(task_set, target, source_sha)  # same file again: nothing to do
+    recorded = submitted_sha256(inbox, task_set)
+    present = [inbox / f"{task_set}{s}" for s in SUPPORTED_SUFFIXES]
+    present = [p for p in present if p.exists() or p.is_symlink()]
+    if present == [target] and recorded in (None, source_sha) and sha256_file(target) == source_sha:
+        if recorded is None:
+            record_submitted(inbox, task_set, source_sha)
+        return InboxFile(task_set, target, source_sha)  # same file again: nothing to do
+    if present or recorded not in (None, source_sha):
+        was_ingested = True if ingested is None else ingested(task_set)
+        if was_ingested:
+            what = "is ingested" if ingested is not None else "was already submitted"
             raise SubmissionError(
-                f"task set {task_set!r} was already submitted with different content "
-                f"({existing.name}); task sets are immutable, submit under a new name"
+                f"task set {task_set!r} {what} with different content "
+                f"({', '.join(p.name for p in present) or f'sha256 {recorded}'}); task sets are "
+                "immutable, submit the new file under a new name"
             )
+        for old in present:  # never ingested: the new file replaces the old one
+            if old != target:
+                old.unlink()
     stored = write_file(target, lambda tmp: shutil.copyfile(source, tmp))
+    record_submitted(inbox, task_set, stored.sha256)
     return InboxFile(task_set, target, stored.sha256)
+
+
+def submitted_path(inbox: Path, task_set: str) -> Path:
+    return inbox / SUBMITTED / f"{validate_task_set_name(task_set)}.sha256"
+
+
+def submitted_sha256(inbox: Path, task_set: str) -> str | None:
+    """The sha256 recorded when `task_set`'s file was submitted; None if none was recorded."""
+    path = submitted_path(inbox, task_set)
+    if not path.is_file():
+        return None
+    recorded = path.read_text(encoding="ascii", errors="replace").strip()
+    return recorded if _SHA256.fullmatch(recorded) else None
+
+
+def record_submitted(inbox: Path, task_set: str, sha256: str) -> None:
+    write_bytes(submitted_path(inbox, task_set), f"{sha256}\n".encode())
+
+
+def record_first_seen(inbox: Path, files: Iterable[InboxFile]) -> list[InboxFile]:
+    """Record the sha256 of every dropped file that has none yet (files not staged by `submit`);
+    return those just recorded."""
+    recorded = []
+    for found in files:
+        if submitted_sha256(inbox, found.task_set) is None:
+            record_submitted(inbox, found.task_set, found.sha256)
+            recorded.append(found)
+    return recorded
+
+
+def forget_submitted(inbox: Path, task_set: str) -> None:
+    submitted_path(inbox, task_set).unlink(missing_ok=True)
 
 
 def _check_inside(inbox: Path, path: Path) -> None:
