@@ -3,23 +3,29 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine, exc, select
 from transformers import AutoModel
 
 from fabric_gpu.manifest import EngineManifest
 from fabric_gpu.model import resolve_model_dir
-from fabric_pipelines.lib.broker.ledger import accounting
-from fabric_pipelines.lib.broker.plans import plan_task_set
-from fabric_pipelines.lib.extraction import gather_padded
-from fabric_pipelines.lib.settings import FabricPaths
-from fabric_pipelines.lib.store.models import HiddenStateShard
-from fabric_pipelines.lib.store.shards import read_shard
+from fabric_pipelines.lib import extraction
+from fabric_pipelines.lib.broker.ledger import accounting, claim
+from fabric_pipelines.lib.broker.plans import load_plan_order, plan_task_set
+from fabric_pipelines.lib.extraction import ExtractionJob, LeaseHeartbeat, gather_padded, run_worker
 from fabric_pipelines.lib.files import CorruptFileError
+from fabric_pipelines.lib.settings import FabricPaths
+from fabric_pipelines.lib.store.models import Batch, HiddenStateShard
+from fabric_pipelines.lib.store.shards import read_shard
+from fabric_pipelines.lib.tasks.catalog import ingest_task_set
+from fabric_pipelines.lib.tasks.inbox import submit
+from fabric_pipelines.lib.tasks.store import read_table
+from tests.flaky_db import FlakyDatabase, lost_connection, undefined_table
 from tests.pipeline_helpers import embedding_counts, run_stages, stored_embeddings
 
 TEXTS = {
@@ -165,3 +171,130 @@ def test_a_corrupted_shard_is_detected_naming_the_file(tmp_path: Path) -> None:
     shard.path.write_bytes(bytes(data))
     with pytest.raises(CorruptFileError, match=shard.path.name):
         read_shard(shard.path, shard.sha256)
+
+
+def _planned_job(
+    db: Engine, paths: FabricPaths, manifest: EngineManifest, source: Path, name: str
+) -> ExtractionJob:
+    """Submit, ingest and plan `source`; the job a worker runs for it."""
+    submit(source, paths.inbox, name)
+    summary = ingest_task_set(
+        db, paths, name, model_id=manifest.model_id, max_seq_len=manifest.profile.max_seq_len
+    )
+    plan = plan_task_set(db, paths, name, manifest)
+    return ExtractionJob(
+        task_set=name,
+        plan_id=plan.plan_id,
+        model_key=manifest.model_key,
+        tasks=read_table(summary.path, summary.content_sha256),
+        order=load_plan_order(plan.path, plan.sha256),
+        shard_folder=paths.shards,
+    )
+
+
+@pytest.mark.slow
+def test_every_database_call_of_a_worker_rides_out_transient_errors(
+    db: Engine, paths: FabricPaths, tmp_path: Path, cpu_engine, manifest: EngineManifest
+) -> None:
+    job = _planned_job(db, paths, manifest, _source(tmp_path), "blips")
+    flaky = FlakyDatabase(db, lost_connection, times=2)  # each call site fails twice first
+    poisoned = FlakyEngine(cpu_engine, len(cpu_engine_tokens("hello")))  # failure reports too
+    report = run_worker(flaky, poisoned, job, owner="w", lease_seconds=3.0)  # type: ignore[arg-type]
+    sites = {"_keys", "_shapes", "claim_many", "write_group", "report_failure", "_leased"}
+    assert sites | {"_superseded_by"} <= set(flaky.injected), flaky.injected
+    assert all(n == 2 for n in flaky.injected.values())
+    with db.connect() as conn:
+        a = accounting(conn, "blips")
+    assert a.finished and a.failed >= 6 and a.completed + a.failed == len(TEXTS)
+    assert report.stale_acks == 0 and report.batches_failed >= 1
+    rows, distinct = embedding_counts(db)
+    assert rows == distinct == a.completed
+
+
+@pytest.mark.slow
+def test_a_programming_error_is_raised_at_once_not_retried(
+    db: Engine, paths: FabricPaths, tmp_path: Path, cpu_engine, manifest: EngineManifest
+) -> None:
+    job = _planned_job(db, paths, manifest, _source(tmp_path), "bug")
+    flaky = FlakyDatabase(db, undefined_table, times=5, sites={"claim_many"})
+    with pytest.raises(exc.ProgrammingError, match="nowhere"):
+        run_worker(flaky, cpu_engine, job, owner="w")  # type: ignore[arg-type]
+    assert flaky.injected["claim_many"] == 1
+
+
+def test_the_heartbeat_renews_held_leases_through_transient_errors(db: Engine) -> None:
+    from tests.test_ledger import _deadline, _setup
+
+    plan, _ = _setup(db)
+    lease = claim(db, plan, "w", 2.0)
+    assert lease is not None
+    before = _deadline(db, lease.batch_no)
+    flaky = FlakyDatabase(db, lost_connection, times=2)
+    with LeaseHeartbeat(flaky, 2.0, 0.2) as heartbeat:  # type: ignore[arg-type]
+        heartbeat.hold([lease])
+        deadline = time.monotonic() + 30
+        while heartbeat.renewals == 0:
+            assert time.monotonic() < deadline, "the heartbeat never renewed"
+            time.sleep(0.05)
+        heartbeat.release(lease)
+    assert flaky.injected["renew_leases"] == 2 and heartbeat.error is None
+    after = _deadline(db, lease.batch_no)
+    assert before is not None and after is not None and after > before
+
+
+@pytest.mark.slow
+def test_a_shard_that_does_not_verify_is_not_acked_and_its_batch_runs_again(
+    db: Engine,
+    paths: FabricPaths,
+    tmp_path: Path,
+    cpu_engine,
+    manifest: EngineManifest,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    corrupted: list[Path] = []
+
+    def write_then_corrupt(*args, **kwargs):  # type: ignore[no-untyped-def]
+        shard = write_shard(*args, **kwargs)
+        if not corrupted:  # the first shard: its bytes change after they were hashed
+            data = bytearray(shard.path.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            shard.path.write_bytes(bytes(data))
+            corrupted.append(shard.path)
+        return shard
+
+    write_shard = extraction.write_shard
+    monkeypatch.setattr(extraction, "write_shard", write_then_corrupt)
+    _, report = run_stages(db, paths, cpu_engine, manifest, _source(tmp_path), "torn")
+    assert corrupted and report.batches_requeued == 1
+    assert any("is corrupt" in e and "its batch runs again" in e for e in report.errors)
+    with db.connect() as conn:
+        a = accounting(conn, "torn")
+        shards = conn.execute(select(HiddenStateShard)).all()
+        retried = conn.execute(select(Batch.batch_no).where(Batch.attempts == 2)).all()
+    assert a.finished and a.completed == len(TEXTS) and a.failed == 0
+    assert len(retried) == 1 and len(shards) == report.batches_done
+    assert sum(s.n_items for s in shards) == len(TEXTS)
+    for shard in shards:  # every shard a row points at verifies
+        read_shard(Path(shard.path), shard.sha256)
+    assert embedding_counts(db) == (len(TEXTS), len(TEXTS))
+
+
+@pytest.mark.slow
+def test_by_default_no_hook_layers_no_shard_files_and_the_set_completes(
+    db: Engine, db_url: str, paths: FabricPaths, tmp_path: Path
+) -> None:
+    from fabric_pipelines.defs.resources import EngineConfig
+    from fabric_pipelines.lib.workers import extract_task_set
+
+    manifest = EngineConfig(max_batch_tokens=4096, max_batch_items=64, max_seq_len=128).manifest()
+    assert manifest.hooks.layers == ()
+    _planned_job(db, paths, manifest, _source(tmp_path), "pooled")
+    summary = extract_task_set(
+        db, paths, "pooled", manifest, database_url=db_url, workers=0, lease_seconds=5.0
+    )
+    assert summary.batches_done >= 1 and summary.superseded_by == ""
+    with db.connect() as conn:
+        a = accounting(conn, "pooled")
+        shards = conn.execute(select(HiddenStateShard)).all()
+    assert a.finished and a.completed == len(TEXTS)
+    assert shards == [] and not any(p.is_file() for p in paths.shards.rglob("*"))

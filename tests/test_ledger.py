@@ -6,23 +6,27 @@ import threading
 
 import numpy as np
 import pytest
-from sqlalchemy import Engine, func, insert, select
+from sqlalchemy import Engine, func, insert, select, update
 
 from fabric_gpu.profile import ConsumerProfile
 from fabric_pipelines.lib.broker.ledger import (
     COMPLETED,
     FAILED,
     QUEUED,
+    SUPERSEDED,
     StaleLeaseError,
     accounting,
     ack,
     ack_many,
     claim,
+    heartbeat_interval,
     register_plan,
+    renew_leases,
     report_failure,
+    superseded_by,
 )
 from fabric_pipelines.lib.broker.planner import plan_batches
-from fabric_pipelines.lib.store.models import Batch, BatchPlan, TaskSet
+from fabric_pipelines.lib.store.models import Batch, BatchPlan, TaskFailure, TaskSet
 
 PROFILE = ConsumerProfile(256, 8, 64, 8)
 
@@ -152,3 +156,85 @@ def test_concurrent_claimers_never_share_a_batch(db: Engine) -> None:
 def test_accounting_of_an_unknown_set_is_an_error(db: Engine) -> None:
     with db.connect() as conn, pytest.raises(LookupError, match="no task set named 'nope'"):
         accounting(conn, "nope")
+
+
+def _deadline(db: Engine, batch_no: int) -> float | None:
+    with db.connect() as conn:
+        return conn.execute(
+            select(Batch.lease_deadline).where(Batch.batch_no == batch_no)
+        ).scalar_one()
+
+
+def test_a_heartbeat_renews_only_leases_still_current(db: Engine) -> None:
+    plan, _ = _setup(db)
+    lost = claim(db, plan, "w1", 10, now=1000.0)  # the lowest batch: taken over first
+    mine = claim(db, plan, "w1", 10, now=1000.0)
+    done = claim(db, plan, "w1", 10, now=1000.0)
+    assert mine is not None and done is not None and lost is not None
+    with db.begin() as conn:
+        ack(conn, done)
+    taken = claim(db, plan, "w2", 10, now=1011.0)  # lost's lease expired: w2 took it over
+    assert taken is not None and taken.batch_no == lost.batch_no
+    # `mine` expired too but nobody took it yet: its holder, still alive, keeps it.
+    assert renew_leases(db, [mine, done, lost], 10, now=1012.0) == [mine]
+    assert _deadline(db, mine.batch_no) == 1022.0
+    assert _deadline(db, lost.batch_no) == 1021.0  # w2's deadline, untouched
+    assert _deadline(db, done.batch_no) is None
+    other = claim(db, plan, "w3", 10, now=1015.0)
+    assert other is not None and other.batch_no != mine.batch_no, "a renewed lease is not free"
+
+
+def test_a_failure_report_replayed_after_a_lost_reply_lands_once(db: Engine) -> None:
+    plan, _ = _setup(db)
+    items = [(i, f"id-{i}") for i in range(3)]
+    lease = claim(db, plan, "w", 60)
+    assert lease is not None
+    assert report_failure(db, lease, "boom", 1, items, "set") == FAILED
+    assert report_failure(db, lease, "boom", 1, items, "set") == FAILED  # the retry
+    with db.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(TaskFailure)).scalar_one() == 3
+    again = claim(db, plan, "w", 60)
+    assert again is not None
+    assert report_failure(db, again, "oops", 3, items, "set") == QUEUED
+    taken = claim(db, plan, "w2", 60)
+    assert taken is not None and taken.batch_no == again.batch_no
+    with pytest.raises(StaleLeaseError, match="is stale"):
+        report_failure(db, again, "oops", 3, items, "set")  # the batch moved on: refused
+
+
+def test_a_replanned_set_names_the_plan_that_superseded_the_old_one(db: Engine) -> None:
+    plan, _ = _setup(db)
+    with db.connect() as conn:
+        assert superseded_by(conn, "set", plan) is None
+    lease = claim(db, plan, "w", 60)
+    assert lease is not None
+    with db.begin() as conn:
+        conn.execute(
+            insert(BatchPlan),
+            {
+                "plan_id": "plan-2", "task_set": "set", "model_key": "m", "profile_json": "{}",
+                "n_batches": 1, "n_items": 40, "real_tokens": 0, "padded_tokens": 0,
+                "path": "p", "sha256": "y",
+            },
+        )  # fmt: skip
+        register_plan(conn, "plan-2", "set", plan_batches(np.full(40, 8), PROFILE))
+        conn.execute(update(TaskSet).values(current_plan_id="plan-2"))
+        assert superseded_by(conn, "set", plan) == "plan-2"
+        assert superseded_by(conn, "set", "plan-2") is None
+        assert (
+            conn.execute(
+                select(Batch.state).where(Batch.plan_id == plan, Batch.batch_no == lease.batch_no)
+            ).scalar_one()
+            == SUPERSEDED
+        )
+    with pytest.raises(StaleLeaseError), db.begin() as conn:
+        ack(conn, lease)  # the superseded plan's late ack is refused
+
+
+def test_heartbeat_timing_is_checked_against_the_lease() -> None:
+    assert heartbeat_interval(30.0) == 10.0
+    assert heartbeat_interval(30.0, 5.0) == 5.0
+    with pytest.raises(ValueError, match=r"heartbeat_seconds=30\.0 must be positive and shorter"):
+        heartbeat_interval(30.0, 30.0)
+    with pytest.raises(ValueError, match="lease_seconds must be positive"):
+        heartbeat_interval(0.0)

@@ -11,16 +11,23 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from sqlalchemy import Engine, insert, text
+from sqlalchemy import Engine, exc, insert, select, text
 
 from fabric_pipelines.lib.broker.ledger import accounting, claim_many, register_plan
 from fabric_pipelines.lib.broker.planner import BatchPlan
 from fabric_pipelines.lib.store.db import make_engine
 from fabric_pipelines.lib.store.keys import model_id
+from fabric_pipelines.lib.store.models import Batch, TaskSet
 from fabric_pipelines.lib.store.models import BatchPlan as BatchPlanRow
-from fabric_pipelines.lib.store.models import TaskSet
 from fabric_pipelines.lib.store.scratch import empty_public_schema
-from fabric_pipelines.lib.store.writer import BatchRows, GroupOutcome, WriteBehind, WriterGaveUp
+from fabric_pipelines.lib.store.writer import (
+    BatchRows,
+    GroupOutcome,
+    RejectBatch,
+    WriteBehind,
+    WriterGaveUp,
+)
+from tests.flaky_db import FlakyDatabase, database_locked, lost_connection, undefined_table
 from tests.pipeline_helpers import embedding_counts
 
 ITEMS = 256
@@ -112,6 +119,47 @@ def test_a_full_queue_blocks_the_producer_and_drops_nothing(db: Engine) -> None:
     writer.close()
     assert sum(o.inserted for o in outcomes) == 12 * ITEMS
     _assert_exactly_once(db, 12 * ITEMS)
+
+
+@pytest.mark.parametrize("error", [lost_connection, database_locked])
+def test_transient_errors_are_retried_and_nothing_is_lost_or_doubled(db: Engine, error) -> None:  # type: ignore[no-untyped-def]
+    batches = _ledger(db, 6)
+    flaky = FlakyDatabase(db, error, times=2)
+    _, writer = _write_all(flaky, batches, group_batches=2, first_backoff_s=0.01)  # type: ignore[arg-type]
+    assert flaky.injected["write_group"] == 2
+    assert writer.retries == sum(flaky.injected.values())
+    _assert_exactly_once(db, 6 * ITEMS)
+
+
+def test_a_programming_error_is_not_retried(db: Engine) -> None:
+    batches = _ledger(db, 2)
+    flaky = FlakyDatabase(db, undefined_table, times=1, sites={"write_group"})
+    writer = WriteBehind(flaky, lambda outcome: None, first_backoff_s=0.01)  # type: ignore[arg-type]
+    writer.put(batches[0])
+    with pytest.raises(exc.ProgrammingError, match="nowhere"):
+        writer.close()
+    assert flaky.injected["write_group"] == 1 and writer.retries == 0
+
+
+def test_a_batch_rejected_before_its_write_is_neither_written_nor_acked(db: Engine) -> None:
+    batches = _ledger(db, 4)
+
+    def check(batch: BatchRows) -> None:
+        if batch.lease.batch_no == 2:
+            raise RejectBatch("its shard did not verify")
+
+    outcomes: list[GroupOutcome] = []
+    writer = WriteBehind(db, outcomes.append, before_write=check)
+    for batch in batches:
+        writer.put(batch)
+    writer.close()
+    rejected = [(b.lease.batch_no, why) for o in outcomes for b, why in o.rejected]
+    assert rejected == [(2, "its shard did not verify")]
+    assert sorted(b.lease.batch_no for o in outcomes for b in o.acked) == [0, 1, 3]
+    assert embedding_counts(db) == (3 * ITEMS, 3 * ITEMS)
+    with db.connect() as conn:
+        state = conn.execute(select(Batch.state).where(Batch.batch_no == 2)).scalar_one()
+    assert state == "leased"  # still its holder's, to fail back to the ledger
 
 
 def _kill_writer_backends(

@@ -14,6 +14,7 @@ from fabric_gpu.engines import create_engine
 from fabric_gpu.manifest import EngineManifest, HookSpec, manifest_for_model
 from fabric_gpu.model import DEFAULT_MODEL_ID
 from fabric_gpu.profile import ConsumerProfile
+from fabric_pipelines.lib.broker.ledger import DEFAULT_LEASE_SECONDS
 from fabric_pipelines.lib.device_lease import lease_devices
 from fabric_pipelines.lib.gpu_pool import visible_gpus
 from fabric_pipelines.lib.settings import FabricPaths, database_url, default_root, redact_url
@@ -61,13 +62,19 @@ class EngineConfig(dg.ConfigurableResource):
     max_batch_items: int = 256
     max_seq_len: int = 512
     seq_granularity: int = 8
-    hook_layers: list[int] = Field(default_factory=lambda: [-1])
+    # Layers whose hidden states are kept in shard files; none by default (pooled embedding
+    # only): shards are large, so they are written only when asked for.
+    hook_layers: list[int] = Field(default_factory=list)
     pooling: str = "mean"
     truncate: bool = False
     # Worker processes pulling batches from the ledger (0: run in the Dagster step's process).
     # GPU engines: at most one per GPU; each gets its own device.
     workers: int = 1
-    lease_seconds: float = 600.0
+    # A worker's claim on a batch lasts lease_seconds unless its heartbeat renews it (every
+    # heartbeat_seconds; None: a third of the lease): a dead worker's batch runs again after at
+    # most one lease, however long live workers' batches take.
+    lease_seconds: float = DEFAULT_LEASE_SECONDS
+    heartbeat_seconds: float | None = None
 
     @contextmanager
     def devices(

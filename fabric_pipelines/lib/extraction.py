@@ -2,16 +2,21 @@
 ack, repeat.
 
 Throughput counts delivered work only: tokens of batches whose results were written and
-acknowledged.
+acknowledged. The worker's leases are short and renewed by a heartbeat thread while it holds
+them; every database call on this path rides out transient errors (lib/retry.py). A batch's
+hidden-state shard is read back and checked against its hash before the batch is acked; one that
+does not verify is failed back to the ledger and run again.
 """
 
 from __future__ import annotations
 
+import functools
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -21,18 +26,27 @@ from fabric_gpu.engines import Engine as ExtractionEngine
 from fabric_gpu.engines import PaddedBatch
 from fabric_gpu.runtime import BatchResult, open_runner
 from fabric_pipelines.lib.broker.ledger import (
+    DEFAULT_LEASE_SECONDS,
     LEASED,
     Lease,
     StaleLeaseError,
     claim_many,
+    heartbeat_interval,
     plan_shapes,
+    renew_leases,
     report_failure,
+    superseded_by,
+    superseded_message,
 )
+from fabric_pipelines.lib.files import CorruptFileError, verify_sha256
+from fabric_pipelines.lib.retry import DEFAULT_BUDGET_S, GaveUpRetrying, retry
 from fabric_pipelines.lib.store.keys import model_id, task_set_id
 from fabric_pipelines.lib.store.models import Batch
 from fabric_pipelines.lib.store.shards import write_shard
-from fabric_pipelines.lib.store.writer import BatchRows, GroupOutcome, WriteBehind
+from fabric_pipelines.lib.store.writer import BatchRows, GroupOutcome, RejectBatch, WriteBehind
 from fabric_pipelines.lib.tasks.store import flat_tokens
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -49,6 +63,9 @@ class ExtractionReport:
     warmup_seconds: float = 0.0  # opening the runner: graph capture, first allocations
     ready_at: float = 0.0  # unix time the engine was ready for its first batch
     last_ack_at: float = 0.0  # unix time of the last acknowledged batch
+    # Another run re-planned the set while this one ran: the plan that took over, and why.
+    superseded_by: str = ""
+    superseded: str = ""
     errors: list[str] = field(default_factory=list)
     runtime: dict[str, Any] = field(default_factory=dict)  # the runtime's own counters
 
@@ -84,70 +101,165 @@ def gather_padded(
     return PaddedBatch(input_ids=ids, lengths=lengths)
 
 
+class _Stopped(Exception):
+    """The heartbeat was told to stop while it waited to retry."""
+
+
+class LeaseHeartbeat:
+    """Renews the leases its worker holds, every `every_s` seconds, in one fenced statement, so
+    a batch slower than its lease is not taken over while its worker lives (a stopped or dead
+    worker stops renewing, and its leases expire). `hold` leases when claimed; `release` them
+    once acked, failed back or found stale. A renewal that gives up (the database stayed away for
+    a whole period) is noted and tried again next period; any other error is kept in `error`."""
+
+    def __init__(self, db: Engine, lease_seconds: float, every_s: float) -> None:
+        self._db, self._lease_seconds, self._every = db, lease_seconds, every_s
+        self._held: dict[Lease, None] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.renewals = 0
+        self.missed: list[str] = []
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, name="fabric-lease-heartbeat", daemon=True
+        )
+
+    def __enter__(self) -> LeaseHeartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def hold(self, leases: list[Lease]) -> None:
+        with self._lock:
+            self._held.update(dict.fromkeys(leases))
+
+    def release(self, lease: Lease) -> None:
+        with self._lock:
+            self._held.pop(lease, None)
+
+    def _renew(self, leases: list[Lease]) -> list[Lease]:
+        if self._stop.is_set():
+            raise _Stopped
+        return renew_leases(self._db, leases, self._lease_seconds)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every):
+            with self._lock:
+                leases = list(self._held)
+            if not leases:
+                continue
+            try:
+                renewed = retry(
+                    f"renewing {len(leases)} lease(s)",
+                    functools.partial(self._renew, leases),
+                    budget_s=self._every,
+                    sleep=self._stop.wait,
+                )
+            except _Stopped:
+                return
+            except GaveUpRetrying as error:
+                self.missed.append(str(error))
+                continue
+            except BaseException as error:
+                self.error = error
+                return
+            self.renewals += 1
+            lost = set(leases).difference(renewed)  # taken over or superseded: not ours now
+            with self._lock:
+                for lease in lost:
+                    self._held.pop(lease, None)
+
+
 def run_worker(
     db: Engine,
     engine: ExtractionEngine,
     job: ExtractionJob,
     *,
     owner: str,
-    lease_seconds: float = 600.0,
+    lease_seconds: float = DEFAULT_LEASE_SECONDS,
+    heartbeat_seconds: float | None = None,
     max_attempts: int = 3,
     max_in_flight: int = 4,
     progress: ProgressFn | None = None,
     progress_every_s: float = 5.0,
     wait_for_others: bool = True,
+    retry_budget_s: float = DEFAULT_BUDGET_S,
 ) -> ExtractionReport:
     """Drain the plan's ledger through the runtime: claim, submit, and on each drained result
     write the rows and ack the lease (one transaction), until no batch is left. With
     `wait_for_others`, a worker also waits out leases held by other workers, and takes over
-    those that expire (their holder died), so the plan ends with nothing queued or in flight."""
+    those that expire (their holder died), so the plan ends with nothing queued or in flight.
+    A plan superseded meanwhile (another run re-planned the set) ends the worker early, saying
+    so in `report.superseded`."""
+    every = heartbeat_interval(lease_seconds, heartbeat_seconds)
+
+    def db_call(operation: str, attempt: Callable[[], T]) -> T:
+        return retry(operation, attempt, budget_s=retry_budget_s)
+
     tokens, offsets = flat_tokens(job.tasks)
     record_no = job.tasks.column("record_no").to_numpy()
     task_ids = job.tasks.column("id")  # Arrow: taken per batch only where ids are needed
     report = ExtractionReport()
     in_flight: dict[int, tuple[Lease, np.ndarray]] = {}
     started = last_progress = time.perf_counter()
-    with db.begin() as conn:
-        set_id = task_set_id(conn, job.task_set)
-        model = model_id(conn, job.model_key)
+    set_id, model = db_call(f"looking up task set {job.task_set!r}", lambda: _keys(db, job))
+    heartbeat = LeaseHeartbeat(db, lease_seconds, every)
+
+    def fail(lease: Lease, rows: np.ndarray, message: str) -> None:
+        heartbeat.release(lease)
+        _fail(db, job, lease, rows, record_no, task_ids, message, max_attempts, report, db_call)
 
     def written(outcome: GroupOutcome) -> None:  # the writer thread, after each commit
-        for _batch, why in outcome.stale:
+        for batch, why in outcome.stale:
+            heartbeat.release(batch.lease)
             report.stale_acks += 1
             report.errors.append(why)
         for batch in outcome.acked:
             lease = batch.lease
+            heartbeat.release(lease)
             report.batches_done += 1
             report.items_done += lease.item_count
             report.real_tokens += lease.real_tokens
             report.padded_tokens += lease.padded_tokens
+        for batch, why in outcome.rejected:  # not acked: back to the ledger, to run again
+            fail(batch.lease, rejected_rows.pop(batch.lease), why)
         report.rows_inserted += outcome.inserted
         report.seconds = time.perf_counter() - started
         if outcome.acked:
             report.last_ack_at = time.time()
 
     def hidden_states_to_shard(batch: BatchRows) -> None:  # the writer thread, before the write
-        pending = pending_hooks.pop(batch.lease.batch_no, None)
+        pending = pending_hooks.pop(batch.lease, None)
         if pending:
             hooks, rows = pending
             ids = task_ids.take(rows).combine_chunks()
-            batch.shard = write_shard(
-                job.shard_folder, ids, batch.n_tokens, hooks, engine.hidden_size
-            )
+            shard = write_shard(job.shard_folder, ids, batch.n_tokens, hooks, engine.hidden_size)
+            try:  # what reached the disk, read back: an ack promises a file that verifies
+                verify_sha256(
+                    shard.path, shard.sha256, "hidden-state shard", "its batch runs again"
+                )
+            except (CorruptFileError, FileNotFoundError) as error:
+                shard.path.unlink(missing_ok=True)
+                rejected_rows[batch.lease] = rows
+                raise RejectBatch(str(error)) from error
+            batch.shard = shard
             batch.layers = tuple(hooks)
 
-    # batch no -> (hidden states per hook layer, task rows): from the drain to the writer
-    pending_hooks: dict[int, tuple[dict[int, np.ndarray], np.ndarray]] = {}
-    writer = WriteBehind(db, written, before_write=hidden_states_to_shard)
+    # lease -> (hidden states per hook layer, task rows): from the drain to the writer
+    pending_hooks: dict[Lease, tuple[dict[int, np.ndarray], np.ndarray]] = {}
+    rejected_rows: dict[Lease, np.ndarray] = {}  # batches whose shard did not verify
 
     def on_result(result: BatchResult) -> None:  # the runtime's drain thread
         lease, rows = in_flight.pop(result.batch_id)
         if result.error:
-            _fail(db, job, lease, rows, record_no, task_ids, result.error, max_attempts, report)
+            fail(lease, rows, result.error)
             return
         assert result.pooled is not None
         if result.hooks:
-            pending_hooks[lease.batch_no] = (result.hooks, rows)
+            pending_hooks[lease] = (result.hooks, rows)
         writer.put(
             BatchRows(
                 lease=lease,
@@ -161,62 +273,101 @@ def run_worker(
             )
         )
 
+    def others_hold_leases() -> bool:
+        return db_call(f"reading the leases of plan {job.plan_id}", lambda: _leased(db, job)) > 0
+
+    def claim() -> list[Lease]:
+        if heartbeat.error is not None:
+            raise heartbeat.error
+        leases = db_call(
+            f"claiming batches of plan {job.plan_id}",
+            lambda: claim_many(db, job.plan_id, owner, lease_seconds, max_in_flight),
+        )
+        heartbeat.hold(leases)
+        return leases
+
     submitted = 0
-    with db.connect() as conn:
-        shapes = plan_shapes(conn, job.plan_id)
+    shapes = db_call(f"reading the shapes of plan {job.plan_id}", lambda: _shapes(db, job))
     if hasattr(engine, "shapes_for"):
         shapes = engine.shapes_for(shapes)
-    try:
-        with open_runner(
-            engine,
-            tokens,
-            offsets,
-            on_result,
-            shapes=shapes,
-            pad_token_id=job.pad_token_id,
-            max_in_flight=max_in_flight,
-        ) as runner:
-            report.warmup_seconds = time.perf_counter() - started
-            report.ready_at = time.time()
-            claimed: list[Lease] = []
-            while True:
-                if not claimed:  # a few leases per transaction: claims stay off the critical path
-                    claimed = claim_many(db, job.plan_id, owner, lease_seconds, max_in_flight)
-                if not claimed:
-                    runner.finish()  # everything in flight lands; failures may re-queue batches
-                    writer.flush()  # ... and is acknowledged, so only others' leases remain
-                    claimed = claim_many(db, job.plan_id, owner, lease_seconds, max_in_flight)
-                    # Batches other workers hold may come back (a worker died: its lease expires).
-                    while not claimed and wait_for_others and _others_hold_leases(db, job.plan_id):
-                        time.sleep(min(1.0, lease_seconds / 4))
-                        claimed = claim_many(db, job.plan_id, owner, lease_seconds, max_in_flight)
+    with heartbeat:
+        writer = WriteBehind(db, written, before_write=hidden_states_to_shard)
+        try:
+            with open_runner(
+                engine,
+                tokens,
+                offsets,
+                on_result,
+                shapes=shapes,
+                pad_token_id=job.pad_token_id,
+                max_in_flight=max_in_flight,
+            ) as runner:
+                report.warmup_seconds = time.perf_counter() - started
+                report.ready_at = time.time()
+                claimed: list[Lease] = []
+                while True:
+                    if not claimed:  # a few leases per transaction: claims off the critical path
+                        claimed = claim()
                     if not claimed:
-                        break
-                lease = claimed.pop(0)
-                rows = job.order[lease.item_start : lease.item_start + lease.item_count]
-                submitted += 1
-                in_flight[submitted] = (lease, rows)
-                runner.submit(submitted, rows, lease.seq_len)
-                now = time.perf_counter()
-                if progress is not None and now - last_progress >= progress_every_s:
-                    last_progress = now
-                    progress(report)
-            report.runtime = runner.finish()
-    finally:
-        writer.close()  # everything queued is written (or the writer's error is raised here)
+                        runner.finish()  # everything in flight lands; failures may re-queue
+                        writer.flush()  # ... and is acknowledged: only others' leases remain
+                        claimed = claim()
+                        # Batches others hold may come back (a worker died: its lease expires).
+                        while not claimed and wait_for_others and others_hold_leases():
+                            time.sleep(min(1.0, lease_seconds / 4))
+                            claimed = claim()
+                        if not claimed:
+                            break
+                    lease = claimed.pop(0)
+                    rows = job.order[lease.item_start : lease.item_start + lease.item_count]
+                    submitted += 1
+                    in_flight[submitted] = (lease, rows)
+                    runner.submit(submitted, rows, lease.seq_len)
+                    now = time.perf_counter()
+                    if progress is not None and now - last_progress >= progress_every_s:
+                        last_progress = now
+                        progress(report)
+                report.runtime = runner.finish()
+        finally:
+            writer.close()  # everything queued is written (or the writer's error is raised)
+    report.errors.extend(heartbeat.missed)
+    if heartbeat.error is not None:
+        raise heartbeat.error
+    by = db_call(
+        f"checking whether plan {job.plan_id} was superseded",
+        lambda: _superseded_by(db, job),
+    )
+    if by is not None:
+        report.superseded_by = by
+        report.superseded = superseded_message(job.plan_id, by)
+        report.errors.append(report.superseded)
     report.seconds = time.perf_counter() - started
     return report
 
 
-def _others_hold_leases(db: Engine, plan_id: str) -> bool:
+def _keys(db: Engine, job: ExtractionJob) -> tuple[int, int]:
+    with db.begin() as conn:
+        return task_set_id(conn, job.task_set), model_id(conn, job.model_key)
+
+
+def _shapes(db: Engine, job: ExtractionJob) -> list[tuple[int, int]]:
     with db.connect() as conn:
-        return (
+        return plan_shapes(conn, job.plan_id)
+
+
+def _superseded_by(db: Engine, job: ExtractionJob) -> str | None:
+    with db.connect() as conn:
+        return superseded_by(conn, job.task_set, job.plan_id)
+
+
+def _leased(db: Engine, job: ExtractionJob) -> int:
+    with db.connect() as conn:
+        return int(
             conn.execute(
                 select(func.count())
                 .select_from(Batch)
-                .where(Batch.plan_id == plan_id, Batch.state == LEASED)
+                .where(Batch.plan_id == job.plan_id, Batch.state == LEASED)
             ).scalar_one()
-            > 0
         )
 
 
@@ -230,11 +381,15 @@ def _fail(
     message: str,
     max_attempts: int,
     report: ExtractionReport,
+    db_call: Callable[[str, Callable[[], str]], str],
 ) -> None:
     report.errors.append(f"batch {lease.batch_no} (attempt {lease.attempts}): {message}")
     items = list(zip(record_no[rows].tolist(), task_ids.take(rows).to_pylist(), strict=True))
     try:
-        state = report_failure(db, lease, message, max_attempts, items, job.task_set)
+        state = db_call(
+            f"reporting the failure of batch {lease.batch_no} of plan {lease.plan_id}",
+            lambda: report_failure(db, lease, message, max_attempts, items, job.task_set),
+        )
     except StaleLeaseError as stale:
         report.stale_acks += 1
         report.errors.append(str(stale))

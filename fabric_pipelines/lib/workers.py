@@ -6,24 +6,45 @@ password would show in `ps`), and CUDA_VISIBLE_DEVICES set per worker for GPU en
 owns one device. `supervise` waits for them, reporting progress from the database, and collects
 each worker's JSON report. A worker that dies leaves its batch leased; its lease expires and a
 surviving worker (or the next run) takes it over.
+
+Workers are bound to their run. Each runs in a process group of its own, which the supervisor
+terminates (then kills, then reaps) on every way out of `supervise` — a failed worker, a failed
+database poll, a cancelled or interrupted step — so no orphan keeps writing rows, or keeps using
+a GPU whose device lease the step gives back once `extract_task_set` returns. A worker whose
+supervisor dies outright (SIGKILL) follows it: the kernel sends it SIGKILL (PR_SET_PDEATHSIG),
+and a watchdog thread checks its parent every second as well.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from fabric_pipelines.lib.broker.ledger import Accounting, accounting
+from fabric_pipelines.lib.broker.ledger import (
+    DEFAULT_LEASE_SECONDS,
+    Accounting,
+    accounting,
+    heartbeat_interval,
+)
 from fabric_pipelines.lib.files import write_bytes
+from fabric_pipelines.lib.retry import retry
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+STOP_GRACE_S = 5.0  # SIGTERM to SIGKILL
+PARENT_GONE_EXIT = 75  # a worker that outlived its supervisor
 
 
 @dataclass(frozen=True)
@@ -32,7 +53,8 @@ class WorkerSettings:
     manifest_path: Path  # the engine manifest, JSON
     data_root: Path
     database_url: str
-    lease_seconds: float = 600.0
+    lease_seconds: float = DEFAULT_LEASE_SECONDS
+    heartbeat_seconds: float | None = None  # None: a third of the lease
     max_attempts: int = 3
 
 
@@ -47,35 +69,68 @@ class WorkerProcess:
 def launch_workers(
     settings: WorkerSettings, count: int, folder: Path, devices: list[int] | None = None
 ) -> list[WorkerProcess]:
-    """Start `count` worker processes; worker i gets GPU devices[i] when devices are given."""
+    """Start `count` worker processes; worker i gets GPU devices[i] when devices are given.
+
+    Each is the leader of a new process group (stop them with `stop_workers`) and dies with the
+    thread that starts it: start them from the thread that supervises them."""
+    every = heartbeat_interval(settings.lease_seconds, settings.heartbeat_seconds)
     folder.mkdir(parents=True, exist_ok=True)
-    workers = []
-    for i in range(count):
-        owner = f"{socket.gethostname()}:{os.getpid()}:w{i}"
-        env = {
-            **os.environ,
-            "FABRIC_DATABASE_URL": settings.database_url,
-            "FABRIC_HOME": str(settings.data_root),
-            "HF_HUB_OFFLINE": "1",
-        }
-        if devices is not None:
-            env["CUDA_VISIBLE_DEVICES"] = str(devices[i])  # the device lease: one GPU per worker
-        report = folder / f"worker-{i}.json"
-        log = folder / f"worker-{i}.log"
-        command = [
-            sys.executable, "-m", "fabric_pipelines.lib.workers",
-            settings.task_set,
-            "--manifest", str(settings.manifest_path),
-            "--owner", owner,
-            "--lease-seconds", str(settings.lease_seconds),
-            "--max-attempts", str(settings.max_attempts),
-            "--report", str(report),
-            "--threads", str(max(1, (os.cpu_count() or 1) // count)),
-        ]  # fmt: skip
-        with open(log, "wb") as out:
-            process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
-        workers.append(WorkerProcess(owner, process, report, log))
+    workers: list[WorkerProcess] = []
+    try:
+        for i in range(count):
+            owner = f"{socket.gethostname()}:{os.getpid()}:w{i}"
+            env = {
+                **os.environ,
+                "FABRIC_DATABASE_URL": settings.database_url,
+                "FABRIC_HOME": str(settings.data_root),
+                "HF_HUB_OFFLINE": "1",
+            }
+            if devices is not None:
+                env["CUDA_VISIBLE_DEVICES"] = str(devices[i])  # the device lease: one GPU each
+            report = folder / f"worker-{i}.json"
+            log = folder / f"worker-{i}.log"
+            command = [
+                sys.executable, "-m", "fabric_pipelines.lib.workers",
+                settings.task_set,
+                "--manifest", str(settings.manifest_path),
+                "--owner", owner,
+                "--lease-seconds", str(settings.lease_seconds),
+                "--heartbeat-seconds", str(every),
+                "--max-attempts", str(settings.max_attempts),
+                "--report", str(report),
+                "--threads", str(max(1, (os.cpu_count() or 1) // count)),
+                "--parent-pid", str(os.getpid()),
+            ]  # fmt: skip
+            with open(log, "wb") as out:
+                process = subprocess.Popen(
+                    command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            workers.append(WorkerProcess(owner, process, report, log))
+    except BaseException:
+        stop_workers(workers)
+        raise
     return workers
+
+
+def _signal_group(process: subprocess.Popen[bytes], sig: int) -> None:
+    # The group outlives its leader while anything the worker started still runs in it.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, sig)
+
+
+def stop_workers(workers: list[WorkerProcess], grace_s: float = STOP_GRACE_S) -> None:
+    """Terminate every worker's process group, give it `grace_s` to go, kill what is left and
+    reap the workers. A no-op for workers that already exited on their own."""
+    for w in workers:
+        _signal_group(w.process, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for w in workers:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            w.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+    for w in workers:
+        _signal_group(w.process, signal.SIGKILL)
+    for w in workers:
+        w.process.wait()
 
 
 def supervise(
@@ -85,19 +140,48 @@ def supervise(
     on_progress: Callable[[Accounting], None] | None = None,
     poll_s: float = 5.0,
 ) -> list[dict[str, Any]]:
-    """Wait for every worker; returns their reports. A worker that failed raises, with its log."""
-    while any(w.process.poll() is None for w in workers):
-        time.sleep(poll_s if on_progress else 0.2)
-        if on_progress is not None:
-            with db.connect() as conn:
-                on_progress(accounting(conn, task_set))
-    reports = []
-    for w in workers:
-        if w.process.returncode != 0:
-            tail = w.log_path.read_text(errors="replace")[-4000:] if w.log_path.exists() else ""
-            raise RuntimeError(f"worker {w.owner} exited with {w.process.returncode}:\n{tail}")
-        reports.append(json.loads(w.report_path.read_text()))
-    return reports
+    """Wait for every worker; returns their reports. A worker that failed raises, with its log.
+
+    Whatever way this returns or raises, no worker of it is left running (`stop_workers`)."""
+
+    def poll() -> Accounting:
+        with db.connect() as conn:
+            return accounting(conn, task_set)
+
+    try:
+        while any(w.process.poll() is None for w in workers):
+            time.sleep(poll_s if on_progress else 0.2)
+            if on_progress is not None:
+                on_progress(retry(f"reading the accounting of task set {task_set!r}", poll))
+        reports = []
+        for w in workers:
+            if w.process.returncode != 0:
+                tail = w.log_path.read_text(errors="replace")[-4000:] if w.log_path.exists() else ""
+                raise RuntimeError(f"worker {w.owner} exited with {w.process.returncode}:\n{tail}")
+            reports.append(json.loads(w.report_path.read_text()))
+        return reports
+    finally:
+        stop_workers(workers)
+
+
+def bind_to_parent(parent_pid: int) -> None:
+    """End this process when `parent_pid` (its supervisor) is gone, however that dies."""
+    if sys.platform.startswith("linux"):
+        try:  # the kernel's own notice: SIGKILL when the thread that started us exits
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):  # no prctl here: the watchdog alone
+            pass
+    if os.getppid() != parent_pid:  # it died before prctl took effect
+        os._exit(PARENT_GONE_EXIT)
+
+    def watch() -> None:  # portable, and covers a parent that prctl cannot see die
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent_pid:
+                os._exit(PARENT_GONE_EXIT)
+
+    threading.Thread(target=watch, name="fabric-parent-watchdog", daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,13 +190,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("task_set")
     parser.add_argument("--manifest", required=True, help="engine manifest (JSON or YAML)")
     parser.add_argument("--owner", default=f"{socket.gethostname()}:{os.getpid()}")
-    parser.add_argument("--lease-seconds", type=float, default=600.0)
+    parser.add_argument("--lease-seconds", type=float, default=DEFAULT_LEASE_SECONDS)
+    parser.add_argument(
+        "--heartbeat-seconds", type=float, default=None, help="default: a third of the lease"
+    )
     parser.add_argument("--max-attempts", type=int, default=3)
     parser.add_argument("--report", help="write the worker's report here (JSON)")
     parser.add_argument(
         "--threads", type=int, default=0, help="CPU threads for the engine (default: all cores)"
     )
+    parser.add_argument(
+        "--parent-pid", type=int, default=0, help="exit when this process (the supervisor) ends"
+    )
     args = parser.parse_args(argv)
+    if args.parent_pid:
+        bind_to_parent(args.parent_pid)
+    heartbeat_interval(args.lease_seconds, args.heartbeat_seconds)  # refuse bad timing early
     if args.threads > 0:
         import torch
 
@@ -124,31 +217,19 @@ def main(argv: list[str] | None = None) -> int:
 
     from fabric_gpu.engines import create_engine
     from fabric_gpu.manifest import EngineManifest
-    from fabric_pipelines.lib.broker.plans import current_plan, load_plan_order
-    from fabric_pipelines.lib.extraction import ExtractionJob, run_worker
+    from fabric_pipelines.lib.extraction import run_worker
     from fabric_pipelines.lib.settings import FabricPaths, database_url, default_root
     from fabric_pipelines.lib.store.db import make_engine
-    from fabric_pipelines.lib.tasks.catalog import get_task_set
-    from fabric_pipelines.lib.tasks.store import read_table
 
     paths = FabricPaths(default_root()).ensure()
     db = make_engine(database_url(paths))
     manifest = EngineManifest.load(Path(args.manifest))
-    ts = get_task_set(db, args.task_set)
-    plan = current_plan(db, args.task_set)
-    job = ExtractionJob(
-        task_set=args.task_set,
-        plan_id=plan.plan_id,
-        model_key=manifest.model_key,
-        tasks=read_table(Path(ts.path), ts.content_sha256),
-        order=load_plan_order(Path(plan.path), plan.sha256),
-        shard_folder=paths.shards,
-    )
+    job = _job(db, paths, args.task_set, manifest)
     engine = create_engine(manifest)
     try:
         report = run_worker(
             db, engine, job, owner=args.owner, lease_seconds=args.lease_seconds,
-            max_attempts=args.max_attempts,
+            heartbeat_seconds=args.heartbeat_seconds, max_attempts=args.max_attempts,
         )  # fmt: skip
     finally:
         engine.close()
@@ -158,6 +239,25 @@ def main(argv: list[str] | None = None) -> int:
         write_bytes(Path(args.report), json.dumps(summary).encode())
     print(json.dumps({k: v for k, v in summary.items() if k != "errors"}))
     return 0
+
+
+def _job(db: Any, paths: Any, task_set: str, manifest: Any) -> Any:
+    """The extraction job of the set's current plan (its rows read through transient errors)."""
+    from fabric_pipelines.lib.broker.plans import current_plan, load_plan_order
+    from fabric_pipelines.lib.extraction import ExtractionJob
+    from fabric_pipelines.lib.tasks.catalog import get_task_set
+    from fabric_pipelines.lib.tasks.store import read_table
+
+    ts = retry(f"reading task set {task_set!r}", lambda: get_task_set(db, task_set))
+    plan = retry(f"reading the plan of {task_set!r}", lambda: current_plan(db, task_set))
+    return ExtractionJob(
+        task_set=task_set,
+        plan_id=plan.plan_id,
+        model_key=manifest.model_key,
+        tasks=read_table(Path(ts.path), ts.content_sha256),
+        order=load_plan_order(Path(plan.path), plan.sha256),
+        shard_folder=paths.shards,
+    )
 
 
 if __name__ == "__main__":
@@ -178,6 +278,10 @@ class ExtractionSummary:
     worker_seconds: tuple[float, ...] = ()  # each worker's run, from its engine's creation
     # From the first engine ready (graphs captured) to the last batch acknowledged, any worker.
     pulling_seconds: float = 0.0
+    # Another run re-planned the set meanwhile: the plan that took over ("" if none), and the
+    # sentence that says so; this run's accounting check cannot pass then.
+    superseded_by: str = ""
+    superseded: str = ""
 
     @property
     def tokens_per_second(self) -> float:
@@ -192,55 +296,41 @@ def extract_task_set(
     *,
     database_url: str,
     workers: int,
-    lease_seconds: float = 600.0,
+    lease_seconds: float = DEFAULT_LEASE_SECONDS,
+    heartbeat_seconds: float | None = None,
     devices: list[int] | None = None,
     on_progress: Callable[[Accounting], None] | None = None,
+    progress_every_s: float = 5.0,
 ) -> ExtractionSummary:
-    """Run the task set's current plan: in this process (workers == 0) or in worker processes."""
+    """Run the task set's current plan: in this process (workers == 0) or in worker processes.
+
+    With worker processes, none is left running when this returns or raises (call it inside
+    the device lease, which must outlive the workers)."""
+    heartbeat_interval(lease_seconds, heartbeat_seconds)  # refuse bad timing before any work
     started = time.perf_counter()
     if workers == 0:
-        from fabric_gpu.engines import create_engine
-        from fabric_pipelines.lib.broker.plans import current_plan, load_plan_order
-        from fabric_pipelines.lib.extraction import ExtractionJob, run_worker
-        from fabric_pipelines.lib.tasks.catalog import get_task_set
-        from fabric_pipelines.lib.tasks.store import read_table
-
-        ts = get_task_set(db, task_set)
-        plan = current_plan(db, task_set)
-        job = ExtractionJob(
-            task_set=task_set,
-            plan_id=plan.plan_id,
-            model_key=manifest.model_key,
-            tasks=read_table(Path(ts.path), ts.content_sha256),
-            order=load_plan_order(Path(plan.path), plan.sha256),
-            shard_folder=paths.shards,
-        )
-        engine = create_engine(manifest)
-
-        def progress(_report: Any) -> None:
-            if on_progress is not None:
-                with db.connect() as conn:
-                    on_progress(accounting(conn, task_set))
-
-        try:
-            r = run_worker(
-                db, engine, job, owner=f"{socket.gethostname()}:{os.getpid()}",
-                lease_seconds=lease_seconds, progress=progress,
-            )  # fmt: skip
-        finally:
-            engine.close()
-        reports = [asdict(r)]
+        reports = [
+            _extract_here(
+                db, paths, task_set, manifest, lease_seconds, heartbeat_seconds,
+                on_progress, progress_every_s,
+            )
+        ]  # fmt: skip
     else:
         folder = paths.root / "workers" / f"{task_set}-{int(time.time() * 1000)}"
         folder.mkdir(parents=True, exist_ok=True)
         manifest_path = folder / "engine.json"
         write_bytes(manifest_path, json.dumps(manifest.to_mapping()).encode())
         settings = WorkerSettings(
-            task_set, manifest_path, paths.root, database_url, lease_seconds=lease_seconds
+            task_set,
+            manifest_path,
+            paths.root,
+            database_url,
+            lease_seconds=lease_seconds,
+            heartbeat_seconds=heartbeat_seconds,
         )
-        reports = supervise(
-            launch_workers(settings, workers, folder, devices), db, task_set, on_progress
-        )
+        with _running(settings, workers, folder, devices) as started_workers:
+            reports = supervise(started_workers, db, task_set, on_progress, progress_every_s)
+    superseded = next((r for r in reports if r.get("superseded_by")), None)
     return ExtractionSummary(
         workers=max(workers, 1),
         batches_done=sum(r["batches_done"] for r in reports),
@@ -251,7 +341,55 @@ def extract_task_set(
         seconds=time.perf_counter() - started,
         worker_seconds=tuple(float(r["seconds"]) for r in reports),
         pulling_seconds=_pulling_window(reports),
+        superseded_by=superseded["superseded_by"] if superseded else "",
+        superseded=superseded["superseded"] if superseded else "",
     )
+
+
+@contextlib.contextmanager
+def _running(
+    settings: WorkerSettings, count: int, folder: Path, devices: list[int] | None
+) -> Iterator[list[WorkerProcess]]:
+    workers = launch_workers(settings, count, folder, devices)
+    try:
+        yield workers
+    finally:  # supervise stops them too; this covers an exit between launch and supervise
+        stop_workers(workers)
+
+
+def _extract_here(
+    db: Any,
+    paths: Any,
+    task_set: str,
+    manifest: Any,
+    lease_seconds: float,
+    heartbeat_seconds: float | None,
+    on_progress: Callable[[Accounting], None] | None,
+    progress_every_s: float,
+) -> dict[str, Any]:
+    from fabric_gpu.engines import create_engine
+    from fabric_pipelines.lib.extraction import run_worker
+
+    job = _job(db, paths, task_set, manifest)
+    engine = create_engine(manifest)
+
+    def poll() -> Accounting:
+        with db.connect() as conn:
+            return accounting(conn, task_set)
+
+    def progress(_report: Any) -> None:
+        if on_progress is not None:
+            on_progress(retry(f"reading the accounting of task set {task_set!r}", poll))
+
+    try:
+        report = run_worker(
+            db, engine, job, owner=f"{socket.gethostname()}:{os.getpid()}",
+            lease_seconds=lease_seconds, heartbeat_seconds=heartbeat_seconds,
+            progress=progress, progress_every_s=progress_every_s,
+        )  # fmt: skip
+    finally:
+        engine.close()
+    return asdict(report)
 
 
 def _pulling_window(reports: list[dict[str, Any]]) -> float:

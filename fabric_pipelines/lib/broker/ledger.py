@@ -5,6 +5,10 @@ transaction holds the write lock from BEGIN IMMEDIATE). Each claim raises the ba
 an ack is accepted only with the current epoch while the batch is still leased, so a worker whose
 lease expired and was taken over cannot retire the batch a second time. An ack is part of the
 transaction that writes the batch's results, so results and ack land together or not at all.
+
+Leases are short (DEFAULT_LEASE_SECONDS) and renewed by their holder's heartbeat
+(`renew_leases`, fenced by the epoch like an ack), so a dead worker's batch is taken over within
+a lease, however long a live worker's batches take.
 """
 
 from __future__ import annotations
@@ -27,6 +31,24 @@ QUEUED, LEASED, COMPLETED, FAILED, SUPERSEDED = (
     "failed",
     "superseded",
 )
+
+
+DEFAULT_LEASE_SECONDS = 30.0
+
+
+def heartbeat_interval(lease_seconds: float, heartbeat_seconds: float | None = None) -> float:
+    """The heartbeat period for `lease_seconds` (default: a third of it), checked."""
+    if not lease_seconds > 0:
+        raise ValueError(f"lease_seconds must be positive, got {lease_seconds}")
+    if heartbeat_seconds is None:
+        return lease_seconds / 3
+    if not 0 < heartbeat_seconds < lease_seconds:
+        raise ValueError(
+            f"heartbeat_seconds={heartbeat_seconds} must be positive and shorter than "
+            f"lease_seconds={lease_seconds} (a third of it is usual): a lease is only renewed "
+            "once per heartbeat, so a longer one lets live workers' leases expire"
+        )
+    return heartbeat_seconds
 
 
 class StaleLeaseError(RuntimeError):
@@ -214,6 +236,31 @@ def ack_many(conn: Connection, leases: list[Lease]) -> list[Lease]:
     return [lease for lease in leases if (lease.plan_id, lease.batch_no, lease.epoch) not in done]
 
 
+def renew_leases(
+    engine: Engine, leases: list[Lease], lease_seconds: float, now: float | None = None
+) -> list[Lease]:
+    """Push back the deadline of `leases` in one statement; returns those renewed. A lease whose
+    epoch moved on (taken over after it expired) or whose batch is no longer leased (acked,
+    re-queued, superseded) is left alone, like a stale ack."""
+    if not leases:
+        return []
+    now = time.time() if now is None else now
+    with engine.begin() as conn:
+        renewed = conn.execute(
+            update(Batch)
+            .where(
+                tuple_(Batch.plan_id, Batch.batch_no, Batch.lease_epoch).in_(
+                    [(lease.plan_id, lease.batch_no, lease.epoch) for lease in leases]
+                ),
+                Batch.state == LEASED,
+            )
+            .values(lease_deadline=now + lease_seconds)
+            .returning(Batch.plan_id, Batch.batch_no, Batch.lease_epoch)
+        ).all()
+    current = {tuple(row) for row in renewed}
+    return [lease for lease in leases if (lease.plan_id, lease.batch_no, lease.epoch) in current]
+
+
 def stale_reason(lease: Lease) -> str:
     return (
         f"batch {lease.batch_no} of plan {lease.plan_id}: lease epoch {lease.epoch} is no longer "
@@ -232,15 +279,21 @@ def report_failure(
     """Re-queue the batch, or after `max_attempts` fail it and its items (with the reason).
 
     `failed_items` are the (record_no, task_id) of the batch's items. Returns the new state.
+    Safe to run again after a lost reply: a report that already landed is recognised (same
+    epoch, the state and error it set) and not applied twice.
     """
     final = lease.attempts >= max_attempts
+    state, message = (FAILED if final else QUEUED), error[:4000]
     with engine.begin() as conn:
-        result = conn.execute(
-            _fence(lease).values(
-                state=FAILED if final else QUEUED, lease_deadline=None, error=error[:4000]
-            )
-        )
+        result = conn.execute(_fence(lease).values(state=state, lease_deadline=None, error=message))
         if result.rowcount != 1:
+            now = conn.execute(
+                select(Batch.state, Batch.lease_epoch, Batch.error).where(
+                    Batch.plan_id == lease.plan_id, Batch.batch_no == lease.batch_no
+                )
+            ).first()
+            if now is not None and tuple(now) == (state, lease.epoch, message):
+                return state  # this very report committed before its reply was lost
             raise StaleLeaseError(f"batch {lease.batch_no}: lease epoch {lease.epoch} is stale")
         if final and failed_items:
             reason = f"extraction failed after {lease.attempts} attempts: {error}"[:4000]
@@ -258,6 +311,29 @@ def report_failure(
                 ],
             )
     return FAILED if final else QUEUED
+
+
+def superseded_by(conn: Connection, task_set: str, plan_id: str) -> str | None:
+    """The plan that took over `plan_id`'s unfinished batches (another run re-planned the set),
+    or None while `plan_id` is not superseded."""
+    handed_over = conn.execute(
+        select(func.count())
+        .select_from(Batch)
+        .where(Batch.plan_id == plan_id, Batch.state == SUPERSEDED)
+    ).scalar_one()
+    if not handed_over:
+        return None
+    current = conn.execute(
+        select(TaskSet.current_plan_id).where(TaskSet.name == task_set)
+    ).scalar_one_or_none()
+    return current if current and current != plan_id else "a newer plan"
+
+
+def superseded_message(plan_id: str, by: str) -> str:
+    return (
+        f"plan {plan_id} was superseded by plan {by} (another run of this task set re-planned "
+        "it); this run's remaining batches are left to that run"
+    )
 
 
 def accounting(conn: Connection, task_set: str, model_key: str | None = None) -> Accounting:

@@ -10,8 +10,10 @@ from the group before its rows are written. Rows are keyed by (task set, task, m
 replay finds rows already there (the previous attempt committed but its reply was lost), the
 group is written again through a staging table with ON CONFLICT DO NOTHING.
 
-Lost connections are retried with back-off, the whole group each time (idempotent), up to a
-bound; then the writer fails with an error that says how long it tried.
+Transient database errors (lib/retry.py) are retried with back-off, the whole group each time
+(idempotent), up to a bound; then the writer fails with an error that says how long it tried.
+`before_write` may keep a batch out of its group by raising `RejectBatch` (its hidden-state file
+did not verify): that batch is neither written nor acked, and `on_written` hears of it.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from __future__ import annotations
 import json
 import queue
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,7 @@ import numpy as np
 from sqlalchemy import Connection, Engine, exc
 
 from fabric_pipelines.lib.broker.ledger import Lease, ack_many, stale_reason
+from fabric_pipelines.lib.retry import DEFAULT_BUDGET_S, GaveUpRetrying, retry
 from fabric_pipelines.lib.store.db import insert_ignoring_duplicates
 from fabric_pipelines.lib.store.models import HiddenStateShard
 from fabric_pipelines.lib.store.pgcopy import embeddings_payload
@@ -58,6 +60,11 @@ class GroupOutcome:
     acked: list[BatchRows] = field(default_factory=list)
     stale: list[tuple[BatchRows, str]] = field(default_factory=list)
     inserted: int = 0
+    rejected: list[tuple[BatchRows, str]] = field(default_factory=list)  # by before_write
+
+
+class RejectBatch(Exception):
+    """Raised by `before_write` to keep a batch out of its group, with the reason."""
 
 
 def write_group(
@@ -170,24 +177,12 @@ def _driver_errors(name: str) -> tuple[type[BaseException], ...]:
         return ()
 
 
-def is_connection_error(error: BaseException) -> bool:
-    """A lost or refused connection (worth a retry), as opposed to a bad statement."""
-    if isinstance(error, exc.DBAPIError) and error.connection_invalidated:
-        return True
-    lost: tuple[type[BaseException], ...] = (
-        exc.OperationalError,
-        exc.InterfaceError,
-        *_driver_errors("OperationalError"),
-    )
-    return isinstance(error, lost) and "locked" not in str(error)
-
-
 def is_duplicate(error: BaseException) -> bool:
     """Rows already written: a unique-key violation (SQLAlchemy's or psycopg's own)."""
     return isinstance(error, (exc.IntegrityError, *_driver_errors("IntegrityError")))
 
 
-class WriterGaveUp(RuntimeError):
+class WriterGaveUp(GaveUpRetrying):
     pass
 
 
@@ -204,7 +199,8 @@ class WriteBehind:
         max_batches: int = 16,
         group_batches: int = 8,
         writers: int | None = None,
-        attempts: int = 8,
+        attempts: int | None = None,
+        budget_s: float = DEFAULT_BUDGET_S,
         first_backoff_s: float = 0.25,
         max_backoff_s: float = 5.0,
         before_write: Callable[[BatchRows], None] | None = None,
@@ -215,6 +211,7 @@ class WriteBehind:
         self._queue: queue.Queue[BatchRows | None] = queue.Queue(maxsize=max_batches)
         self._group = group_batches
         self._attempts = attempts
+        self._budget_s = budget_s
         self._backoff = (first_backoff_s, max_backoff_s)
         self._error: BaseException | None = None
         self._pgvector: bool | None = None  # asked of the schema at the first write
@@ -272,10 +269,18 @@ class WriteBehind:
                 group.append(item)
             try:
                 if self._error is None:  # after a failure, keep draining: producers never block
+                    rejected: list[tuple[BatchRows, str]] = []
                     if self._before_write is not None:
+                        kept = []
                         for batch in group:
-                            self._before_write(batch)
-                    outcome = self._write_with_retries(group)
+                            try:
+                                self._before_write(batch)
+                                kept.append(batch)
+                            except RejectBatch as why:
+                                rejected.append((batch, str(why)))
+                        group = kept
+                    outcome = self._write_with_retries(group) if group else GroupOutcome()
+                    outcome.rejected = rejected
                     with self._lock:
                         self._on_written(outcome)
             except BaseException as error:
@@ -285,29 +290,34 @@ class WriteBehind:
                     self._queue.task_done()
 
     def _write_with_retries(self, group: list[BatchRows]) -> GroupOutcome:
-        started = time.monotonic()
-        delay, cap = self._backoff
         upsert = False
-        for attempt in range(1, self._attempts + 1):
+
+        def attempt() -> GroupOutcome:
+            nonlocal upsert
+            if self._pgvector is None:
+                self._pgvector = stores_pgvector(self._engine)
             try:
-                if self._pgvector is None:
-                    self._pgvector = stores_pgvector(self._engine)
                 return write_group(self._engine, group, upsert=upsert, pgvector=self._pgvector)
             except Exception as error:
-                if is_duplicate(error) and not upsert:
-                    upsert = True  # rows already there: an earlier attempt committed; replay
-                    continue
-                if not is_connection_error(error) or attempt == self._attempts:
-                    if is_connection_error(error):
-                        raise WriterGaveUp(
-                            f"the database stayed unreachable: gave up writing {len(group)} "
-                            f"batch(es) after {attempt} attempts over "
-                            f"{time.monotonic() - started:.1f} s: {error}"
-                        ) from error
+                if not is_duplicate(error) or upsert:
                     raise
-                with self._lock:
-                    self.retries += 1
-                upsert = True  # the lost attempt may have committed
-                time.sleep(delay)
-                delay = min(delay * 2, cap)
-        raise AssertionError("unreachable")
+            upsert = True  # rows already there: an earlier attempt committed; replay
+            return write_group(self._engine, group, upsert=True, pgvector=self._pgvector)
+
+        def retrying(_error: BaseException) -> None:
+            nonlocal upsert
+            with self._lock:
+                self.retries += 1
+            upsert = True  # the lost attempt may have committed
+
+        first, cap = self._backoff
+        return retry(
+            f"writing {len(group)} batch(es)",
+            attempt,
+            budget_s=self._budget_s,
+            attempts=self._attempts,
+            first_backoff_s=first,
+            max_backoff_s=cap,
+            on_retry=retrying,
+            gave_up=WriterGaveUp,
+        )
