@@ -1,4 +1,5 @@
-"""The `fabric` command line: demo, submit, run, status, db, index, receipt, worker.
+"""The `fabric` command line: demo, submit, run, status, verify, requeue, restore-plan, db,
+index, receipt, worker.
 
 Runs go through the same Dagster definitions the UI uses, in-process, against the instance in
 DAGSTER_HOME, so every run shows up in the UI afterwards.
@@ -39,12 +40,23 @@ def _prepare_environment() -> Path:
 
 def _open_database() -> tuple[FabricPaths, Engine]:
     """The data root's paths and its results database, brought to the newest schema."""
+    from sqlalchemy.exc import DBAPIError
+
     from fabric_pipelines.lib.settings import FabricPaths, database_url
     from fabric_pipelines.lib.store.db import create_schema, make_engine
 
     paths = FabricPaths(_prepare_environment()).ensure()
     db = make_engine(database_url(paths))
-    create_schema(db)
+    for attempt in range(3):
+        try:
+            create_schema(db)
+            break
+        except DBAPIError:
+            # Another command was creating the same schema at that moment (two first runs):
+            # once its migration commits, this one finds the schema current.
+            if attempt == 2:
+                raise
+            time.sleep(1.0)
     return paths, db
 
 
@@ -58,8 +70,12 @@ def _engine_config(args: argparse.Namespace) -> dict[str, Any]:
         config["hook_layers"] = [int(x) for x in args.hook_layers.split(",") if x.strip()]
     if getattr(args, "manifest", None):
         config["manifest_path"] = str(Path(args.manifest).resolve())
-    if getattr(args, "workers", None) is not None:
-        config["workers"] = args.workers
+    for name in ("workers", "lease_seconds", "heartbeat_seconds"):
+        value = getattr(args, name, None)
+        if value is not None:
+            config[name] = value
+    if getattr(args, "truncate", False):
+        config["truncate"] = True
     return config
 
 
@@ -73,14 +89,20 @@ def _quiet_dagster() -> None:
 
 
 def run_pipeline(task_set: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Materialise the three partitioned assets for `task_set`, then the index; return a summary."""
+    """Materialise the three partitioned assets for `task_set`, then the index; return a summary.
+
+    The name is checked before it becomes a partition; a partition this call registered is
+    removed again when the set could not even be ingested, so a typo leaves nothing behind."""
     import dagster as dg
 
     from fabric_pipelines.definitions import defs
+    from fabric_pipelines.defs.partitions import TASK_SET_PARTITIONS
+    from fabric_pipelines.lib.names import validate_task_set_name
 
+    validate_task_set_name(task_set)  # InvalidNameError: main() prints it, exit 2
     definitions = defs()
     instance = dg.DagsterInstance.get()
-    instance.add_dynamic_partitions("task_set", [task_set])
+    registered = _register_partition(instance, TASK_SET_PARTITIONS, task_set)
     run_config = _run_config(args)
     log_config = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}
     started = time.perf_counter()
@@ -91,12 +113,14 @@ def run_pipeline(task_set: str, args: argparse.Namespace) -> dict[str, Any]:
         raise_on_error=False,
     )
     if not extract.success:
-        raise SystemExit(_failure_text(extract, "extraction"))
+        if registered and not _ingested(task_set):
+            instance.delete_dynamic_partition(TASK_SET_PARTITIONS, task_set)
+        raise SystemExit(_failure_text(extract, "extraction", task_set))
     index = definitions.resolve_job_def("build_vector_index").execute_in_process(
         instance=instance, run_config={**run_config, **log_config}, raise_on_error=False
     )
     if not index.success:
-        raise SystemExit(_failure_text(index, "index build"))
+        raise SystemExit(_failure_text(index, "index build", task_set))
     return {
         "extract": _materializations(extract),
         "index": _materializations(index),
@@ -106,13 +130,89 @@ def run_pipeline(task_set: str, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _failure_text(result: Any, what: str) -> str:
+def _register_partition(instance: Any, partitions: str, task_set: str) -> bool:
+    """Add the set's partition; True when this call added it. Two first runs of one set may
+    race to add it: whichever loses finds it there, which is all it needs."""
+    if instance.has_dynamic_partition(partitions, task_set):
+        return False
+    try:
+        instance.add_dynamic_partitions(partitions, [task_set])
+    except Exception:
+        if not instance.has_dynamic_partition(partitions, task_set):
+            raise
+        return False
+    return True
+
+
+def _ingested(task_set: str) -> bool:
+    from sqlalchemy import select
+
+    from fabric_pipelines.lib.store.models import TaskSet
+
+    _, db = _open_database()
+    try:
+        with db.connect() as conn:
+            return (
+                conn.execute(select(TaskSet.id).where(TaskSet.name == task_set)).first() is not None
+            )
+    finally:
+        db.dispose()
+
+
+def _failure_text(result: Any, what: str, task_set: str = "") -> str:
+    """One line that says why the run failed and what to do: the failed step's own error (a
+    dg.Failure's description, or the exception the asset raised), not Dagster's wrapper."""
     for event in result.all_events:
-        if event.is_failure and event.event_specific_data is not None:
-            error = getattr(event.event_specific_data, "error", None)
-            if error is not None:
-                return f"{what} failed in {event.step_key}: {error.message.strip()}"
+        if not event.is_step_failure or event.event_specific_data is None:
+            continue
+        error = getattr(event.event_specific_data, "error", None)
+        if error is None:
+            continue
+        cause = _user_error(error)
+        if cause.cls_name == "DagsterAssetCheckFailedError":
+            text = "; ".join(_failed_checks(result)) or _strip_class(cause)
+        elif cause.cls_name in ("IntegrityError", "UniqueViolation"):
+            text = (
+                f"another run of task set {task_set!r} wrote the same rows at the same moment "
+                f"({_strip_class(cause).splitlines()[0]}); when it has finished, "
+                f"`fabric run {task_set}` again picks up whatever is left"
+            )
+        else:
+            text = _strip_class(cause)
+        return f"{what} failed in {event.step_key}: {text}"
     return f"{what} failed; see the run {result.run_id} in the Dagster UI"
+
+
+def _user_error(error: Any) -> Any:
+    """The first error of Dagster's chain that is not Dagster's own wrapper around it."""
+    while (
+        error.cause is not None
+        and error.cls_name.startswith("Dagster")
+        and (error.cls_name != "DagsterAssetCheckFailedError")
+    ):
+        error = error.cause
+    return error
+
+
+def _strip_class(error: Any) -> str:
+    """An error's message without the `module.Class: ` its text starts with."""
+    message = str(error.message).strip()
+    head, sep, rest = message.partition(": ")
+    if sep and head.rsplit(".", 1)[-1] == error.cls_name:
+        return rest.strip()
+    return message
+
+
+def _failed_checks(result: Any) -> list[str]:
+    """Failed asset checks, each with the problems it recorded."""
+    out = []
+    for e in result.get_asset_check_evaluations():
+        if e.passed:
+            continue
+        problems = e.metadata.get("problems")
+        detail = f": {problems.value}" if problems is not None else ""
+        out.append(f"check {e.asset_key.to_user_string()}:{e.check_name} failed{detail}")
+    return out
 
 
 def _materializations(result: Any) -> dict[str, dict[str, Any]]:
@@ -168,12 +268,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
             "real tokens/s",
             f"{extraction.get('real_tokens_per_s', 0):,.0f} (delivered: written and acked)",
         ),
-        (
-            "index",
-            f"{index.get('index_path', '')}  ({index.get('factory', '')}, {index.get('vectors', 0):,} vectors)",
-        ),
-        ("recall@10", f"{index.get('recall_at_10', 0):.4f}"),
-        ("receipt sha256", f"{index.get('receipt_sha256', '')}"),
+        *_index_rows(index),
         (
             "checks",
             ", ".join(f"{name} {'passed' if ok else 'FAILED'}" for name, ok in summary["checks"]),
@@ -185,16 +280,37 @@ def _print_summary(summary: dict[str, Any]) -> None:
         print(f"  {key:<{width}}  {value}")
 
 
+def _index_rows(index: dict[str, Any]) -> list[tuple[str, str]]:
+    if not index.get("vectors"):
+        return [("index", f"none: {index.get('note', 'no vectors to index')}")]
+    return [
+        (
+            "index",
+            f"{index.get('index_path', '')}  ({index.get('factory', '')}, "
+            f"{index.get('vectors', 0):,} vectors)",
+        ),
+        ("recall@10", f"{index.get('recall_at_10', 0):.4f}"),
+        ("receipt sha256", f"{index.get('receipt_sha256', '')}"),
+    ]
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
-    from fabric_pipelines.lib.names import InvalidNameError
-    from fabric_pipelines.lib.settings import FabricPaths
+    from fabric_pipelines.lib.names import InvalidNameError, validate_task_set_name
+    from fabric_pipelines.lib.tasks.catalog import is_ingested
     from fabric_pipelines.lib.tasks.inbox import submit
     from fabric_pipelines.lib.tasks.ingest import SubmissionError
 
-    root = _prepare_environment()
-    paths = FabricPaths(root).ensure()
     try:
-        staged = submit(Path(args.file), paths.inbox, args.task_set)
+        validate_task_set_name(args.task_set)
+    except InvalidNameError as exc:
+        print(f"fabric submit: {exc}", file=sys.stderr)
+        return 2
+    paths, db = _open_database()
+    try:
+        # A set never ingested (its file could not be read) takes a corrected file in its place.
+        staged = submit(
+            Path(args.file), paths.inbox, args.task_set, ingested=lambda n: is_ingested(db, n)
+        )
     except (SubmissionError, InvalidNameError) as exc:
         print(f"fabric submit: {exc}", file=sys.stderr)
         return 2
@@ -213,7 +329,14 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    _prepare_environment()
+    from fabric_pipelines.lib.names import InvalidNameError, validate_task_set_name
+
+    try:
+        validate_task_set_name(args.task_set)
+    except InvalidNameError as exc:
+        print(f"fabric run: {exc}", file=sys.stderr)
+        return 2
+    _open_database()[1].dispose()  # the schema first, before two runs' steps race to make it
     summary = run_pipeline(args.task_set, args)
     _print_summary(summary)
     return 0 if all(passed for _, passed in summary["checks"]) else 1
@@ -256,22 +379,79 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.failures:
         with Session(db) as session:
             query = select(TaskFailure).where(TaskFailure.task_set.in_(names))
-            failures = pd.DataFrame(
-                [
-                    {
-                        "task_set": f.task_set,
-                        "record": f.record_no,
-                        "id": f.task_id,
-                        "stage": f.stage,
-                        "reason": f.reason,
-                    }
-                    for f in session.scalars(
-                        query.order_by(TaskFailure.task_set, TaskFailure.record_no)
-                    )
-                ]
+            failures = list(
+                session.scalars(query.order_by(TaskFailure.task_set, TaskFailure.record_no))
             )
         print()
-        print(failures.to_string(index=False, max_colwidth=100) if len(failures) else "no failures")
+        if not failures:
+            print("no failures")
+        # One failure a line, the reason in full: it names the record and what to do.
+        for f in failures:
+            print(
+                f"{f.task_set}  record {f.record_no}  id {f.task_id or '-'}  {f.stage}: {f.reason}"
+            )
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Hash every stored file again and check the ledger; each problem with its repair."""
+    import json
+
+    from fabric_pipelines.lib.verify import verify
+
+    paths, db = _open_database()
+    try:
+        report = verify(db, paths, args.task_set)
+    except LookupError as exc:
+        print(f"fabric verify: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2, sort_keys=True))
+        return 0 if report.clean else 1
+    for f in report.findings:
+        print(f"{f.kind}: {f.subject}: {f.problem}")
+        print(f"  repair: {f.repair}")
+    for note in report.notes:
+        print(f"note: {note}")
+    checked = ", ".join(f"{n:,} {what.replace('_', ' ')}" for what, n in report.checked.items())
+    print(f"checked {checked or 'nothing (no task sets, no indexes)'}")
+    if report.clean:
+        print("clean: every file matches its recorded sha256 and the accounting balances")
+        return 0
+    print(f"{len(report.findings)} finding(s); to repair them, run in order:")
+    for command in report.repairs():
+        print(f"  {command}")
+    return 1
+
+
+def cmd_requeue(args: argparse.Namespace) -> int:
+    """Delete a batch's results and queue it again; `fabric run` then extracts it once more."""
+    from fabric_pipelines.lib.repair import RepairError, requeue_batches
+
+    paths, db = _open_database()
+    try:
+        done = requeue_batches(db, paths, args.task_set, args.batch, args.plan)
+    except (RepairError, LookupError) as exc:
+        print(f"fabric requeue: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"requeued batch(es) {', '.join(map(str, done.batches))} of plan {done.plan_id}: "
+        f"deleted {done.rows_deleted} embedding rows, {done.shards_deleted} shard rows, "
+        f"{done.failures_deleted} failures; extract them again: fabric run {done.task_set}"
+    )
+    return 0
+
+
+def cmd_restore_plan(args: argparse.Namespace) -> int:
+    from fabric_pipelines.lib.repair import RepairError, restore_plan_file
+
+    paths, db = _open_database()
+    try:
+        path = restore_plan_file(db, paths, args.task_set, args.plan)
+    except (RepairError, LookupError, OSError) as exc:
+        print(f"fabric restore-plan: {exc}", file=sys.stderr)
+        return 2
+    print(f"plan file written again: {path}")
     return 0
 
 
@@ -302,8 +482,12 @@ def cmd_db(args: argparse.Namespace) -> int:
 
 def cmd_index(args: argparse.Namespace) -> int:
     """Check an index's files against its receipt, or rebuild it from the receipt."""
-    from fabric_pipelines.lib.index.publish import load_receipt
-    from fabric_pipelines.lib.index.rebuild import ReceiptError, check_files, rebuild_from_receipt
+    from fabric_pipelines.lib.index.rebuild import (
+        ReceiptError,
+        check_files,
+        load_verified_receipt,
+        rebuild_from_receipt,
+    )
     from fabric_pipelines.lib.index.staleness import indexed_models, staleness
 
     paths, db = _open_database()
@@ -331,8 +515,12 @@ def cmd_index(args: argparse.Namespace) -> int:
         print(f"fabric index {args.action}: --receipt FILE is required", file=sys.stderr)
         return 2
     try:
-        receipt = load_receipt(Path(args.receipt))
-    except (OSError, ValueError) as exc:
+        receipt = load_verified_receipt(Path(args.receipt))
+    except ReceiptError as exc:
+        # A receipt that is not what its name says cannot vouch for any file.
+        print(f"fabric index {args.action}: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
         print(f"fabric index: cannot read receipt {args.receipt}: {exc}", file=sys.stderr)
         return 2
     if args.action == "verify":
@@ -359,7 +547,17 @@ def cmd_receipt(args: argparse.Namespace) -> int:
     """Trace an index back to its task sets, batches, model and code versions."""
     from fabric_pipelines.lib.index.lineage import find_receipt, render, trace
 
-    _, db = _open_database()
+    paths, db = _open_database()
+    if args.action == "restore":
+        from fabric_pipelines.lib.repair import RepairError, restore_receipt_file
+
+        try:
+            path = restore_receipt_file(db, paths, args.index)
+        except RepairError as exc:
+            print(f"fabric receipt restore: {exc}", file=sys.stderr)
+            return 2
+        print(f"receipt file written again from the database: {path}")
+        return 0
     with db.connect() as conn:
         try:
             sha, receipt = find_receipt(conn, args.index)
@@ -401,6 +599,21 @@ def build_parser() -> argparse.ArgumentParser:
         )
         g.add_argument(
             "--workers", type=int, help="worker processes (default 1; 0: in this process)"
+        )
+        g.add_argument(
+            "--truncate",
+            action="store_true",
+            help="cut items over max_seq_len to it instead of failing them",
+        )
+        g.add_argument(
+            "--lease-seconds",
+            type=float,
+            help="a worker's lease on a batch; an expired one is taken over (default 600)",
+        )
+        g.add_argument(
+            "--heartbeat-seconds",
+            type=float,
+            help="how often a worker renews its leases while it extracts",
         )
 
     demo = sub.add_parser(
@@ -446,9 +659,11 @@ def build_parser() -> argparse.ArgumentParser:
     index.set_defaults(func=cmd_index)
 
     receipt = sub.add_parser("receipt", help="an index's lineage, from its receipt")
-    receipt.add_argument("action", choices=["show"])
+    receipt.add_argument("action", choices=["show", "restore"])
     receipt.add_argument(
-        "index", help="receipt file, receipt or index sha256 (a prefix will do), or model key"
+        "index",
+        help="show: receipt file, receipt or index sha256 (a prefix will do), or model key; "
+        "restore: the receipt sha256 whose file to write again from the database",
     )
     receipt.add_argument("--json", action="store_true", help="machine-readable output")
     receipt.set_defaults(func=cmd_receipt)
@@ -459,6 +674,32 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("task_set", nargs="?")
     status.add_argument("--failures", action="store_true", help="list every failed record and why")
     status.set_defaults(func=cmd_status)
+
+    verify = sub.add_parser(
+        "verify",
+        help="hash every stored file again, check the accounting; name each repair",
+    )
+    verify.add_argument("task_set", nargs="?", help="one task set (default: all, and receipts)")
+    verify.add_argument("--json", action="store_true", help="machine-readable output")
+    verify.set_defaults(func=cmd_verify)
+
+    requeue = sub.add_parser(
+        "requeue",
+        help="delete batches' results and queue them again (then: fabric run TASK_SET)",
+    )
+    requeue.add_argument("task_set")
+    requeue.add_argument(
+        "--batch", type=int, action="append", required=True, help="batch number (repeatable)"
+    )
+    requeue.add_argument("--plan", help="plan id or prefix (default: the set's current plan)")
+    requeue.set_defaults(func=cmd_requeue)
+
+    restore_plan = sub.add_parser(
+        "restore-plan", help="write a lost or corrupt plan file again by planning again"
+    )
+    restore_plan.add_argument("task_set")
+    restore_plan.add_argument("plan", help="plan id (or a prefix)")
+    restore_plan.set_defaults(func=cmd_restore_plan)
     return parser
 
 
@@ -468,7 +709,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _worker(argv[1:])
     args = build_parser().parse_args(argv)
     _quiet_dagster()
-    result: int = args.func(args)
+    from fabric_pipelines.lib.names import InvalidNameError
+
+    try:
+        result: int = args.func(args)
+    except InvalidNameError as exc:
+        print(f"fabric {args.command}: {exc}", file=sys.stderr)
+        return 2
     return result
 
 

@@ -1,5 +1,6 @@
-"""Automation that must work on a fresh DAGSTER_HOME without clicks: every sensor and the
-schedule start RUNNING; the schedule asks for an index build; a failed run is written down."""
+"""Automation that must work on a fresh DAGSTER_HOME without clicks: every sensor and schedule
+starts RUNNING; the nightly schedule asks for an index build, the weekly one for verify_job; a
+failed run (a verify finding included) is written down."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import dagster as dg
 import pytest
 
 from fabric_pipelines.definitions import defs
-from fabric_pipelines.defs.resources import ArtifactStore
-from fabric_pipelines.defs.schedules import index_refresh
+from fabric_pipelines.defs.resources import ArtifactStore, Database
+from fabric_pipelines.defs.schedules import index_refresh, weekly_verify
 from fabric_pipelines.defs.sensors import inbox_sensor, run_failure_alerts
+from fabric_pipelines.defs.verify import verify_job
 from fabric_pipelines.lib.alerts import read_run_failures
 from fabric_pipelines.lib.gpu_pool import GPU_POOL, gpu_slots, sync_gpu_pool, visible_gpus
 from fabric_pipelines.lib.settings import FabricPaths
@@ -27,7 +29,10 @@ def test_every_sensor_and_schedule_starts_running() -> None:
         "run_failure_alerts": dg.DefaultSensorStatus.RUNNING,
     }
     schedules = {s.name: s.default_status for s in definitions.schedules or []}
-    assert schedules == {"nightly_index_refresh": dg.DefaultScheduleStatus.RUNNING}
+    assert schedules == {
+        "nightly_index_refresh": dg.DefaultScheduleStatus.RUNNING,
+        "weekly_verify": dg.DefaultScheduleStatus.RUNNING,
+    }
 
 
 def test_the_nightly_schedule_requests_an_index_build() -> None:
@@ -38,6 +43,49 @@ def test_the_nightly_schedule_requests_an_index_build() -> None:
     assert result.run_requests is not None and len(result.run_requests) == 1
     assert index_refresh.job_name == "build_vector_index"
     assert index_refresh.cron_schedule == "0 3 * * *"
+
+
+def test_the_weekly_schedule_runs_verify_job() -> None:
+    context = dg.build_schedule_context(
+        scheduled_execution_time=datetime(2026, 11, 29, 4, 0, tzinfo=UTC)
+    )
+    result = weekly_verify.evaluate_tick(context)
+    assert result.run_requests is not None and len(result.run_requests) == 1
+    assert weekly_verify.job_name == "verify_job"
+    assert weekly_verify.cron_schedule == "0 4 * * 0"
+
+
+def test_verify_job_fails_on_a_finding_and_the_failure_is_alerted(paths: FabricPaths) -> None:
+    """A damaged file makes verify_job fail with the finding and its repair; the run-failure
+    sensor writes that to the alerts file. A clean data root passes."""
+    store = ArtifactStore(root=str(paths.root))
+    resources = {
+        "store": store,
+        "database": Database(store=store, url=f"sqlite:///{paths.sqlite_path}"),
+    }
+    instance = dg.DagsterInstance.ephemeral()
+    assert verify_job.execute_in_process(instance=instance, resources=resources).success
+    damaged = paths.receipts / f"{'ab' * 32}.json"
+    damaged.write_text('{"schema": "edited"}')
+    result = verify_job.execute_in_process(
+        instance=instance, resources=resources, raise_on_error=False
+    )
+    assert not result.success
+    failure = next(e for e in result.all_events if e.event_type == dg.DagsterEventType.RUN_FAILURE)
+    run = instance.get_run_by_id(result.run_id)
+    assert run is not None
+    context = dg.build_run_status_sensor_context(
+        sensor_name="run_failure_alerts",
+        dagster_event=failure,
+        dagster_instance=instance,
+        dagster_run=run,
+        resources={"store": store},
+    ).for_run_failure()
+    run_failure_alerts(context)
+    [alert] = read_run_failures(paths.root)
+    assert alert.job == "verify_job"
+    assert f"fabric verify: 1 finding(s): receipt {damaged}" in alert.reason
+    assert f"repair: rm {damaged}" in alert.reason
 
 
 @dg.op

@@ -8,9 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import dagster as dg
 import pytest
+from sqlalchemy.exc import IntegrityError
 
+from fabric_pipelines.cli import _failure_text
 from fabric_pipelines.lib.demo_corpus import BAD_RECORDS, write_demo_set
+from fabric_pipelines.lib.files import CorruptFileError
 
 FABRIC = str(Path(sys.executable).parent / "fabric")
 
@@ -32,6 +36,82 @@ def test_status_of_an_empty_home_and_bad_submissions(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "is not allowed" in bad.stderr
     missing = _fabric(home, "status", "nothing")
     assert missing.returncode == 2 and "no task set named 'nothing'" in missing.stderr
+    clean = _fabric(home, "verify")
+    assert clean.returncode == 0 and "clean:" in clean.stdout
+
+
+def _partitions(home: Path) -> list[str]:
+    import dagster as dg
+    from dagster._core.instance.ref import InstanceRef
+
+    with dg.DagsterInstance.from_ref(InstanceRef.from_dir(str(home))) as instance:
+        return list(instance.get_dynamic_partitions("task_set"))
+
+
+def test_run_refuses_a_bad_name_and_leaves_no_partition_for_an_unreadable_set(
+    tmp_path: Path,
+) -> None:
+    home = tmp_path / "home"
+    bad = _fabric(home, "run", "../escape")
+    assert bad.returncode == 2
+    [line] = bad.stderr.strip().splitlines()  # one line, no traceback
+    assert line.startswith("fabric run: task-set name '../escape' is not allowed")
+    missing = _fabric(home, "run", "nosuch")
+    assert missing.returncode == 1
+    last = missing.stderr.strip().splitlines()[-1]
+    assert last.startswith("extraction failed in tokenised_tasks: task set 'nosuch' has no file")
+    assert "fabric submit FILE --task-set nosuch" in last
+    assert "Dagster" not in last and "Traceback" not in missing.stderr
+    assert _partitions(home) == []  # the partition the run registered is gone again
+
+
+def test_status_failures_prints_each_reason_in_full(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from sqlalchemy import insert
+
+    from fabric_pipelines.cli import main
+    from fabric_pipelines.lib.settings import FabricPaths, database_url
+    from fabric_pipelines.lib.store.db import create_schema, make_engine
+    from fabric_pipelines.lib.store.models import TaskFailure, TaskSet
+
+    paths = FabricPaths(tmp_path / "home").ensure()
+    monkeypatch.setenv("FABRIC_HOME", str(paths.root))
+    monkeypatch.delenv("FABRIC_DATABASE_URL", raising=False)
+    db = make_engine(database_url(paths))
+    create_schema(db)
+    reason = "record 3: " + "a reason long enough to need every one of its words " * 4 + "END"
+    with db.begin() as conn:
+        conn.execute(
+            insert(TaskSet),
+            {"name": "s", "source_sha256": "0" * 64, "content_sha256": "0" * 64, "path": "x",
+             "model_id": "m", "tokenizer_sha256": "0" * 64, "max_seq_len": 8, "n_records": 1,
+             "n_tasks": 0},
+        )  # fmt: skip
+        conn.execute(
+            insert(TaskFailure),
+            {"task_set": "s", "record_no": 3, "task_id": "r3", "stage": "ingest", "reason": reason},
+        )
+    db.dispose()
+    assert main(["status", "s", "--failures"]) == 0
+    out = capsys.readouterr().out
+    assert len(reason) > 200 and f"s  record 3  id r3  ingest: {reason}" in out
+
+
+def test_engine_options_reach_the_engine_resource() -> None:
+    from fabric_pipelines.cli import _run_config, build_parser
+    from fabric_pipelines.defs.resources import EngineConfig
+
+    args = build_parser().parse_args(
+        ["run", "s", "--truncate", "--lease-seconds", "30", "--heartbeat-seconds", "5",
+         "--hook-layers=2,-1"]
+    )  # fmt: skip
+    config = _run_config(args)["resources"]["engine"]["config"]
+    assert config == {"truncate": True, "lease_seconds": 30.0, "heartbeat_seconds": 5.0,
+                      "hook_layers": [2, -1]}  # fmt: skip
+    engine = EngineConfig(**config)  # every option is a field of the resource
+    assert (engine.truncate, engine.lease_seconds, engine.heartbeat_seconds) == (True, 30.0, 5.0)
+    assert _run_config(build_parser().parse_args(["run", "s"])) == {}
 
 
 @pytest.mark.slow
@@ -65,3 +145,77 @@ def test_demo_set_is_real_varied_text_with_bad_records(tmp_path: Path) -> None:
     lengths = sorted(len(t.split()) for t in texts)
     assert lengths[len(lengths) // 10] < 15 and lengths[-len(lengths) // 10] > 60  # varied
     assert len(set(texts)) > 2000
+
+
+@dg.asset
+def reads_a_stored_file() -> None:
+    try:
+        raise KeyError("inner detail")
+    except KeyError as exc:
+        raise CorruptFileError(
+            "stored file /d/s.arrow is corrupt: sha256 aa but bb was recorded when it was "
+            "written; re-materialise the asset that wrote it"
+        ) from exc
+
+
+@dg.asset
+def refuses() -> None:
+    raise dg.Failure(description="task set 's' is not ingested; submit it first")
+
+
+@dg.asset
+def races() -> None:
+    raise IntegrityError("INSERT INTO task_sets ...", {}, Exception("duplicate key value"))
+
+
+@dg.asset(check_specs=[dg.AssetCheckSpec("accounting", asset="checked", blocking=True)])
+def checked() -> dg.MaterializeResult:
+    return dg.MaterializeResult(
+        check_results=[
+            dg.AssetCheckResult(
+                check_name="accounting",
+                passed=False,
+                metadata={"problems": "shard_file /d/x.arrow: missing (repair: fabric ...)"},
+            )
+        ]
+    )
+
+
+def test_a_failed_run_reports_the_steps_own_error_and_remedy() -> None:
+    def text(asset: dg.AssetsDefinition) -> str:
+        result = dg.materialize([asset], raise_on_error=False)
+        return _failure_text(result, "extraction", "s")
+
+    assert text(reads_a_stored_file) == (
+        "extraction failed in reads_a_stored_file: stored file /d/s.arrow is corrupt: sha256 aa "
+        "but bb was recorded when it was written; re-materialise the asset that wrote it"
+    )
+    assert text(refuses) == (
+        "extraction failed in refuses: task set 's' is not ingested; submit it first"
+    )
+    raced = text(races)
+    assert raced.startswith("extraction failed in races: another run of task set 's' wrote")
+    assert "`fabric run s` again" in raced
+    assert text(checked) == (
+        "extraction failed in checked: check checked:accounting failed: shard_file "
+        "/d/x.arrow: missing (repair: fabric ...)"
+    )
+
+
+@pytest.mark.slow
+def test_a_set_whose_every_record_fails_runs_to_the_end_with_no_index(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    source = tmp_path / "bad.jsonl"
+    source.write_text('{"id": "a", "text": ""}\n{"id": "b", "text": "   "}\n')
+    run = _fabric(
+        home, "submit", str(source), "--task-set", "allbad", "--run", "--workers", "0",
+        "--max-seq-len", "128", "--max-batch-tokens", "2048",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    index = next(ln for ln in run.stdout.splitlines() if ln.split()[:1] == ["index"])
+    assert index.split(None, 1)[1].startswith("none: no index built: model ")
+    assert "every task failed" in run.stdout and "accounting passed" in run.stdout
+    assert "recall_at_10 passed" in run.stdout
+    status = _fabric(home, "status", "allbad")
+    line = next(ln for ln in status.stdout.splitlines() if ln.strip().startswith("allbad"))
+    assert line.split()[1:7] == ["2", "0", "2", "0", "0", "True"]

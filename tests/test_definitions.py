@@ -38,6 +38,9 @@ def test_definitions_have_the_four_asset_families() -> None:
         definitions.resolve_sensor_def("inbox_sensor").default_status
         == dg.DefaultSensorStatus.RUNNING
     )
+    verify_job = definitions.resolve_job_def("verify_job")
+    assert [node.name for node in verify_job.nodes] == ["verify_everything"]
+    assert verify_job.description and "fabric verify" in verify_job.description
 
 
 def test_dagster_cli_validates_the_workspace(tmp_path: Path) -> None:

@@ -64,7 +64,7 @@ def _publish(db: Engine, paths: FabricPaths, **kwargs: Any) -> PublishedIndex:
         spec=kwargs.pop("spec", SPEC),
         index_folder=paths.indexes,
         receipt_folder=paths.receipts,
-        inputs=[],
+        inputs=kwargs.pop("inputs", []),
         **kwargs,
     )
 
@@ -307,3 +307,36 @@ def test_flat_and_ivf_pq_shard_merge_and_rebuild_bitwise(
     assert deserialize(published.index_path.read_bytes()).ntotal == 3000
     assert published.recall_at_k > (0.99 if factory == "Flat" else 0.3)
     assert rebuild_from_receipt(db, published.receipt, paths.indexes).matches
+
+
+def test_a_whole_sha256_names_its_receipt_even_when_it_prefixes_others(
+    db: Engine, db_url: str, paths: FabricPaths, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """A re-run of a finished set records the same index bytes under a second receipt (its
+    inputs name the new run): the full index sha256 then picks the newest receipt, a full
+    receipt sha256 its own; only a short prefix can be ambiguous."""
+    from fabric_pipelines.cli import main
+    from fabric_pipelines.lib.index.lineage import find_receipt
+
+    _seed_rows(db)
+    first = _publish(db, paths)
+    second = _publish(db, paths, inputs=[{"partition": "s", "run_id": "r2", "data_version": "v"}])
+    index_sha = first.receipt["index_sha256"]
+    assert second.receipt["index_sha256"] == index_sha != second.receipt_sha256
+    with db.connect() as conn:
+        assert find_receipt(conn, index_sha)[0] == second.receipt_sha256  # the newest
+        assert find_receipt(conn, first.receipt_sha256)[0] == first.receipt_sha256
+        with pytest.raises(LookupError, match="matches 2 receipts"):
+            find_receipt(conn, index_sha[:8])
+    monkeypatch.setenv("FABRIC_DATABASE_URL", db_url)
+    monkeypatch.setenv("FABRIC_HOME", str(paths.root))
+    assert main(["receipt", "show", index_sha]) == 0
+    assert f"receipt   {second.receipt_sha256}" in capsys.readouterr().out
+
+    # A lost receipt file is written again from its database row, byte for byte.
+    original = first.receipt_path.read_bytes()
+    first.receipt_path.unlink()
+    assert main(["receipt", "restore", first.receipt_sha256]) == 0
+    assert first.receipt_path.read_bytes() == original
+    assert main(["receipt", "restore", "0" * 64]) == 2
+    assert "no index receipt" in capsys.readouterr().err

@@ -66,19 +66,31 @@ def find_receipt(conn: Connection, ref: str) -> tuple[str, dict[str, Any]]:
         receipt: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
         return path.stem, receipt
     rows = conn.execute(
-        select(IndexReceipt.receipt_sha256, IndexReceipt.model_key, IndexReceipt.receipt_json)
+        select(
+            IndexReceipt.receipt_sha256,
+            IndexReceipt.index_sha256,
+            IndexReceipt.model_key,
+            IndexReceipt.receipt_json,
+        )
         .where(
             IndexReceipt.receipt_sha256.startswith(ref)
             | IndexReceipt.index_sha256.startswith(ref)
             | (IndexReceipt.model_key == ref)
         )
-        .order_by(IndexReceipt.created_at.desc())
+        .order_by(IndexReceipt.created_at.desc(), IndexReceipt.receipt_sha256)
     ).all()
     if not rows:
         raise LookupError(
             f"no index matches {ref!r}: give a receipt file, a receipt or index sha256 (prefix) "
             "or a model key; `fabric index status` lists the indexed models"
         )
+    # A whole sha256 names one receipt (or the newest receipt of one index: a rebuild of
+    # unchanged rows records the same index bytes again), whatever else it is a prefix of.
+    exact = [r for r in rows if r.receipt_sha256 == ref] or [
+        r for r in rows if r.index_sha256 == ref
+    ]
+    if exact:
+        return exact[0].receipt_sha256, json.loads(exact[0].receipt_json)
     shas = {r.receipt_sha256 for r in rows}
     by_model = all(r.model_key == ref for r in rows)
     if len(shas) > 1 and not by_model:

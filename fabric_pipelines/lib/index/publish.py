@@ -13,7 +13,6 @@ an index below its recall floor never gets the row.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +23,8 @@ import numpy as np
 from sqlalchemy import Engine
 
 from fabric_pipelines.lib.charts import bar_table
+from fabric_pipelines.lib.files import CorruptFileError, verify_sha256, write_bytes
+from fabric_pipelines.lib.files import write_content_addressed as write_named_by_hash
 from fabric_pipelines.lib.index import metrics, shards
 from fabric_pipelines.lib.index.build import (
     IndexSpec,
@@ -51,8 +52,6 @@ from fabric_pipelines.lib.index.vectors import VectorSet, check_vectors, load_ve
 from fabric_pipelines.lib.store.db import insert_ignoring_duplicates
 from fabric_pipelines.lib.store.keys import model_id
 from fabric_pipelines.lib.store.models import IndexReceipt
-from fabric_pipelines.lib.files import CorruptFileError, verify_sha256, write_bytes
-from fabric_pipelines.lib.files import write_content_addressed as write_named_by_hash
 
 HEALTH_SAMPLE = 20_000  # rows the cluster-health metrics look at
 
@@ -351,8 +350,3 @@ def cluster_health_table(quality: dict[str, Any]) -> str:
     return "| measure | value |\n|---|---:|\n" + "\n".join(
         f"| {k} | {v} |" for k, v in rows.items()
     )
-
-
-def load_receipt(path: Path) -> dict[str, Any]:
-    data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
-    return data

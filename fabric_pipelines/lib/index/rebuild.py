@@ -11,6 +11,8 @@ tolerance the receipt states. Missing or corrupt files are written back when the
 from __future__ import annotations
 
 import hashlib
+import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ from typing import Any
 import faiss
 from sqlalchemy import Engine
 
+from fabric_pipelines.lib.files import CorruptFileError, sha256_file
 from fabric_pipelines.lib.index.build import (
     IndexSpec,
     build_device,
@@ -33,9 +36,8 @@ from fabric_pipelines.lib.index.publish import (
     split_shards,
     write_content_addressed,
 )
-from fabric_pipelines.lib.index.receipt import RECEIPT_SCHEMA, array_sha256
+from fabric_pipelines.lib.index.receipt import RECEIPT_SCHEMA, array_sha256, receipt_sha256
 from fabric_pipelines.lib.index.vectors import VectorSet, load_vectors
-from fabric_pipelines.lib.files import CorruptFileError, sha256_file
 
 
 class ReceiptError(ValueError):
@@ -73,6 +75,37 @@ def check_files(receipt: dict[str, Any], index_folder: Path) -> list[FileProblem
         elif sha256_file(path) != sha:
             problems.append(FileProblem(name, "corrupt"))
     return problems
+
+
+def check_receipt_file(path: Path) -> str | None:
+    """None when the receipt file `<sha256>.json` holds the receipt its name says (its bytes
+    hash to the name, or, re-formatted, its canonical JSON does); else what is wrong."""
+    if not path.is_file():
+        return "missing"
+    if not re.fullmatch(r"[0-9a-f]{64}", path.stem):
+        return "not named <sha256>.json, so nothing can check it"
+    actual = sha256_file(path)
+    if actual == path.stem:
+        return None
+    try:
+        receipt = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:  # UnicodeDecodeError is a ValueError too
+        return f"sha256 {actual} but named {path.stem}, and not readable JSON: {exc}"
+    if isinstance(receipt, dict) and receipt_sha256(receipt) == path.stem:
+        return None
+    return f"sha256 {actual} but named {path.stem}: edited or corrupt since it was written"
+
+
+def load_verified_receipt(path: Path) -> dict[str, Any]:
+    """A receipt file, refused (ReceiptError) unless it holds the receipt its name says."""
+    problem = check_receipt_file(path)
+    if problem is not None:
+        raise ReceiptError(
+            f"receipt {path}: {problem}; `fabric receipt restore {path.stem}` writes it again "
+            "from the database"
+        )
+    receipt: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    return receipt
 
 
 def spec_from_receipt(receipt: dict[str, Any], device: str = "auto") -> IndexSpec:
