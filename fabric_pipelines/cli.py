@@ -413,7 +413,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"  repair: {f.repair}")
     for note in report.notes:
         print(f"note: {note}")
-    checked = ", ".join(f"{n:,} {what.replace('_', ' ')}" for what, n in report.checked.items())
+    checked = ", ".join(f"{what.replace('_', ' ')}: {n:,}" for what, n in report.checked.items())
     print(f"checked {checked or 'nothing (no task sets, no indexes)'}")
     if report.clean:
         print("clean: every file matches its recorded sha256 and the accounting balances")

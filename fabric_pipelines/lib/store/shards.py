@@ -9,20 +9,15 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
-from fabric_pipelines.lib.files import verify_sha256, write_content_addressed
+from fabric_pipelines.lib.files import StoredFile, verify_sha256, write_content_addressed
 
-
-@dataclass(frozen=True)
-class ShardFile:
-    sha256: str
-    path: Path
-    bytes: int
+# A stored shard: its path, sha256 and size, as the file helper reports them.
+ShardFile = StoredFile
 
 
 def _column(name: str) -> str:
@@ -55,7 +50,7 @@ def write_shard(
 
     # Named by its own hash; the writer threads of one worker call this at once (lib/files.py).
     stored = write_content_addressed(folder, ".arrow", write, fan_out=True)
-    return ShardFile(stored.sha256, stored.path, stored.bytes)
+    return stored
 
 
 def read_shard(path: Path, expected_sha256: str) -> dict[str, list[np.ndarray] | list[str]]:
