@@ -1,13 +1,19 @@
-"""Alembic migrations on both databases: upgrade from empty, downgrade one step, and the
-migrated schema matches the models exactly."""
+"""Alembic migrations on both databases: upgrade from empty, downgrade one step, the migrated
+schema matches the models exactly, 0004's rekeying of shard rows keeps and drops the right rows,
+and processes upgrading a fresh database at once all succeed."""
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
+import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import create_engine, inspect
+from sqlalchemy import Engine, create_engine, inspect, text
+from sqlalchemy.exc import IntegrityError
 
-from fabric_pipelines.lib.store.db import make_engine
+from fabric_pipelines.lib.store.db import create_schema, make_engine
 from fabric_pipelines.lib.store.models import Base
 from fabric_pipelines.lib.store.schema import current_revision, downgrade, stores_pgvector, upgrade
 
@@ -17,17 +23,20 @@ TABLES = {
 }  # fmt: skip
 
 
+HEAD = "0004"
+
+
 def test_upgrade_from_empty_then_downgrade_one_step(db_url: str) -> None:
     engine = make_engine(db_url)
     assert current_revision(engine) is None
     upgrade(engine)
-    assert current_revision(engine) == "0003"
+    assert current_revision(engine) == HEAD
     assert set(inspect(engine).get_table_names()) >= TABLES
     downgrade(engine, "-1")
-    assert current_revision(engine) == "0002"
+    assert current_revision(engine) == "0003"
     assert set(inspect(engine).get_table_names()) >= TABLES
     upgrade(engine)
-    assert current_revision(engine) == "0003"
+    assert current_revision(engine) == HEAD
     downgrade(engine, "base")
     assert not TABLES & set(inspect(create_engine(db_url)).get_table_names())
     engine.dispose()
@@ -57,3 +66,90 @@ def test_embeddings_are_float32_bytes_without_pgvector(db_url: str) -> None:
         )
     assert stores_pgvector(engine) == available
     engine.dispose()
+
+
+def _shard(sha: str, plan: str, batch_no: int) -> dict[str, Any]:
+    return {
+        "sha256": sha, "task_set": f"set-{plan}", "model_key": "m", "plan_id": plan,
+        "batch_no": batch_no, "layers": "[-1]", "n_items": 1, "n_tokens": 3,
+        "path": f"/shards/{sha}.arrow", "bytes": 10,
+    }  # fmt: skip
+
+
+def _insert_shards(engine: Engine, rows: list[dict[str, Any]]) -> None:
+    columns = list(rows[0])
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                f"INSERT INTO hidden_state_shards ({', '.join(columns)}) "
+                f"VALUES ({', '.join(':' + c for c in columns)})"
+            ),
+            rows,
+        )
+
+
+def _shard_keys(engine: Engine) -> list[tuple[str, str, int]]:
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text("SELECT sha256, plan_id, batch_no FROM hidden_state_shards ORDER BY 1, 2, 3")
+        ).all()
+    return [tuple(r) for r in rows]  # type: ignore[misc]
+
+
+def test_0004_keys_shard_rows_by_batch_and_back(db_url: str) -> None:
+    engine = make_engine(db_url)
+    upgrade(engine, "0003")
+    # Under the old key: two rows of batch (p, 0) (a replay that wrote a second file), one more.
+    _insert_shards(engine, [_shard("aa", "p", 0), _shard("bb", "p", 0), _shard("cc", "p", 1)])
+    upgrade(engine, "0004")
+    assert _shard_keys(engine) == [("aa", "p", 0), ("cc", "p", 1)]  # the smaller sha256 stays
+    # A second set's batches naming the same files each get a row; a second row of a batch
+    # does not.
+    _insert_shards(engine, [_shard("aa", "q", 0), _shard("cc", "q", 1)])
+    with pytest.raises(IntegrityError):
+        _insert_shards(engine, [_shard("dd", "q", 0)])
+    assert len(_shard_keys(engine)) == 4
+    assert {i["name"]: i["column_names"] for i in inspect(engine).get_indexes(
+        "hidden_state_shards"
+    )}["ix_hidden_state_shards_sha256"] == ["sha256"]  # fmt: skip
+
+    downgrade(engine, "0003")  # sha256 is the key again: rows sharing a file go, one stays each
+    assert _shard_keys(engine) == [("aa", "p", 0), ("cc", "p", 1)]
+    assert inspect(engine).get_pk_constraint("hidden_state_shards")["constrained_columns"] == [
+        "sha256"
+    ]
+    with pytest.raises(IntegrityError):
+        _insert_shards(engine, [_shard("aa", "r", 0)])
+    upgrade(engine)
+    assert current_revision(engine) == HEAD
+    assert _shard_keys(engine) == [("aa", "p", 0), ("cc", "p", 1)]
+    engine.dispose()
+
+
+def test_processes_upgrading_a_fresh_database_at_once_all_succeed(db_url: str) -> None:
+    """Every entry point upgrades, so workers started together on a new database race to create
+    it; each thread here has its own engine (its own connections), as a process would."""
+    engines = [make_engine(db_url) for _ in range(4)]
+    assert current_revision(engines[0]) is None
+    start = threading.Barrier(len(engines))
+    errors: list[BaseException] = []
+
+    def open_database(engine: Engine) -> None:
+        try:
+            start.wait()
+            create_schema(engine)
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=open_database, args=(e,)) for e in engines]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == [], errors
+    for engine in engines:
+        assert current_revision(engine) == HEAD
+        engine.dispose()
+    check = make_engine(db_url)
+    assert set(inspect(check).get_table_names()) >= TABLES
+    check.dispose()

@@ -150,7 +150,7 @@ def test_a_clean_run_is_clean_and_says_what_was_checked(
     assert report.checked["index_files"] == 1 + 1 + 2  # served index, quantizer, two shards
     assert _cli(db_url, paths, monkeypatch, "verify") == 0
     out = capsys.readouterr().out
-    assert "clean:" in out and "150 embedding rows" in out
+    assert "clean:" in out and "embedding rows: 150" in out
     assert _cli(db_url, paths, monkeypatch, "verify", SET, "--json") == 0
     assert json.loads(capsys.readouterr().out)["clean"] is True
     assert _cli(db_url, paths, monkeypatch, "verify", "nothing-here") == 2

@@ -160,15 +160,19 @@ class ShardWatermark(Base):
 
 
 class HiddenStateShard(Base):
-    """A content-addressed Arrow file of one batch's hook-layer hidden states."""
+    """One ledger batch's hook-layer hidden states: the content-addressed Arrow file holding them.
+
+    Keyed by the batch (migration 0004): batches of different task sets with the same task ids
+    and hidden states write the same file, so several rows may name one sha256.
+    """
 
     __tablename__ = "hidden_state_shards"
 
-    sha256: Mapped[str] = mapped_column(String(64), primary_key=True)
+    plan_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    batch_no: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    sha256: Mapped[str] = mapped_column(String(64), index=True)
     task_set: Mapped[str] = mapped_column(String(64), index=True)
     model_key: Mapped[str] = mapped_column(String(128))
-    plan_id: Mapped[str] = mapped_column(String(64))
-    batch_no: Mapped[int] = mapped_column(Integer)
     layers: Mapped[str] = mapped_column(String(256))  # JSON list
     n_items: Mapped[int] = mapped_column(Integer)
     n_tokens: Mapped[int] = mapped_column(BigInteger)

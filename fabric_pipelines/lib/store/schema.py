@@ -27,19 +27,40 @@ class UnversionedSchemaError(RuntimeError):
     pass
 
 
+# Any fixed 64-bit number nothing else takes advisory locks with: the bytes of "fabricsc".
+SCHEMA_LOCK_KEY = 0x6661627269637363
+
+
+def lock_schema(conn: Connection) -> None:
+    """Serialise schema changes for the rest of `conn`'s transaction.
+
+    Every entry point upgrades, so processes started together on a fresh PostgreSQL database
+    would each CREATE the same tables (a unique violation in pg_type): the advisory lock makes
+    the others wait, then find the schema at head. The lock is per database, released at commit
+    or rollback. SQLite needs none: engines of store/db.make_engine begin every transaction with
+    BEGIN IMMEDIATE, so the write lock is held before the revision is read.
+    """
+    if conn.dialect.name == "postgresql":
+        conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": SCHEMA_LOCK_KEY})
+
+
 def upgrade(engine: Engine, revision: str = "head") -> None:
-    if current_revision(engine) is None and "embeddings" in inspect(engine).get_table_names():
-        raise UnversionedSchemaError(
-            f"{engine.url.render_as_string(hide_password=True)} holds fabric tables without a "
-            "schema revision (made before migrations existed); point FABRIC_DATABASE_URL at a "
-            "new database, or drop those tables"
-        )
     with engine.begin() as conn:
+        lock_schema(conn)
+        # Asked under the lock: another process's upgrade has committed or not begun.
+        unversioned = MigrationContext.configure(conn).get_current_revision() is None
+        if unversioned and "embeddings" in inspect(conn).get_table_names():
+            raise UnversionedSchemaError(
+                f"{engine.url.render_as_string(hide_password=True)} holds fabric tables without "
+                "a schema revision (made before migrations existed); point FABRIC_DATABASE_URL "
+                "at a new database, or drop those tables"
+            )
         command.upgrade(_config(conn), revision)
 
 
 def downgrade(engine: Engine, revision: str = "-1") -> None:
     with engine.begin() as conn:
+        lock_schema(conn)
         command.downgrade(_config(conn), revision)
 
 

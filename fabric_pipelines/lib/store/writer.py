@@ -27,10 +27,11 @@ from typing import Any
 
 import numpy as np
 from sqlalchemy import Connection, Engine, exc
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.sql.dml import Insert
 
 from fabric_pipelines.lib.broker.ledger import Lease, ack_many, stale_reason
 from fabric_pipelines.lib.retry import DEFAULT_BUDGET_S, GaveUpRetrying, retry
-from fabric_pipelines.lib.store.db import insert_ignoring_duplicates
 from fabric_pipelines.lib.store.models import HiddenStateShard
 from fabric_pipelines.lib.store.pgcopy import embeddings_payload
 from fabric_pipelines.lib.store.schema import stores_pgvector
@@ -92,7 +93,7 @@ def write_group(
             outcome.inserted = _insert_rows(conn, outcome.acked, upsert, pgvector)
             shards = [_shard_row(b) for b in outcome.acked if b.shard is not None]
             if shards:
-                conn.execute(insert_ignoring_duplicates(engine, HiddenStateShard), shards)
+                conn.execute(_insert_shard_rows(conn), shards)
     return outcome
 
 
@@ -149,6 +150,17 @@ def _insert_rows(conn: Connection, batches: list[BatchRows], upsert: bool, pgvec
         rows,
     )
     return int(cursor.rowcount)
+
+
+def _insert_shard_rows(conn: Connection) -> Insert:
+    """One row per batch: a replay of a batch keeps its row. Another batch (of this or another
+    task set) naming the same content-addressed file gets a row of its own."""
+    key = [HiddenStateShard.plan_id, HiddenStateShard.batch_no]
+    if conn.dialect.name == "postgresql":
+        return postgresql.insert(HiddenStateShard).on_conflict_do_nothing(index_elements=key)
+    if conn.dialect.name == "sqlite":
+        return sqlite.insert(HiddenStateShard).on_conflict_do_nothing(index_elements=key)
+    raise NotImplementedError(f"database dialect {conn.dialect.name!r} is not supported")
 
 
 def _shard_row(batch: BatchRows) -> dict[str, Any]:
