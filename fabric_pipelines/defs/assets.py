@@ -228,6 +228,10 @@ def extraction_outputs(
     problems = [
         f"{f.kind} {f.subject}: {f.problem} (repair: {f.repair})" for f in verified.findings
     ]
+    if report.superseded:
+        # Another run of this set re-planned it: say so instead of a bare failed count.
+        context.log.warning(report.superseded)
+        problems.insert(0, report.superseded)
     version = hashlib.sha256(
         f"{plan_row.plan_id}:{counts.completed}:{counts.failed}".encode()
     ).hexdigest()
@@ -245,6 +249,7 @@ def extraction_outputs(
             "seconds": round(report.seconds, 2),
             "completed": counts.completed,
             "failed": counts.failed,
+            "superseded_by": report.superseded_by or "none",
         },
         data_version=dg.DataVersion(version),
         check_results=[
