@@ -133,3 +133,12 @@ def test_verify_names_the_file_and_both_hashes(tmp_path: Path) -> None:
     stored.path.unlink()
     with pytest.raises(FileNotFoundError, match="missing; re-plan"):
         verify_sha256(stored.path, stored.sha256, "plan", "re-plan")
+
+
+def test_an_unusable_folder_is_named_with_what_to_do(tmp_path: Path) -> None:
+    blocked = tmp_path / "shards"
+    blocked.write_bytes(b"a file where the folder should be")
+    with pytest.raises(
+        OSError, match=r"cannot store files in .*shards: .*make it a writable folder"
+    ):
+        write_bytes(blocked / "x.arrow", b"data")

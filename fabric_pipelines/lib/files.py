@@ -56,7 +56,14 @@ def fsync_folder(folder: Path) -> None:
 
 def _stage(folder: Path, name: str, write: Callable[[Path], object]) -> tuple[Path, str, int]:
     """`write(staging)`, fsync, hash what is on disk; the caller renames or removes it."""
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # e.g. a file where the folder should be, a read-only disk
+        raise OSError(
+            error.errno,
+            f"cannot store files in {folder}: {error.strerror}; make it a writable folder "
+            "(check that the path is a folder, its permissions and free space) and run again",
+        ) from error
     staging = staging_path(folder, name)
     try:
         write(staging)
