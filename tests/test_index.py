@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from sqlalchemy import Engine, insert
 
+from fabric_pipelines.lib.files import sha256_file
 from fabric_pipelines.lib.index.build import (
     IndexSpec,
     RecallProbe,
@@ -24,7 +25,6 @@ from fabric_pipelines.lib.index.vectors import BadVectorsError, check_vectors
 from fabric_pipelines.lib.settings import FabricPaths
 from fabric_pipelines.lib.store.keys import model_id
 from fabric_pipelines.lib.store.models import Embedding
-from fabric_pipelines.lib.files import sha256_file
 
 
 def _clustered(n: int, dim: int = 32, seed: int = 0) -> np.ndarray:
