@@ -391,6 +391,8 @@ def _plan(db: Engine, plan_id: str | None) -> Any:
 
 # ---- acceptance 2: a real run, damaged files, the printed repairs ------------------------------
 
+ACCEPTANCE_TEXTS = 3000  # a few thousand texts, with a hook layer on
+
 
 def _resources(paths: FabricPaths, db_url: str) -> dict[str, object]:
     store = ArtifactStore(root=str(paths.root))
@@ -415,7 +417,7 @@ def test_acceptance_a_real_run_verifies_and_each_damaged_shard_is_repaired(
     instance.add_dynamic_partitions("task_set", [SET])
     from fabric_pipelines.lib.tasks.inbox import submit
 
-    submit(_source(tmp_path, 600), paths.inbox, SET)
+    submit(_source(tmp_path, ACCEPTANCE_TEXTS), paths.inbox, SET)
     resources = _resources(paths, db_url)
     assert dg.materialize(
         [tokenised_tasks, shape_batches, extraction_outputs], partition_key=SET,
@@ -424,7 +426,7 @@ def test_acceptance_a_real_run_verifies_and_each_damaged_shard_is_repaired(
     assert dg.materialize([vector_index], instance=instance, resources=resources).success
     report = verify(db, paths)
     assert report.clean, report.findings
-    assert report.checked["hidden_state_tasks"] == 600  # one layer, every completed task
+    assert report.checked["hidden_state_tasks"] == ACCEPTANCE_TEXTS  # one layer, every task
 
     for damage in ("truncate", "flip a bit"):
         shard = _shards(db)[-1]
@@ -454,4 +456,4 @@ def test_acceptance_a_real_run_verifies_and_each_damaged_shard_is_repaired(
         assert after.clean, (damage, after.findings)
         with db.connect() as conn:
             assert accounting(conn, SET).finished
-            assert conn.execute(select(TaskSet.n_tasks)).scalar_one() == 600
+            assert conn.execute(select(TaskSet.n_tasks)).scalar_one() == ACCEPTANCE_TEXTS
