@@ -75,24 +75,26 @@ def _stage(folder: Path, name: str, write: Callable[[Path], object]) -> tuple[Pa
         raise
 
 
-def write_file(path: Path, write: Callable[[Path], object]) -> StoredFile:
-    """Store at `path` what `write(tmp_path)` writes into a file, atomically and durably."""
-    staging, sha, size = _stage(path.parent, path.name, write)
+def _publish(staging: Path, final: Path, sha: str, size: int) -> StoredFile:
+    """Rename a staged file onto its final name and make the rename durable."""
     try:
-        os.replace(staging, path)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(staging, final)
     except BaseException:
         staging.unlink(missing_ok=True)
         raise
-    fsync_folder(path.parent)
-    return StoredFile(path, sha, size)
+    fsync_folder(final.parent)
+    return StoredFile(final, sha, size)
+
+
+def write_file(path: Path, write: Callable[[Path], object]) -> StoredFile:
+    """Store at `path` what `write(tmp_path)` writes into a file, atomically and durably."""
+    staging, sha, size = _stage(path.parent, path.name, write)
+    return _publish(staging, path, sha, size)
 
 
 def write_bytes(path: Path, data: bytes) -> StoredFile:
     return write_file(path, lambda tmp: tmp.write_bytes(data))
-
-
-def content_path(folder: Path, sha256: str, suffix: str, fan_out: bool) -> Path:
-    return (folder / sha256[:2] if fan_out else folder) / f"{sha256}{suffix}"
 
 
 def write_content_addressed(
@@ -102,15 +104,8 @@ def write_content_addressed(
     in `folder` or (fan_out) in `folder/<first two hex digits>/`. Identical content lands on one
     file; a rename over an existing copy replaces it with the same bytes."""
     staging, sha, size = _stage(folder, f"new{suffix}", write)
-    final = content_path(folder, sha, suffix, fan_out)
-    try:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(staging, final)
-    except BaseException:
-        staging.unlink(missing_ok=True)
-        raise
-    fsync_folder(final.parent)
-    return StoredFile(final, sha, size)
+    final = (folder / sha[:2] if fan_out else folder) / f"{sha}{suffix}"
+    return _publish(staging, final, sha, size)
 
 
 def verify_sha256(path: Path, expected: str, what: str, remedy: str) -> None:

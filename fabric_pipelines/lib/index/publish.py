@@ -23,8 +23,12 @@ import numpy as np
 from sqlalchemy import Engine
 
 from fabric_pipelines.lib.charts import bar_table
-from fabric_pipelines.lib.files import CorruptFileError, verify_sha256, write_bytes
-from fabric_pipelines.lib.files import write_content_addressed as write_named_by_hash
+from fabric_pipelines.lib.files import (
+    CorruptFileError,
+    verify_sha256,
+    write_bytes,
+    write_content_addressed,
+)
 from fabric_pipelines.lib.index import metrics, shards
 from fabric_pipelines.lib.index.build import (
     IndexSpec,
@@ -78,9 +82,9 @@ def model_folder(index_folder: Path, model_key: str) -> Path:
     return index_folder / re.sub(r"[^A-Za-z0-9._-]", "_", model_key)
 
 
-def write_content_addressed(folder: Path, data: bytes) -> tuple[str, Path]:
+def write_faiss_file(folder: Path, data: bytes) -> tuple[str, Path]:
     """Store `data` as <folder>/<sha256>.faiss (atomically); returns (sha256, path)."""
-    stored = write_named_by_hash(folder, ".faiss", lambda tmp: tmp.write_bytes(data))
+    stored = write_content_addressed(folder, ".faiss", lambda tmp: tmp.write_bytes(data))
     return stored.sha256, stored.path
 
 
@@ -135,7 +139,7 @@ def build_and_publish(
         trained, training = reuse
     else:
         built = train(source.vectors, spec)
-        sha, path = write_content_addressed(folder / "quantizers", serialize(built.index))
+        sha, path = write_faiss_file(folder / "quantizers", serialize(built.index))
         trained = built.index
         training = {
             "rule": "seeded sample without replacement of rows in id order",
@@ -168,7 +172,7 @@ def build_and_publish(
         if index is None:
             vectors = source.vectors[rows]  # gathered only for the shards being rebuilt
             index = fill(trained, vectors, ids, spec)
-            sha, path = write_content_addressed(folder / "shards", serialize(index))
+            sha, path = write_faiss_file(folder / "shards", serialize(index))
             entries.append(
                 {
                     "shard": shard,
@@ -184,7 +188,7 @@ def build_and_publish(
         parts.append(index)
     served = merge(parts, spec)
     data = serialize(served)
-    index_sha, index_path = write_content_addressed(folder, data)
+    index_sha, index_path = write_faiss_file(folder, data)
     receipt: dict[str, Any] = {
         "schema": RECEIPT_SCHEMA,
         "source": {

@@ -34,7 +34,7 @@ from fabric_pipelines.lib.index.publish import (
     model_folder,
     read_verified,
     split_shards,
-    write_content_addressed,
+    write_faiss_file,
 )
 from fabric_pipelines.lib.index.receipt import RECEIPT_SCHEMA, array_sha256, receipt_sha256
 from fabric_pipelines.lib.index.vectors import VectorSet, load_vectors
@@ -226,6 +226,6 @@ def _repair(
             target = folder / problem.file
             target.parent.mkdir(parents=True, exist_ok=True)
             target.unlink(missing_ok=True)
-            write_content_addressed(target.parent, data)
+            write_faiss_file(target.parent, data)
             repaired.append(problem.file)
     return repaired
