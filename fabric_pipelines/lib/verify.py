@@ -112,14 +112,22 @@ def verify(db: Engine, paths: FabricPaths, task_set: str | None = None) -> Verif
 
 
 def verify_extraction(
-    db: Engine, paths: FabricPaths, task_set: str, hook_layers: Sequence[int] | None = None
+    db: Engine,
+    paths: FabricPaths,
+    task_set: str,
+    hook_layers: Sequence[int] | None = None,
+    *,
+    rehash_shards: bool = True,
 ) -> VerifyReport:
     """The checks of one task set's own outputs (no indexes): what extraction_outputs'
     accounting check calls. `hook_layers`: the layers the current plan's batches must have
-    shards of (the engine manifest's); other plans' layers are read from their shard rows."""
+    shards of (the engine manifest's); other plans' layers are read from their shard rows.
+    Without `rehash_shards`, shard files are checked by presence, size and content (ids,
+    layers) but not hashed again: right after a run whose writer hashed each one before its
+    ack, a second full read of every hidden state would only repeat that work."""
     report = VerifyReport()
     with db.connect() as conn:
-        _verify_task_set(conn, paths, task_set, report, hook_layers)
+        _verify_task_set(conn, paths, task_set, report, hook_layers, rehash_shards)
     return report
 
 
@@ -146,6 +154,7 @@ class _Context:
     table: pa.Table | None = None  # the verified task-set file, or None when it is unusable
     current_plan: str | None = None
     layers_seen: list[int] = field(default_factory=list)
+    rehash: bool = True  # hash shard files again (False: presence, size and content only)
 
     def run(self, layers: Sequence[int] | None = None) -> str:
         return run_command(self.row, layers if layers is not None else self.layers_seen)
@@ -175,13 +184,20 @@ def run_command(task_set: Any, layers: Sequence[int]) -> str:
     return command
 
 
-def file_problem(path: Path, sha256: str, size: int | None = None) -> str | None:
-    """None when `path` holds the bytes recorded as `sha256`; else what is wrong with it."""
+def file_problem(
+    path: Path, sha256: str, size: int | None = None, rehash: bool = True
+) -> str | None:
+    """None when `path` holds the bytes recorded as `sha256` (without `rehash`: as many bytes
+    as were recorded); else what is wrong with it."""
     if not path.is_file():
         return "missing"
     actual_size = path.stat().st_size
     if size is not None and actual_size < size:
         return f"truncated: {actual_size} of {size} bytes"
+    if not rehash and size is not None:
+        return (
+            None if actual_size == size else f"grown: {actual_size} bytes where {size} were written"
+        )
     actual = sha256_file(path)
     if actual == sha256:
         return None
@@ -196,13 +212,14 @@ def _verify_task_set(
     name: str,
     report: VerifyReport,
     hook_layers: Sequence[int] | None = None,
+    rehash_shards: bool = True,
 ) -> set[str]:
     """Every check of one task set; returns the model keys of its plans."""
     row = conn.execute(select(TaskSet).where(TaskSet.name == name)).first()
     if row is None:
         raise LookupError(f"no task set named {name!r}: `fabric status` lists them")
     report.count("task_sets")
-    ctx = _Context(name, row, report, current_plan=row.current_plan_id)
+    ctx = _Context(name, row, report, current_plan=row.current_plan_id, rehash=rehash_shards)
     shard_rows = conn.execute(
         select(HiddenStateShard).where(HiddenStateShard.task_set == name)
     ).all()
@@ -460,7 +477,7 @@ def _check_shard_file(
     ctx.report.count("shard_files")
     path = Path(s.path)
     repair = ctx.requeue([(s.plan_id, s.batch_no)], layers)
-    problem = file_problem(path, s.sha256, s.bytes)
+    problem = file_problem(path, s.sha256, s.bytes, ctx.rehash)
     if problem is not None:
         ctx.report.add("shard_file", str(path), problem, repair)
         return 0
