@@ -144,15 +144,11 @@ def supervise(
 
     Whatever way this returns or raises, no worker of it is left running (`stop_workers`)."""
 
-    def poll() -> Accounting:
-        with db.connect() as conn:
-            return accounting(conn, task_set)
-
     try:
         while any(w.process.poll() is None for w in workers):
             time.sleep(poll_s if on_progress else 0.2)
             if on_progress is not None:
-                on_progress(retry(f"reading the accounting of task set {task_set!r}", poll))
+                on_progress(read_accounting(db, task_set))
         reports = []
         for w in workers:
             if w.process.returncode != 0:
@@ -162,6 +158,16 @@ def supervise(
         return reports
     finally:
         stop_workers(workers)
+
+
+def read_accounting(db: Any, task_set: str) -> Accounting:
+    """The set's accounting for a progress report, read through transient database errors."""
+
+    def poll() -> Accounting:
+        with db.connect() as conn:
+            return accounting(conn, task_set)
+
+    return retry(f"reading the accounting of task set {task_set!r}", poll)
 
 
 def bind_to_parent(parent_pid: int) -> None:
@@ -373,13 +379,9 @@ def _extract_here(
     job = _job(db, paths, task_set, manifest)
     engine = create_engine(manifest)
 
-    def poll() -> Accounting:
-        with db.connect() as conn:
-            return accounting(conn, task_set)
-
     def progress(_report: Any) -> None:
         if on_progress is not None:
-            on_progress(retry(f"reading the accounting of task set {task_set!r}", poll))
+            on_progress(read_accounting(db, task_set))
 
     try:
         report = run_worker(
