@@ -19,6 +19,7 @@ from fabric_pipelines.lib.device_lease import lease_devices
 from fabric_pipelines.lib.gpu_pool import visible_gpus
 from fabric_pipelines.lib.settings import FabricPaths, database_url, default_root, redact_url
 from fabric_pipelines.lib.store.db import create_schema, make_engine
+from fabric_pipelines.lib.warm_workers import warm_devices
 
 
 class ArtifactStore(dg.ConfigurableResource):
@@ -78,12 +79,17 @@ class EngineConfig(dg.ConfigurableResource):
 
     @contextmanager
     def devices(
-        self, paths: FabricPaths, on_wait: Callable[[], None]
+        self, paths: FabricPaths, on_wait: Callable[[], None], task_set: str = ""
     ) -> Iterator[list[int] | None]:
         """GPU per worker for GPU backends (worker i -> the i-th leased device), held for the
-        block so concurrent steps never share a GPU; None for the CPU engine and in-process runs."""
+        block so concurrent steps never share a GPU; None for the CPU engine and in-process runs.
+        Workers started early for `task_set` (warm_workers.py) hold theirs already."""
         if self.manifest().backend == "cpu" or self.workers == 0:
             yield None
+            return
+        held = warm_devices(task_set)
+        if held is not None:
+            yield held
             return
         with lease_devices(
             paths.device_leases, self.workers, visible_gpus(), on_wait=on_wait

@@ -17,6 +17,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
+class DevicesBusy(RuntimeError):
+    """Not all the wanted devices were free, and the caller asked not to wait."""
+
+
 def _try_lock(path: Path) -> int | None:
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -35,9 +39,11 @@ def lease_devices(
     *,
     poll_s: float = 2.0,
     on_wait: Callable[[], None] | None = None,
+    wait: bool = True,
 ) -> Iterator[list[int]]:
     """Hold `wanted` of the devices 0..available-1 for the duration of the block; waits (calling
-    `on_wait` each round) while other steps hold too many of them."""
+    `on_wait` each round) while other steps hold too many of them, or with `wait=False` raises
+    DevicesBusy at once."""
     if wanted > available:
         raise ValueError(
             f"workers={wanted} but this machine has {available} GPU(s): one worker per GPU; "
@@ -61,6 +67,8 @@ def lease_devices(
             for fd in held.values():  # give back a partial lease before waiting
                 os.close(fd)
             held.clear()
+            if not wait:
+                raise DevicesBusy(f"fewer than {wanted} of {available} GPU(s) are free")
             if on_wait is not None:
                 on_wait()
             time.sleep(poll_s)

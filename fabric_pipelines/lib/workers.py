@@ -57,6 +57,11 @@ class WorkerSettings:
     heartbeat_seconds: float | None = None  # None: a third of the lease
     max_attempts: int = 3
 
+    @property
+    def folder(self) -> Path:
+        """Where the run's manifest, worker reports and logs live."""
+        return self.manifest_path.parent
+
 
 @dataclass
 class WorkerProcess:
@@ -67,9 +72,14 @@ class WorkerProcess:
 
 
 def launch_workers(
-    settings: WorkerSettings, count: int, folder: Path, devices: list[int] | None = None
+    settings: WorkerSettings,
+    count: int,
+    folder: Path,
+    devices: list[int] | None = None,
+    go_file: Path | None = None,
 ) -> list[WorkerProcess]:
     """Start `count` worker processes; worker i gets GPU devices[i] when devices are given.
+    With `go_file`, each loads its engine and then waits for that file before reading the plan.
 
     Each is the leader of a new process group (stop them with `stop_workers`) and dies with the
     thread that starts it: start them from the thread that supervises them."""
@@ -101,6 +111,8 @@ def launch_workers(
                 "--threads", str(max(1, (os.cpu_count() or 1) // count)),
                 "--parent-pid", str(os.getpid()),
             ]  # fmt: skip
+            if go_file is not None:
+                command += ["--go-file", str(go_file)]
             with open(log, "wb") as out:
                 process = subprocess.Popen(
                     command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
@@ -145,9 +157,12 @@ def supervise(
     Whatever way this returns or raises, no worker of it is left running (`stop_workers`)."""
 
     try:
+        next_report = time.monotonic() + poll_s
         while any(w.process.poll() is None for w in workers):
-            time.sleep(poll_s if on_progress else 0.2)
-            if on_progress is not None:
+            # Short naps: the stage ends as soon as its last worker does, not at the next report.
+            time.sleep(0.05)
+            if on_progress is not None and time.monotonic() >= next_report:
+                next_report = time.monotonic() + poll_s
                 on_progress(read_accounting(db, task_set))
         reports = []
         for w in workers:
@@ -190,6 +205,13 @@ def bind_to_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="fabric-parent-watchdog", daemon=True).start()
 
 
+def wait_for_file(path: Path, poll_s: float = 0.01) -> None:
+    """Block until `path` exists (the supervisor's go); the parent watchdog ends a worker
+    whose supervisor dies meanwhile."""
+    while not path.exists():
+        time.sleep(poll_s)
+
+
 def main(argv: list[str] | None = None) -> int:
     """One worker: run the task set's current plan until no batch is left; write a report."""
     parser = argparse.ArgumentParser(prog="fabric worker")
@@ -207,6 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--parent-pid", type=int, default=0, help="exit when this process (the supervisor) ends"
+    )
+    parser.add_argument(
+        "--go-file",
+        help="load the engine, then wait until this file exists before reading the plan "
+        "(a worker started while its task set is still being ingested and planned)",
     )
     args = parser.parse_args(argv)
     if args.parent_pid:
@@ -230,9 +257,11 @@ def main(argv: list[str] | None = None) -> int:
     paths = FabricPaths(default_root()).ensure()
     db = make_engine(database_url(paths))
     manifest = EngineManifest.load(Path(args.manifest))
-    job = _job(db, paths, args.task_set, manifest)
-    engine = create_engine(manifest)
+    engine = create_engine(manifest)  # first: the slow part a warm worker does ahead of its plan
     try:
+        if args.go_file:
+            wait_for_file(Path(args.go_file))
+        job = _job(db, paths, args.task_set, manifest)
         report = run_worker(
             db, engine, job, owner=args.owner, lease_seconds=args.lease_seconds,
             heartbeat_seconds=args.heartbeat_seconds, max_attempts=args.max_attempts,
@@ -264,10 +293,6 @@ def _job(db: Any, paths: Any, task_set: str, manifest: Any) -> Any:
         order=load_plan_order(Path(plan.path), plan.sha256),
         shard_folder=paths.shards,
     )
-
-
-if __name__ == "__main__":
-    sys.exit(main())
 
 
 @dataclass(frozen=True)
@@ -322,20 +347,21 @@ def extract_task_set(
             )
         ]  # fmt: skip
     else:
-        folder = paths.root / "workers" / f"{task_set}-{int(time.time() * 1000)}"
-        folder.mkdir(parents=True, exist_ok=True)
-        manifest_path = folder / "engine.json"
-        write_bytes(manifest_path, json.dumps(manifest.to_mapping()).encode())
-        settings = WorkerSettings(
-            task_set,
-            manifest_path,
-            paths.root,
-            database_url,
-            lease_seconds=lease_seconds,
-            heartbeat_seconds=heartbeat_seconds,
-        )
-        with _running(settings, workers, folder, devices) as started_workers:
-            reports = supervise(started_workers, db, task_set, on_progress, progress_every_s)
+        from fabric_pipelines.lib.warm_workers import take_warm_pool
+
+        warm = take_warm_pool(
+            task_set, manifest, workers, database_url=database_url,
+            lease_seconds=lease_seconds, heartbeat_seconds=heartbeat_seconds,
+        )  # fmt: skip
+        if warm is not None:  # started while the set was ingested and planned: let them go
+            with warm:
+                reports = supervise(warm.go(), db, task_set, on_progress, progress_every_s)
+        else:
+            settings = worker_settings(
+                paths, task_set, manifest, database_url, lease_seconds, heartbeat_seconds
+            )
+            with _running(settings, workers, settings.folder, devices) as started_workers:
+                reports = supervise(started_workers, db, task_set, on_progress, progress_every_s)
     superseded = next((r for r in reports if r.get("superseded_by")), None)
     return ExtractionSummary(
         workers=max(workers, 1),
@@ -349,6 +375,29 @@ def extract_task_set(
         pulling_seconds=_pulling_window(reports),
         superseded_by=superseded["superseded_by"] if superseded else "",
         superseded=superseded["superseded"] if superseded else "",
+    )
+
+
+def worker_settings(
+    paths: Any,
+    task_set: str,
+    manifest: Any,
+    database_url: str,
+    lease_seconds: float = DEFAULT_LEASE_SECONDS,
+    heartbeat_seconds: float | None = None,
+) -> WorkerSettings:
+    """A run's worker settings, with a fresh folder holding its manifest, reports and logs."""
+    folder = paths.root / "workers" / f"{task_set}-{time.time_ns() // 1000}"
+    folder.mkdir(parents=True, exist_ok=True)
+    manifest_path = folder / "engine.json"
+    write_bytes(manifest_path, json.dumps(manifest.to_mapping()).encode())
+    return WorkerSettings(
+        task_set,
+        manifest_path,
+        paths.root,
+        database_url,
+        lease_seconds=lease_seconds,
+        heartbeat_seconds=heartbeat_seconds,
     )
 
 
@@ -398,3 +447,7 @@ def _pulling_window(reports: list[dict[str, Any]]) -> float:
     ready = [r["ready_at"] for r in reports if r.get("ready_at")]
     acked = [r["last_ack_at"] for r in reports if r.get("last_ack_at")]
     return max(acked) - min(ready) if ready and acked else 0.0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,425 @@
+"""The product end to end, as users run it, against its own engine measured in the same run.
+
+For each model, input mode and database asked for, this makes a fresh data root and runs the
+command a user runs, in a process of its own:
+
+    fabric submit tasks.parquet --task-set e2e --run --manifest engine.json --workers G
+
+and times it from launch to exit (submit, ingest/tokenise, plan, engine warm-up, extraction,
+writes, the index build and its quality check, all inside). The task set has N tasks with the
+yardstick's `reference_lengths()` (../shared/bench/reference_extract.py), either as token ids
+(Parquet `token_ids`) or as text (Parquet `text` of real vocabulary words whose token count
+follows the same lengths). The model is the yardstick's `random_encoder` of that size, saved as
+a model folder with all-MiniLM's tokenizer (random fp16 weights on the GPU; fp32 on the CPU).
+
+The peer is the engine alone on the same lengths in the same run: on a GPU `bench/extract.py`'s
+path (planner batches through the runtime, outputs drained to pinned host memory, no database);
+on the CPU (`--cpu`) the CPU engine's forward over the planner's padded batches.
+
+After each run the bench checks what was promised: one embedding row per completed task, no
+batch left queued or in flight, and the ledger's accounting balanced (printed as exactly_once).
+
+    python bench/e2e.py                      # one GPU: BERT-base, 1,000,000 token-id tasks, SQLite
+    python bench/e2e.py --models minilm_l6 --modes ids,text --dbs sqlite,postgresql
+    python bench/e2e.py --gpus 2 --tasks 2000000   # one GPU and two, same run: the ratio
+    python bench/e2e.py --cpu                # CPU engine, a few thousand tasks: minutes on 2 cores
+
+PostgreSQL: `--pg-url` (a server URL; each run gets a scratch database), else the `pgserver`
+wheel's own server when installed. The last line is one JSON object keyed by
+"model/mode/database[/gpus=N]".
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from yardstick import DEFAULT, load_reference
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.txt",
+)
+TASK_SET = "e2e"
+CLS, SEP = 101, 102  # the BERT vocabulary's [CLS] and [SEP]
+
+
+# ---- inputs ----------------------------------------------------------------------------------
+
+
+def random_model(reference: Any, folder: Path, size: str, tokenizer_from: Path, dtype: Any) -> Path:
+    """The yardstick's random encoder of this size, saved with all-MiniLM's tokenizer."""
+    if (folder / "config.json").is_file():
+        return folder
+    reference.random_encoder(size, device="cpu", dtype=dtype).save_pretrained(folder)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_from / name).is_file():
+            shutil.copy(tokenizer_from / name, folder / name)
+    return folder
+
+
+def write_token_ids(path: Path, lengths: np.ndarray, seed: int = 0) -> None:
+    """Parquet of `id` and `token_ids` ([CLS] random ids [SEP]), built from flat buffers."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(seed)
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    tokens = rng.integers(1000, 30000, int(offsets[-1]), dtype=np.int32)
+    tokens[offsets[:-1]] = CLS
+    tokens[offsets[1:] - 1] = SEP
+    ids = pa.array([f"t{i}" for i in range(len(lengths))], pa.string())
+    values = pa.ListArray.from_arrays(pa.array(offsets), pa.array(tokens))
+    pq.write_table(pa.table({"id": ids, "token_ids": values}), path)
+
+
+def vocabulary_words(tokenizer_dir: Path) -> list[str]:
+    """Whole lower-case ASCII words of the vocabulary: each one token, alone or before a '.'."""
+    words = (tokenizer_dir / "vocab.txt").read_text(encoding="utf-8").split("\n")
+    return [w for w in words if len(w) > 1 and w.isascii() and w.isalpha() and w.islower()]
+
+
+def write_texts(path: Path, lengths: np.ndarray, words: list[str], seed: int = 0) -> None:
+    """Parquet of `id` and `text`: word sentences, frequent words more often (Zipf-like), each
+    text as many tokens as its length once [CLS] and [SEP] are added."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(seed)
+    vocab = np.array(words, dtype=object)
+    weights = 1.0 / (np.arange(len(vocab)) + 20.0)
+    slots = np.maximum(lengths - 2, 1)
+    picks = vocab[rng.choice(len(vocab), int(slots.sum()), p=weights / weights.sum())]
+    stops = rng.random(int(slots.sum())) < 0.08  # a '.' takes a word's slot: one token too
+    picks[stops] = "."
+    texts, start = [], 0
+    for n in slots.tolist():
+        texts.append(" ".join(picks[start : start + n].tolist()).replace(" .", "."))
+        start += n
+    ids = pa.array([f"t{i}" for i in range(len(lengths))], pa.string())
+    pq.write_table(pa.table({"id": ids, "text": pa.array(texts, pa.string())}), path)
+
+
+# ---- the engine alone ------------------------------------------------------------------------
+
+
+def engine_only_gpu(reference: Any, size: str, lengths: np.ndarray) -> dict[str, Any]:
+    """bench/extract.py's path: planner batches through the runtime, drained to host memory."""
+    import torch
+    from extract import run_ours
+
+    from fabric_gpu.engines.torch_engine import TorchEngine
+    from fabric_gpu.manifest import EngineManifest, HookSpec
+
+    manifest = EngineManifest.from_mapping(
+        {
+            "model_id": f"random:{size}", "weights_sha256": "0" * 64, "backend": "torch",
+            "dtype": "float16", "max_batch_tokens": 32768, "max_batch_items": 1024,
+            "max_seq_len": 512, "seq_granularity": 8, "hooks": HookSpec((), "mean").to_mapping(),
+        }
+    )  # fmt: skip
+    model = reference.random_encoder(size)
+    engine = TorchEngine(manifest, model=model)
+    tokens = np.random.default_rng(0).integers(1000, 30000, int(lengths.sum())).astype(np.int32)
+    # One timed pass once a set is large (tens of seconds); graphs are captured before timing.
+    passes = 1 if lengths.sum() > 20_000_000 else 2
+    result = run_ours(engine, tokens, lengths, passes=passes)
+    del engine, model
+    torch.cuda.empty_cache()
+    return {
+        "tokens_per_s": result["tokens_per_s"],
+        "gpu_idle_fraction": result["gpu_idle_fraction"],
+    }
+
+
+def engine_only_cpu(model_dir: Path, lengths: np.ndarray, profile: Any) -> dict[str, Any]:
+    """The CPU engine's forward over the planner's padded batches (best of two passes)."""
+    from fabric_gpu.engines import create_engine
+    from fabric_gpu.manifest import HookSpec, manifest_for_model
+    from fabric_pipelines.lib.broker.planner import plan_batches
+    from fabric_pipelines.lib.extraction import gather_padded
+
+    manifest = manifest_for_model(
+        str(model_dir), backend="cpu", dtype="float32", profile=profile, hooks=HookSpec((), "mean")
+    )
+    engine = create_engine(manifest)
+    tokens = np.random.default_rng(0).integers(1000, 30000, int(lengths.sum())).astype(np.int32)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    plan = plan_batches(lengths, profile)
+    best = float("inf")
+    for _ in range(2):
+        start = time.perf_counter()
+        for b in range(plan.n_batches):
+            rows = plan.order[plan.item_start[b] : plan.item_start[b] + plan.item_count[b]]
+            engine.forward(gather_padded(tokens, offsets, rows, int(plan.seq_len[b]), 0))
+        best = min(best, time.perf_counter() - start)
+    engine.close()
+    return {"tokens_per_s": float(lengths.sum()) / best}
+
+
+# ---- databases -------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def postgres_server(url: str | None, folder: Path) -> Iterator[str]:
+    """A PostgreSQL server URL: the one given, else pgserver's own (started here)."""
+    if url:
+        yield url
+        return
+    try:
+        import pgserver
+    except ImportError as exc:
+        raise SystemExit(f"--dbs postgresql needs --pg-url or the pgserver wheel: {exc}") from exc
+    server = pgserver.get_server(folder / "pg", cleanup_mode="delete")
+    socket_dir = server.get_uri().split("host=", 1)[1]
+    try:
+        yield f"postgresql+psycopg://postgres@/postgres?host={socket_dir}"
+    finally:
+        server.cleanup()
+
+
+@contextlib.contextmanager
+def database_for(db: str, root: Path, pg_server: str | None) -> Iterator[str]:
+    if db == "sqlite":
+        yield f"sqlite:///{root}/fabric.db"
+        return
+    from fabric_pipelines.lib.store.scratch import scratch_database
+
+    assert pg_server is not None
+    with scratch_database(pg_server, "fabric_e2e") as url:
+        yield url
+
+
+# ---- one product run -------------------------------------------------------------------------
+
+
+def run_product(
+    root: Path, tasks_file: Path, manifest_file: Path, db_url: str, gpus: int
+) -> dict[str, Any]:
+    """`fabric submit FILE --task-set e2e --run` in a fresh process; wall time from launch to
+    exit, the run's own report, and the exactly-once check read back from the database."""
+    root.mkdir(parents=True, exist_ok=True)
+    shutil.copy(Path(__file__).resolve().parents[1] / "dagster_home" / "dagster.yaml", root)
+    report_file = root / "report.json"
+    env = {**os.environ, "FABRIC_HOME": str(root), "DAGSTER_HOME": str(root)}
+    env["FABRIC_DATABASE_URL"] = db_url
+    command = [
+        sys.executable, "-c", "from fabric_pipelines.cli import main; raise SystemExit(main())",
+        "submit", str(tasks_file), "--task-set", TASK_SET, "--run",
+        "--manifest", str(manifest_file), "--workers", str(gpus), "--report", str(report_file),
+    ]  # fmt: skip
+    start = time.perf_counter()
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if done.returncode != 0 or not report_file.is_file():
+        sys.stderr.write(done.stdout[-6000:] + done.stderr[-6000:])
+        raise SystemExit(f"the product run failed (exit {done.returncode}) in {root}")
+    report = json.loads(report_file.read_text())
+    return {"wall_seconds": wall, "report": report, **exactly_once(db_url, manifest_file)}
+
+
+def exactly_once(db_url: str, manifest_file: Path) -> dict[str, Any]:
+    """Rows = completed tasks (the primary key rules out duplicates), nothing queued or in
+    flight, and tasks = completed + failed."""
+    from sqlalchemy import func, select
+
+    from fabric_gpu.manifest import EngineManifest
+    from fabric_pipelines.lib.broker.ledger import accounting
+    from fabric_pipelines.lib.store.db import make_engine
+    from fabric_pipelines.lib.store.models import Embedding
+
+    manifest = EngineManifest.load(manifest_file)
+    db = make_engine(db_url)
+    with db.connect() as conn:
+        counts = accounting(conn, TASK_SET, manifest.model_key)
+        rows = conn.execute(select(func.count()).select_from(Embedding)).scalar_one()
+    db.dispose()
+    balanced = counts.finished and counts.tasks == counts.completed + counts.failed
+    return {
+        "tasks": counts.tasks,
+        "completed": counts.completed,
+        "failed": counts.failed,
+        "rows": int(rows),
+        "exactly_once": bool(balanced and rows == counts.completed),
+    }
+
+
+def stage_seconds(report: dict[str, Any]) -> dict[str, float]:
+    extract, index = report["extract"], report["index"]
+    tasks = extract.get("tokenised_tasks", {})
+    plan = extract.get("shape_batches", {})
+    out = extract.get("extraction_outputs", {})
+    built = index.get("vector_index", {})
+    stages = {
+        "ingest_tokenise": tasks.get("seconds", 0.0),
+        "plan": plan.get("seconds", 0.0),
+        "extraction": out.get("seconds", 0.0),
+        "extraction_pulling": out.get("pulling_seconds", 0.0),
+        "index": built.get("seconds", 0.0),
+    }
+    phases = built.get("phase_seconds") or {}
+    stages.update({f"index_{name}": value for name, value in phases.items()})
+    stages["pipeline_total"] = report.get("seconds", 0.0)
+    return {k: round(float(v), 3) for k, v in stages.items()}
+
+
+# ---- main ------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu", action="store_true", help="CPU engine on a small set")
+    parser.add_argument("--tasks", type=int, help="tasks per set (default 1,000,000; --cpu 3,000)")
+    parser.add_argument("--models", help="yardstick sizes (default bert_base; --cpu minilm_l6)")
+    parser.add_argument("--modes", default="ids", help="ids, text or both (comma-separated)")
+    parser.add_argument("--dbs", default="sqlite", help="sqlite, postgresql or both")
+    parser.add_argument("--gpus", type=int, default=1, help="also run on this many GPUs")
+    parser.add_argument("--pg-url", default=os.environ.get("FABRIC_BENCH_PG_URL"))
+    parser.add_argument("--reference", default=str(DEFAULT))
+    parser.add_argument("--tokenizer", help="folder with all-MiniLM's tokenizer files")
+    parser.add_argument("--workdir", help="keep inputs and data roots here (default: temporary)")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    import torch
+
+    from fabric_gpu.manifest import HookSpec, manifest_for_model
+    from fabric_gpu.model import DEFAULT_MODEL_ID, resolve_model_dir
+    from fabric_gpu.profile import ConsumerProfile
+
+    n_tasks = args.tasks or (3000 if args.cpu else 1_000_000)
+    models = (args.models or ("minilm_l6" if args.cpu else "bert_base")).split(",")
+    modes, dbs = args.modes.split(","), args.dbs.split(",")
+    if not args.cpu and torch.cuda.device_count() < args.gpus:
+        raise SystemExit(f"--gpus {args.gpus}: torch sees {torch.cuda.device_count()} GPU(s)")
+    reference = load_reference(args.reference)
+    tokenizer_from = Path(args.tokenizer) if args.tokenizer else resolve_model_dir(DEFAULT_MODEL_ID)
+    lengths = np.asarray(reference.reference_lengths(n_tasks, max_len=512))
+    profile = (
+        ConsumerProfile(8192, 256, 512, 8) if args.cpu else ConsumerProfile(32768, 1024, 512, 8)
+    )
+    gpu_counts = [1] if args.cpu or args.gpus == 1 else [1, args.gpus]
+    print(
+        f"{n_tasks:,} tasks, {int(lengths.sum()):,} tokens (reference_lengths), models {models}, "
+        f"modes {modes}, databases {dbs}, {'CPU engine' if args.cpu else f'GPUs {gpu_counts}'}",
+        flush=True,
+    )
+    results: dict[str, Any] = {}
+    with contextlib.ExitStack() as stack:
+        work = Path(args.workdir) if args.workdir else None
+        if work is None:
+            work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fabric-e2e-")))
+        work.mkdir(parents=True, exist_ok=True)
+        pg = None
+        if "postgresql" in dbs:
+            pg = stack.enter_context(postgres_server(args.pg_url, work))
+        inputs = {}
+        for mode in modes:
+            path = work / f"tasks-{mode}-{n_tasks}.parquet"
+            if not path.is_file():
+                started = time.perf_counter()
+                if mode == "ids":
+                    write_token_ids(path, lengths)
+                else:
+                    write_texts(path, lengths, vocabulary_words(tokenizer_from))
+                print(f"wrote {path.name} in {time.perf_counter() - started:.1f} s", flush=True)
+            inputs[mode] = path
+        for size in models:
+            dtype = torch.float32 if args.cpu else torch.float16
+            model = random_model(reference, work / f"model-{size}", size, tokenizer_from, dtype)
+            manifest = manifest_for_model(
+                str(model), backend="cpu" if args.cpu else "torch",
+                dtype="float32" if args.cpu else "float16", profile=profile,
+                hooks=HookSpec((), "mean"),
+            )  # fmt: skip
+            manifest_file = work / f"engine-{size}.json"
+            manifest_file.write_text(json.dumps(manifest.to_mapping()))
+            engine = (
+                engine_only_cpu(model, lengths, profile)
+                if args.cpu
+                else engine_only_gpu(reference, size, lengths)
+            )
+            print(f"{size}: engine alone {engine['tokens_per_s'] / 1e6:.3f} M tok/s", flush=True)
+            for mode in modes:
+                for db in dbs:
+                    by_gpus = {}
+                    for gpus in gpu_counts:
+                        key = f"{size}/{mode}/{db}" + (f"/gpus={gpus}" if gpus > 1 else "")
+                        root = work / f"run-{size}-{mode}-{db}-{gpus}"
+                        shutil.rmtree(root, ignore_errors=True)
+                        with database_for(db, root, pg) as url:
+                            run = run_product(root, inputs[mode], manifest_file, url, gpus)
+                        results[key] = summarise(run, engine, int(lengths.sum()))
+                        by_gpus[gpus] = results[key]
+                        show(key, results[key])
+                    if len(by_gpus) > 1:
+                        many = by_gpus[args.gpus]
+                        many["ratio_vs_one_gpu"] = round(
+                            many["e2e_tokens_per_s"] / by_gpus[1]["e2e_tokens_per_s"], 3
+                        )
+                        print(f"  {args.gpus} GPUs vs 1, end to end: {many['ratio_vs_one_gpu']}x")
+    print(json.dumps(results))
+
+
+def summarise(run: dict[str, Any], engine: dict[str, Any], submitted_tokens: int) -> dict[str, Any]:
+    report = run["report"]
+    extraction = report["extract"].get("extraction_outputs", {})
+    real_tokens = int(extraction.get("real_tokens", 0)) or submitted_tokens
+    e2e = real_tokens / run["wall_seconds"]
+    stages = stage_seconds(report)
+    pulling = stages["extraction_pulling"] or stages["extraction"]
+    index = report["index"].get("vector_index", {})
+    return {
+        "e2e_tokens_per_s": round(e2e),
+        "engine_tokens_per_s": round(engine["tokens_per_s"]),
+        "ratio_e2e_vs_engine": round(e2e / engine["tokens_per_s"], 3),
+        # The extraction stage (its wall, worker start-up included) against the engine alone.
+        "extraction_stage_ratio": round(
+            real_tokens / max(stages["extraction"], 1e-9) / engine["tokens_per_s"], 3
+        ),
+        "pulling_ratio": round(real_tokens / max(pulling, 1e-9) / engine["tokens_per_s"], 3),
+        "exactly_once": run["exactly_once"],
+        "tasks": run["tasks"],
+        "completed": run["completed"],
+        "failed": run["failed"],
+        "rows": run["rows"],
+        "real_tokens": real_tokens,
+        "wall_seconds": round(run["wall_seconds"], 2),
+        "recall_at_10": index.get("recall_at_10"),
+        "index_factory": index.get("factory"),
+        "stage_seconds": stages,
+    }
+
+
+def show(key: str, r: dict[str, Any]) -> None:
+    s = r["stage_seconds"]
+    print(
+        f"{key}: end to end {r['e2e_tokens_per_s'] / 1e6:.3f} M tok/s in {r['wall_seconds']} s "
+        f"= {r['ratio_e2e_vs_engine']:.2f}x the engine ({r['engine_tokens_per_s'] / 1e6:.3f} M); "
+        f"extraction stage {r['extraction_stage_ratio']:.2f}x, pulling {r['pulling_ratio']:.2f}x\n"
+        f"  stages: {', '.join(f'{k} {v:.2f}' for k, v in s.items())}\n"
+        f"  rows {r['rows']:,} = completed {r['completed']:,} of {r['tasks']:,} "
+        f"(failed {r['failed']}); exactly once: {r['exactly_once']}; "
+        f"index {r['index_factory']} recall@10 {r['recall_at_10']}",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()

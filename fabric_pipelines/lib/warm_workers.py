@@ -1,0 +1,161 @@
+"""Workers started before their plan exists, so the engine's start-up hides behind ingest.
+
+A worker's start (Python, torch, the CUDA context, the weights) takes seconds that a run spends
+otherwise idle while the task set is ingested and planned. `warm_workers` starts the run's
+workers at the very beginning, with a go file they wait for once their engine is loaded; the
+extraction step (`workers.extract_task_set`, in the same process) takes the pool over with
+`take_warm_pool` when it matches the step's settings (task set, manifest, database, worker
+count), writes the go file, and supervises them as usual. A pool nobody takes (ingest failed, the
+step's settings differ, the step runs in another process) is stopped when its block ends.
+
+GPU workers hold their devices' leases from the start: the pool takes them when it starts (or
+starts no workers when they are not free at once: the step then leases and launches as usual),
+and gives them back when its block ends, after its workers are stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fabric_pipelines.lib.device_lease import DevicesBusy, lease_devices
+from fabric_pipelines.lib.files import write_bytes
+from fabric_pipelines.lib.workers import (
+    WorkerProcess,
+    WorkerSettings,
+    launch_workers,
+    stop_workers,
+    worker_settings,
+)
+
+
+@dataclass
+class WarmPool:
+    settings: WorkerSettings
+    manifest: dict[str, Any]
+    count: int
+    devices: list[int] | None
+    workers: list[WorkerProcess] = field(default_factory=list)
+    taken: bool = False
+
+    @property
+    def go_file(self) -> Path:
+        return self.settings.folder / "go"
+
+    def matches(self, settings: WorkerSettings, manifest: dict[str, Any], count: int) -> bool:
+        def timing(s: WorkerSettings) -> tuple[str, float, float | None]:
+            return s.database_url, s.lease_seconds, s.heartbeat_seconds
+
+        return (
+            timing(self.settings) == timing(settings)
+            and self.manifest == manifest
+            and self.count == count
+        )
+
+    def go(self) -> list[WorkerProcess]:
+        """Let the workers read the plan and run it."""
+        write_bytes(self.go_file, b"go\n")
+        return self.workers
+
+    def __enter__(self) -> WarmPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        stop_workers(self.workers)
+
+
+_pools: dict[str, WarmPool] = {}  # task set -> the pool started for it, until taken or ended
+_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def warm_workers(
+    paths: Any,
+    task_set: str,
+    manifest: Any,
+    *,
+    database_url: str,
+    count: int,
+    visible_gpus: int,
+    lease_seconds: float,
+    heartbeat_seconds: float | None = None,
+) -> Iterator[WarmPool | None]:
+    """Start `count` workers for `task_set` now; on leaving the block, stop any still running
+    and give their devices back. Yields None (and starts nothing) for in-process runs
+    (count 0) or when the GPUs are not all free at once."""
+    if count < 1:
+        yield None
+        return
+    gpu = manifest.backend != "cpu"
+    with contextlib.ExitStack() as stack:
+        devices = None
+        if gpu:
+            try:
+                devices = stack.enter_context(
+                    lease_devices(paths.device_leases, count, visible_gpus, wait=False)
+                )
+            except (DevicesBusy, ValueError):
+                # Busy: the step waits for them itself. Too few: the step says so, once.
+                yield None
+                return
+        settings = worker_settings(
+            paths, task_set, manifest, database_url, lease_seconds, heartbeat_seconds
+        )
+        pool = WarmPool(settings, _plain(manifest), count, devices)
+        stack.callback(stop_workers, pool.workers)  # runs before the lease is given back
+        pool.workers.extend(
+            launch_workers(settings, count, settings.folder, devices, go_file=pool.go_file)
+        )
+        with _lock:
+            _pools[task_set] = pool
+        try:
+            yield pool
+        finally:
+            with _lock:
+                if _pools.get(task_set) is pool:
+                    del _pools[task_set]
+
+
+def warm_devices(task_set: str) -> list[int] | None:
+    """The devices a waiting pool of `task_set` holds (its step need not lease them again)."""
+    with _lock:
+        pool = _pools.get(task_set)
+        return None if pool is None or pool.taken else pool.devices
+
+
+def take_warm_pool(
+    task_set: str,
+    manifest: Any,
+    count: int,
+    *,
+    database_url: str,
+    lease_seconds: float,
+    heartbeat_seconds: float | None,
+) -> WarmPool | None:
+    """The waiting pool of `task_set` if it was started with these settings and all its workers
+    live; one that does not match is stopped (its devices stay leased until its block ends)."""
+    with _lock:
+        pool = _pools.get(task_set)
+        if pool is None or pool.taken:
+            return None
+        pool.taken = True
+    wanted = WorkerSettings(
+        task_set, pool.settings.manifest_path, pool.settings.data_root, database_url,
+        lease_seconds=lease_seconds, heartbeat_seconds=heartbeat_seconds,
+    )  # fmt: skip
+    alive = all(w.process.poll() is None for w in pool.workers)
+    if alive and pool.matches(wanted, _plain(manifest), count):
+        return pool
+    stop_workers(pool.workers)
+    return None
+
+
+def _plain(manifest: Any) -> dict[str, Any]:
+    """The manifest as plain JSON values, so that two equal manifests compare equal."""
+    mapping: dict[str, Any] = json.loads(json.dumps(manifest.to_mapping()))
+    return mapping

@@ -1,0 +1,146 @@
+"""Workers started before their plan: taken over by the extraction of the same settings, let go
+by a go file, stopped when nobody takes them; GPU pools hold their devices' leases meanwhile.
+
+The workers are real `python -m fabric_pipelines.lib.workers` processes running the CPU engine on
+a tiny random BERT with the real tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+from sqlalchemy import Engine
+
+from fabric_gpu.manifest import EngineManifest, HookSpec, manifest_for_model
+from fabric_gpu.profile import ConsumerProfile
+from fabric_pipelines.lib.broker.ledger import accounting
+from fabric_pipelines.lib.broker.plans import plan_task_set
+from fabric_pipelines.lib.device_lease import DevicesBusy, lease_devices
+from fabric_pipelines.lib.settings import FabricPaths
+from fabric_pipelines.lib.tasks.catalog import ingest_task_set
+from fabric_pipelines.lib.tasks.inbox import submit
+from fabric_pipelines.lib.warm_workers import take_warm_pool, warm_devices, warm_workers
+from fabric_pipelines.lib.workers import extract_task_set
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def _manifest(model_dir: Path, backend: str = "cpu") -> EngineManifest:
+    return manifest_for_model(
+        str(model_dir), backend=backend, dtype="float32",
+        profile=ConsumerProfile(256, 4, 64, 8), hooks=HookSpec((), "mean"),
+    )  # fmt: skip
+
+
+def _ingest_and_plan(db: Engine, paths: FabricPaths, manifest: EngineManifest, n: int) -> None:
+    source = paths.root / "set.jsonl"
+    source.write_text(
+        "".join(json.dumps({"id": f"t{i}", "text": f"task {i} of {n}"}) + "\n" for i in range(n))
+    )
+    submit(source, paths.inbox, "set")
+    ingest_task_set(db, paths, "set", model_id=manifest.model_id, max_seq_len=64)
+    plan_task_set(db, paths, "set", manifest)
+
+
+def test_a_warm_pool_started_before_ingest_runs_the_plan_made_after_it(
+    db: Engine, db_url: str, paths: FabricPaths, tiny_model_dir: Path
+) -> None:
+    manifest = _manifest(tiny_model_dir)
+    with warm_workers(
+        paths, "set", manifest, database_url=db_url, count=2, visible_gpus=0, lease_seconds=30
+    ) as pool:
+        assert pool is not None and len(pool.workers) == 2
+        # The workers load their engine and wait: no plan exists yet.
+        _ingest_and_plan(db, paths, manifest, 120)
+        assert not pool.go_file.exists()
+        assert all(w.process.poll() is None for w in pool.workers)
+        summary = extract_task_set(db, paths, "set", manifest, database_url=db_url, workers=2)
+        assert pool.taken and pool.go_file.exists()
+        assert all(w.process.returncode == 0 for w in pool.workers)
+    assert summary.batches_done == 30 and summary.rows_inserted == 120
+    with db.connect() as conn:
+        counts = accounting(conn, "set", manifest.model_key)
+    assert counts.finished and counts.completed == 120
+
+
+def test_a_pool_whose_settings_differ_is_stopped_and_the_step_launches_its_own(
+    db: Engine, db_url: str, paths: FabricPaths, tiny_model_dir: Path
+) -> None:
+    manifest = _manifest(tiny_model_dir)
+    with warm_workers(
+        paths, "set", manifest, database_url=db_url, count=1, visible_gpus=0, lease_seconds=30
+    ) as pool:
+        assert pool is not None
+        _ingest_and_plan(db, paths, manifest, 40)
+        # Another lease length: not the run this pool was started for.
+        summary = extract_task_set(
+            db, paths, "set", manifest, database_url=db_url, workers=1, lease_seconds=45
+        )
+        assert pool.taken and not pool.go_file.exists()
+        assert all(w.process.poll() is not None for w in pool.workers)
+    assert summary.rows_inserted == 40
+
+
+def test_a_pool_nobody_takes_is_stopped_when_its_block_ends(
+    db_url: str, paths: FabricPaths, tiny_model_dir: Path
+) -> None:
+    manifest = _manifest(tiny_model_dir)
+    with warm_workers(
+        paths, "set", manifest, database_url=db_url, count=1, visible_gpus=0, lease_seconds=30
+    ) as pool:
+        assert pool is not None
+        workers = list(pool.workers)
+    assert all(w.process.returncode is not None for w in workers)
+    assert take_warm_pool(
+        "set", manifest, 1, database_url=db_url, lease_seconds=30, heartbeat_seconds=None
+    ) is None  # fmt: skip
+
+
+def test_a_gpu_pool_holds_its_devices_until_its_block_ends(
+    db_url: str, paths: FabricPaths, tiny_model_dir: Path
+) -> None:
+    manifest = _manifest(tiny_model_dir, backend="torch")  # its workers fail here: no CUDA
+    with warm_workers(
+        paths, "set", manifest, database_url=db_url, count=1, visible_gpus=1, lease_seconds=30
+    ) as pool:
+        assert pool is not None and pool.devices == [0] and warm_devices("set") == [0]
+        with pytest.raises(DevicesBusy), lease_devices(paths.device_leases, 1, 1, wait=False):
+            pass
+        # A second run's pool finds the device taken: it starts nothing (its step waits).
+        with warm_workers(
+            paths, "set2", manifest, database_url=db_url, count=1, visible_gpus=1,
+            lease_seconds=30,
+        ) as second:  # fmt: skip
+            assert second is None
+    assert warm_devices("set") is None
+    with lease_devices(paths.device_leases, 1, 1, wait=False) as devices:
+        assert devices == [0]
+
+
+def test_two_threads_taking_one_pool_get_it_once(
+    db_url: str, paths: FabricPaths, tiny_model_dir: Path
+) -> None:
+    manifest = _manifest(tiny_model_dir)
+    taken: list[object] = []
+    with warm_workers(
+        paths, "set", manifest, database_url=db_url, count=1, visible_gpus=0, lease_seconds=30
+    ):
+        barrier = threading.Barrier(4)
+
+        def take() -> None:
+            barrier.wait()
+            pool = take_warm_pool(
+                "set", manifest, 1, database_url=db_url, lease_seconds=30, heartbeat_seconds=None
+            )
+            if pool is not None:
+                taken.append(pool)
+
+        threads = [threading.Thread(target=take) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert len(taken) == 1
