@@ -8,6 +8,8 @@ DAGSTER_HOME, so every run shows up in the UI afterwards.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import logging
 import os
 import sys
@@ -98,6 +100,7 @@ def run_pipeline(task_set: str, args: argparse.Namespace) -> dict[str, Any]:
     from fabric_pipelines.definitions import defs
     from fabric_pipelines.defs.partitions import TASK_SET_PARTITIONS
     from fabric_pipelines.lib.names import validate_task_set_name
+    from fabric_pipelines.lib.progress import run_progress
 
     validate_task_set_name(task_set)  # InvalidNameError: main() prints it, exit 2
     definitions = defs()
@@ -106,28 +109,72 @@ def run_pipeline(task_set: str, args: argparse.Namespace) -> dict[str, Any]:
     run_config = _run_config(args)
     log_config = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}
     started = time.perf_counter()
-    extract = definitions.resolve_job_def("extract_task_set").execute_in_process(
-        partition_key=task_set,
-        instance=instance,
-        run_config={**run_config, **log_config},
-        raise_on_error=False,
-    )
-    if not extract.success:
-        if registered and not _ingested(task_set):
-            instance.delete_dynamic_partition(TASK_SET_PARTITIONS, task_set)
-        raise SystemExit(_failure_text(extract, "extraction", task_set))
-    index = definitions.resolve_job_def("build_vector_index").execute_in_process(
-        instance=instance, run_config={**run_config, **log_config}, raise_on_error=False
-    )
+    with run_progress():  # one bar for the run: stage, tasks done, tokens/s, ETA
+        # The engine's workers start now and load while the set is ingested and planned.
+        with _warm_workers(task_set, args):
+            extract = definitions.resolve_job_def("extract_task_set").execute_in_process(
+                partition_key=task_set,
+                instance=instance,
+                run_config={**run_config, **log_config},
+                raise_on_error=False,
+            )
+        if not extract.success:
+            if registered and not _ingested(task_set):
+                instance.delete_dynamic_partition(TASK_SET_PARTITIONS, task_set)
+            raise SystemExit(_failure_text(extract, "extraction", task_set))
+        index = definitions.resolve_job_def("build_vector_index").execute_in_process(
+            instance=instance, run_config={**run_config, **log_config}, raise_on_error=False
+        )
     if not index.success:
         raise SystemExit(_failure_text(index, "index build", task_set))
+    materialized = {**_materializations(extract), **_materializations(index)}
     return {
         "extract": _materializations(extract),
         "index": _materializations(index),
         "checks": _checks(extract) + _checks(index),
         "seconds": time.perf_counter() - started,
+        "stage_seconds": {
+            name: meta["seconds"] for name, meta in materialized.items() if "seconds" in meta
+        },
         "run_ids": (extract.run_id, index.run_id),
     }
+
+
+def _warm_workers(task_set: str, args: argparse.Namespace) -> Any:
+    """Start the run's extraction workers ahead of their plan (lib/warm_workers.py); a no-op
+    when the engine settings cannot be read here (the run's own step reports why)."""
+    from fabric_pipelines.defs.resources import EngineConfig
+    from fabric_pipelines.lib.gpu_pool import visible_gpus
+    from fabric_pipelines.lib.settings import FabricPaths, database_url, default_root
+    from fabric_pipelines.lib.warm_workers import warm_workers
+
+    try:
+        engine = EngineConfig(**_engine_config(args))
+        manifest = engine.manifest()
+    except Exception:  # the extraction step reports the same error, in the run
+        return contextlib.nullcontext()
+    paths = FabricPaths(default_root()).ensure()
+    return warm_workers(
+        paths,
+        task_set,
+        manifest,
+        database_url=database_url(paths),
+        count=engine.workers,
+        visible_gpus=visible_gpus() if manifest.backend != "cpu" else 0,
+        lease_seconds=engine.lease_seconds,
+        heartbeat_seconds=engine.heartbeat_seconds,
+    )
+
+
+def _write_report(args: argparse.Namespace, summary: dict[str, Any]) -> None:
+    """The run's summary as JSON, for scripts (`--report FILE`)."""
+    if not getattr(args, "report", None):
+        return
+    from fabric_pipelines.lib.files import write_bytes
+
+    plain = {key: value for key, value in summary.items() if key != "run_ids"}
+    plain["run_ids"] = list(summary["run_ids"])
+    write_bytes(Path(args.report), json.dumps(plain, default=str, indent=1).encode())
 
 
 def _register_partition(instance: Any, partitions: str, task_set: str) -> bool:
@@ -319,6 +366,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     )
     if args.run:
         summary = run_pipeline(staged.task_set, args)
+        _write_report(args, summary)
         _print_summary(summary)
     else:
         print(
@@ -338,6 +386,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
     _open_database()[1].dispose()  # the schema first, before two runs' steps race to make it
     summary = run_pipeline(args.task_set, args)
+    _write_report(args, summary)
     _print_summary(summary)
     return 0 if all(passed for _, passed in summary["checks"]) else 1
 
@@ -614,6 +663,9 @@ def build_parser() -> argparse.ArgumentParser:
             "--heartbeat-seconds",
             type=float,
             help="how often a worker renews its leases while it extracts",
+        )
+        p.add_argument(
+            "--report", metavar="FILE", help="with a run: write its summary here as JSON"
         )
 
     demo = sub.add_parser(

@@ -5,6 +5,7 @@ through resources, and each returns a MaterializeResult with a data version and 
 """
 
 import hashlib
+import time
 
 import dagster as dg
 
@@ -22,7 +23,7 @@ from fabric_pipelines.lib.index.publish import (
     recall_curve_chart,
 )
 from fabric_pipelines.lib.index.staleness import latest_receipt
-from fabric_pipelines.lib.progress import TaskProgress
+from fabric_pipelines.lib.progress import TaskProgress, stage
 from fabric_pipelines.lib.tasks.catalog import ingest_task_set
 from fabric_pipelines.lib.tasks.ingest import SubmissionError
 from fabric_pipelines.lib.verify import verify_extraction
@@ -56,6 +57,8 @@ def tokenised_tasks(
     engine: EngineConfig,
 ) -> dg.MaterializeResult:
     manifest = engine.manifest()
+    started = time.perf_counter()
+    stage("ingest")
     try:
         summary = ingest_task_set(
             database.engine(),
@@ -81,6 +84,7 @@ def tokenised_tasks(
             "mean_length": float(lengths.mean()) if lengths.size else 0.0,
             "max_length": int(lengths.max()) if lengths.size else 0,
             "reused": summary.reused,
+            "seconds": round(time.perf_counter() - started, 3),
             "path": dg.MetadataValue.path(str(summary.path)),
             "sha256": summary.content_sha256,
             "length_histogram": dg.MetadataValue.md(length_histogram(lengths)),
@@ -111,6 +115,8 @@ def shape_batches(
     engine: EngineConfig,
 ) -> dg.MaterializeResult:
     manifest = engine.manifest()
+    started = time.perf_counter()
+    stage("plan")
     summary = plan_task_set(
         database.engine(), store.paths(), context.partition_key, manifest, input_layout(manifest)
     )
@@ -135,6 +141,7 @@ def shape_batches(
                 )
             ),
             "path": dg.MetadataValue.path(str(summary.path)),
+            "seconds": round(time.perf_counter() - started, 3),
         },
         data_version=dg.DataVersion(summary.plan_id),
     )
@@ -180,6 +187,7 @@ def extraction_outputs(
     except LookupError as exc:
         raise dg.Failure(description=str(exc), allow_retries=False) from exc
 
+    stage("extract", tasks=plan_row.n_items, real_tokens=plan_row.real_tokens)
     bar = TaskProgress(f"extract {task_set}")
 
     def progress(counts: Accounting) -> None:
@@ -204,7 +212,7 @@ def extraction_outputs(
         context.log.info(f"{task_set}: waiting for {engine.workers} free GPU(s)")
 
     try:
-        with engine.devices(store.paths(), waiting_for_gpus) as devices:
+        with engine.devices(store.paths(), waiting_for_gpus, task_set) as devices:
             report = extract_task_set(
                 db,
                 store.paths(),
@@ -247,7 +255,13 @@ def extraction_outputs(
             "rows_inserted": report.rows_inserted,
             "real_tokens": report.real_tokens,
             "real_tokens_per_s": round(report.tokens_per_second, 1),
-            "seconds": round(report.seconds, 2),
+            # The stage's wall time, and its pulling window: first engine ready (graphs
+            # captured) to the last batch acknowledged; the rest is start-up and the drain.
+            "seconds": round(report.seconds, 3),
+            "pulling_seconds": round(report.pulling_seconds, 3),
+            "pulling_tokens_per_s": round(
+                report.real_tokens / report.pulling_seconds if report.pulling_seconds else 0.0, 1
+            ),
             "completed": counts.completed,
             "failed": counts.failed,
             "superseded_by": report.superseded_by or "none",
@@ -314,6 +328,8 @@ def vector_index(
 ) -> dg.MaterializeResult:
     manifest = engine.manifest()
     paths = store.paths()
+    started = time.perf_counter()
+    stage("index")
     spec = IndexSpec(
         factory=config.factory,
         metric=config.metric,
@@ -383,6 +399,7 @@ def vector_index(
                 cluster_health_table(published.receipt["quality"])
             ),
             "published": published.accepted,
+            "seconds": round(time.perf_counter() - started, 3),
             "receipt": dg.MetadataValue.json(published.receipt),
         },
         data_version=dg.DataVersion(published.receipt_sha256),
