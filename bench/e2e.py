@@ -228,10 +228,36 @@ def run_product(
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
     if done.returncode != 0 or not report_file.is_file():
-        sys.stderr.write(done.stdout[-6000:] + done.stderr[-6000:])
-        raise SystemExit(f"the product run failed (exit {done.returncode}) in {root}")
+        sys.stderr.write(done.stdout[-3000:] + done.stderr[-3000:])
+        raise ProductRunFailed(f"the product run failed (exit {done.returncode}) in {root}")
     report = json.loads(report_file.read_text())
     return {"wall_seconds": wall, "report": report, **exactly_once(db_url, manifest_file)}
+
+
+class ProductRunFailed(RuntimeError):
+    pass
+
+
+def rebuild_index(root: Path, db_url: str, receipt_path: str, cpu: bool) -> dict[str, Any]:
+    """`fabric index rebuild --receipt` in the run's data root: on this machine as it is, or
+    with no GPU visible (CUDA_VISIBLE_DEVICES empty) as a CPU-only machine would."""
+    env = {**os.environ, "FABRIC_HOME": str(root), "DAGSTER_HOME": str(root)}
+    env["FABRIC_DATABASE_URL"] = db_url
+    if cpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    command = [
+        sys.executable, "-c", "from fabric_pipelines.cli import main; raise SystemExit(main())",
+        "index", "rebuild", "--receipt", receipt_path, "--no-repair",
+    ]  # fmt: skip
+    start = time.perf_counter()
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.strip()]
+    return {
+        "on": "cpu" if cpu else "this machine",
+        "matches": done.returncode == 0 and "MATCH" in lines,
+        "seconds": round(time.perf_counter() - start, 2),
+        "output": lines[-4:] or done.stderr.splitlines()[-3:],
+    }
 
 
 def exactly_once(db_url: str, manifest_file: Path) -> dict[str, Any]:
@@ -294,6 +320,11 @@ def main() -> None:
     parser.add_argument("--reference", default=str(DEFAULT))
     parser.add_argument("--tokenizer", help="folder with all-MiniLM's tokenizer files")
     parser.add_argument("--workdir", help="keep inputs and data roots here (default: temporary)")
+    parser.add_argument(
+        "--rebuild",
+        action="store_true",
+        help="after each run, rebuild its index from the receipt here and with no GPU visible",
+    )
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -364,11 +395,22 @@ def main() -> None:
                         root = work / f"run-{size}-{mode}-{db}-{gpus}"
                         shutil.rmtree(root, ignore_errors=True)
                         with database_for(db, root, pg) as url:
-                            run = run_product(root, inputs[mode], manifest_file, url, gpus)
-                        results[key] = summarise(run, engine, int(lengths.sum()))
+                            try:
+                                run = run_product(root, inputs[mode], manifest_file, url, gpus)
+                            except ProductRunFailed as failed:
+                                print(f"{key}: {failed}", flush=True)
+                                results[key] = {"error": str(failed)}
+                                continue
+                            results[key] = summarise(run, engine, int(lengths.sum()))
+                            receipt = run["report"]["index"].get("vector_index", {})
+                            if args.rebuild and receipt.get("receipt_path"):
+                                results[key]["rebuilds"] = [
+                                    rebuild_index(root, url, receipt["receipt_path"], cpu)
+                                    for cpu in ((True,) if args.cpu else (False, True))
+                                ]
                         by_gpus[gpus] = results[key]
                         show(key, results[key])
-                    if len(by_gpus) > 1:
+                    if len(by_gpus) > 1 and all("error" not in r for r in by_gpus.values()):
                         many = by_gpus[args.gpus]
                         many["ratio_vs_one_gpu"] = round(
                             many["e2e_tokens_per_s"] / by_gpus[1]["e2e_tokens_per_s"], 3
@@ -408,6 +450,8 @@ def summarise(run: dict[str, Any], engine: dict[str, Any], submitted_tokens: int
 
 
 def show(key: str, r: dict[str, Any]) -> None:
+    for rebuild in r.get("rebuilds", []):
+        print(f"  index rebuilt on {rebuild['on']} in {rebuild['seconds']} s: {rebuild['output']}")
     s = r["stage_seconds"]
     print(
         f"{key}: end to end {r['e2e_tokens_per_s'] / 1e6:.3f} M tok/s in {r['wall_seconds']} s "
