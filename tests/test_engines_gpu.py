@@ -200,3 +200,19 @@ def test_fused_kernels_match_their_twins() -> None:
             fused.embed_layer_norm_reference(ids, positions, word, pos, w, w, b, 1e-12),
             atol=2e-2, rtol=1e-2,
         )  # fmt: skip
+
+
+def test_a_prewarmed_worker_engine_captured_the_full_shape_and_still_matches() -> None:
+    """A warm worker captures a packed plan's full-batch graph before the plan exists; the run
+    then captures only the plan's other shapes, and its outputs still match the CPU reference."""
+    from fabric_gpu.engines.torch_engine import TorchEngine
+    from fabric_pipelines.lib.workers import prewarm
+
+    reference = _random_bert()
+    engine = TorchEngine(_manifest("float16"), model=copy.deepcopy(reference), layout="packed")
+    prewarm(engine)
+    assert list(engine.captured) == [PROFILE.max_batch_tokens]
+    lengths = np.random.default_rng(3).integers(1, 257, 300)
+    tokens, offsets, per_item, stats = _run(engine, lengths, seed=4)
+    assert PROFILE.max_batch_tokens in engine.captured
+    _check_against_cpu(reference, tokens, offsets, per_item, stats, len(lengths))

@@ -205,6 +205,18 @@ def bind_to_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="fabric-parent-watchdog", daemon=True).start()
 
 
+def prewarm(engine: Any) -> None:
+    """Before the plan exists: capture the CUDA graph of the shape packed plans use for nearly
+    every batch (a full one: max_batch_tokens, max_batch_items); the plan's other shapes (its
+    last batch, mostly) are captured when it arrives. Other engines have nothing to do early."""
+    if getattr(engine, "layout", None) != "packed" or not hasattr(engine, "capture"):
+        return
+    # A packed engine's max_batch_tokens is a multiple of PACKED_GRANULARITY (profile.py), so
+    # a full batch's shape is max_batch_tokens itself.
+    profile = engine.profile
+    engine.capture(engine.shapes_for([(profile.max_batch_tokens, profile.max_batch_items)]))
+
+
 def wait_for_file(path: Path, poll_s: float = 0.01) -> None:
     """Block until `path` exists (the supervisor's go); the parent watchdog ends a worker
     whose supervisor dies meanwhile."""
@@ -260,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = create_engine(manifest)  # first: the slow part a warm worker does ahead of its plan
     try:
         if args.go_file:
+            prewarm(engine)
             wait_for_file(Path(args.go_file))
         job = _job(db, paths, args.task_set, manifest)
         report = run_worker(
