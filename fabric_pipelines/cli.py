@@ -256,7 +256,7 @@ def _failed_checks(result: Any) -> list[str]:
     for e in result.get_asset_check_evaluations():
         if e.passed:
             continue
-        problems = e.metadata.get("problems")
+        problems = e.metadata.get("problems") or e.metadata.get("what_to_change")
         detail = f": {problems.value}" if problems is not None else ""
         out.append(f"check {e.asset_key.to_user_string()}:{e.check_name} failed{detail}")
     return out

@@ -4,22 +4,26 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from unittest.mock import patch
 
 import faiss
 import numpy as np
 import pytest
+import torch
 from sqlalchemy import Engine, insert
 
 from fabric_pipelines.lib.files import sha256_file
+from fabric_pipelines.lib.index import kmeans, quality, torch_search
 from fabric_pipelines.lib.index.build import (
     IndexSpec,
-    RecallProbe,
     build_index,
-    recall_at_k,
+    prepare_rows,
     resolve_factory,
     serialize,
+    set_nprobe,
 )
 from fabric_pipelines.lib.index.publish import build_and_publish
+from fabric_pipelines.lib.index.recall import RecallProbe, doublings, recall_at_k
 from fabric_pipelines.lib.index.receipt import canonical_json, receipt_sha256
 from fabric_pipelines.lib.index.vectors import BadVectorsError, check_vectors
 from fabric_pipelines.lib.settings import FabricPaths
@@ -63,7 +67,8 @@ def test_recall_counts_neighbours_tied_at_the_kth_distance_alike() -> None:
     ids = np.arange(len(x), dtype=np.int64)
     spec = IndexSpec(factory="IVF32,Flat", nprobe=2, recall_queries=300)
     ivf = build_index(x, ids, spec)
-    short, wide = RecallProbe(x, ids, spec, max_k=10), RecallProbe(x, ids, spec, max_k=100)
+    short = RecallProbe.of_vectors(x, ids, spec, max_k=10)
+    wide = RecallProbe.of_vectors(x, ids, spec, max_k=100)
     assert short.recall(ivf.index, 10) == wide.recall(ivf.index, 10)
     # An "index" that returns the tied duplicates in reverse order of the exact search still
     # finds every neighbour: full recall.
@@ -149,3 +154,134 @@ def test_publish_writes_index_receipt_file_and_row(db: Engine, paths: FabricPath
     )  # fmt: skip
     assert again.receipt_sha256 == published.receipt_sha256
     assert Path(again.index_path) == Path(published.index_path)
+
+
+def test_torch_kmeans_on_the_cpu_is_deterministic_and_as_good_as_faiss() -> None:
+    """The torch builder (the GPU build's algorithm, here on the CPU) gives the same bytes run
+    to run, and an index as good as FAISS's own k-means."""
+    x = _clustered(6000)
+    ids = np.arange(6000, dtype=np.int64)
+    torch_spec = IndexSpec(factory="IVF64,Flat", nprobe=4, kmeans="torch", device="cpu")
+    first, second = build_index(x, ids, torch_spec), build_index(x, ids, torch_spec)
+    assert first.builder == "torch-cpu" and first.iterations == 10
+    assert serialize(first.index) == serialize(second.index)
+    assert first.centroids_sha256 == second.centroids_sha256
+    faiss_spec = IndexSpec(factory="IVF64,Flat", nprobe=4, kmeans="faiss", device="cpu")
+    reference = build_index(x, ids, faiss_spec)
+    assert reference.builder == "faiss-cpu"
+    with_torch = recall_at_k(first.index, x, ids, torch_spec)[0]
+    with_faiss = recall_at_k(reference.index, x, ids, faiss_spec)[0]
+    assert with_torch > with_faiss - 0.03, (with_torch, with_faiss)
+
+
+def test_torch_builds_only_plain_ivf_and_faiss_trains_the_rest() -> None:
+    x = _clustered(3000)
+    ids = np.arange(3000, dtype=np.int64)
+    for factory, builder in [
+        ("IVF32,Flat", "torch-cpu"),
+        ("IVF32,PQ4x4", "torch-cpu"),  # torch's centroids; FAISS trains the codes on residuals
+        ("PCA16,IVF32,Flat", "faiss-cpu"),  # the quantizer works on transformed rows
+        ("Flat", "faiss-cpu"),  # nothing to train
+    ]:
+        spec = IndexSpec(factory=factory, kmeans="torch", device="cpu")
+        built = build_index(x, ids, spec)
+        assert built.builder == builder, factory
+        assert built.index.ntotal == 3000
+        reference = build_index(x, ids, IndexSpec(factory=factory, kmeans="faiss", device="cpu"))
+        assert recall_at_k(built.index, x, ids, spec)[0] > (
+            recall_at_k(reference.index, x, ids, spec)[0] - 0.05
+        ), factory
+
+
+@pytest.mark.parametrize("metric", ["cosine", "l2"])
+def test_the_lists_curve_equals_searching_the_index(metric: str) -> None:
+    """recall per nprobe worked out from the exact neighbours and the index's lists is what
+    searching the IVF-Flat index at each nprobe measures."""
+    x = np.random.default_rng(3).standard_normal((5000, 24)).astype(np.float32)
+    ids = np.arange(7, 5007, dtype=np.int64)
+    spec = IndexSpec(factory="IVF64,Flat", metric=metric, nprobe=1, device="cpu")
+    built = build_index(x, ids, spec)
+    probe = RecallProbe.of_vectors(x, ids, spec, max_k=100)
+    steps = doublings(1, 64)
+    worked_out = probe.lists_curve(built.index, steps, 10)
+    searched = {}
+    for nprobe in steps:
+        set_nprobe(built.index, nprobe)
+        searched[nprobe] = round(probe.recall(built.index, 10)[0], 6)
+    assert worked_out == searched
+    assert searched[1] < 0.5 and searched[64] == 1.0
+
+
+@pytest.mark.parametrize("metric", ["cosine", "l2"])
+def test_torch_exact_search_matches_a_full_sort(metric: str) -> None:
+    rng = np.random.default_rng(5)
+    base = rng.standard_normal((3000, 16)).astype(np.float32)
+    if metric == "cosine":
+        base /= np.linalg.norm(base, axis=1, keepdims=True)
+    queries = base[:50]
+    dots = queries.astype(np.float64) @ base.T.astype(np.float64)
+    if metric == "cosine":
+        order = np.argsort(-dots, axis=1, kind="stable")
+    else:
+        squares = (base.astype(np.float64) ** 2).sum(1)
+        order = np.argsort(squares[None, :] - 2 * dots, axis=1, kind="stable")
+    t_base, t_queries = torch.from_numpy(base), torch.from_numpy(queries)
+    with patch.object(torch_search, "TILE_ELEMENTS", 50 * 700):  # several tiles to merge
+        scores, at = torch_search.top_k(t_queries, t_base, 12, metric)
+        labels = torch_search.nearest(t_base, t_base[:40], metric)
+    assert np.array_equal(at.numpy(), order[:, :12])
+    if metric == "cosine":
+        assert np.allclose(scores.numpy(), np.take_along_axis(dots, order[:, :12], 1), atol=1e-5)
+    assert np.array_equal(labels.numpy()[:40], np.arange(40))  # each centroid is its own nearest
+
+
+def test_an_empty_cluster_takes_over_half_of_the_largest() -> None:
+    centroids = torch.tensor([[1.0, 2.0], [3.0, 4.0], [0.0, 0.0], [5.0, 6.0]])
+    counts = torch.tensor([10, 40, 0, 40])
+    split = kmeans.split_empty(centroids.clone(), counts)
+    nudge = kmeans.SPLIT_NUDGE
+    # Cluster 1 is the largest (the lower number of two equals): both halves straddle it.
+    assert torch.equal(split[2], torch.tensor([3.0 * (1 + nudge), 4.0 * (1 - nudge)]))
+    assert torch.equal(split[1], torch.tensor([3.0 * (1 - nudge), 4.0 * (1 + nudge)]))
+    assert torch.equal(split[[0, 3]], centroids[[0, 3]])
+
+
+def test_kmeans_refuses_fewer_rows_than_lists_and_fills_every_list() -> None:
+    x = torch.from_numpy(_clustered(300, dim=8))
+    with pytest.raises(ValueError, match="at least one row per list"):
+        kmeans.kmeans(x[:10], 16, "l2", seed=1)
+    # Many duplicates: initial centroids collide and clusters go empty; splits refill them.
+    duplicated = torch.cat([x[:5].repeat(40, 1), x[5:]])
+    found = kmeans.kmeans(duplicated, 32, "l2", seed=1)
+    sizes = torch.bincount(torch_search.nearest(duplicated, found, "l2"), minlength=32)
+    assert int((sizes > 0).sum()) > 20
+    assert torch.equal(found, kmeans.kmeans(duplicated, 32, "l2", seed=1))
+
+
+def test_spec_refuses_unknown_builders_and_a_gpu_it_cannot_see() -> None:
+    with pytest.raises(ValueError, match="kmeans"):
+        IndexSpec(kmeans="sklearn")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="sees no CUDA GPU"):
+            IndexSpec(device="gpu")
+
+
+def test_vector_counts_come_back_from_the_check() -> None:
+    x = _clustered(50)
+    x[4] = 0.0
+    x[6, 3] = 1e30  # finite, though its square overflows float32: not a bad row
+    counts = check_vectors(x, "l2")
+    assert (counts.rows, counts.nan_rows, counts.inf_rows, counts.zero_norm_rows) == (50, 0, 0, 1)
+
+
+def test_density_and_near_duplicates_are_read_off_the_recall_queries() -> None:
+    x = np.repeat(_clustered(1500), 2, axis=0)  # every row twice
+    ids = np.arange(len(x), dtype=np.int64)
+    spec = IndexSpec(factory="IVF16,Flat", recall_queries=100)
+    built = build_index(x, ids, spec)
+    rows = prepare_rows(x, ids, spec)
+    measured = quality.measure(built.index, rows, x, check_vectors(x, "cosine"), spec, 0.0)
+    assert measured.measures["near_duplicates"] == 100  # each query's twin
+    nearest = RecallProbe(rows, spec, max_k=100).neighbour_distances(10)
+    assert nearest.shape == (100, 10) and np.all(nearest[:, 0] < 1e-6)
+    assert measured.measures["knn_density_10"] == round(float(nearest.mean()), 6) > 0

@@ -7,13 +7,21 @@ import json
 from typing import Any
 
 import dagster as dg
+import faiss
 import numpy as np
 import pytest
 from sqlalchemy import Engine, delete, func, insert, select, update
 
 from fabric_pipelines.defs.resources import ArtifactStore, Database
 from fabric_pipelines.defs.sensors import index_staleness_sensor
-from fabric_pipelines.lib.index.build import IndexSpec, deserialize, fill, merge, serialize
+from fabric_pipelines.lib.index.build import (
+    IndexSpec,
+    deserialize,
+    fill,
+    merge,
+    serialize,
+    tolerance,
+)
 from fabric_pipelines.lib.index.publish import (
     PublishedIndex,
     build_and_publish,
@@ -21,6 +29,7 @@ from fabric_pipelines.lib.index.publish import (
     split_shards,
 )
 from fabric_pipelines.lib.index.rebuild import ReceiptError, check_files, rebuild_from_receipt
+from fabric_pipelines.lib.index.recall import doublings
 from fabric_pipelines.lib.index.shards import shard_of
 from fabric_pipelines.lib.index.staleness import staleness
 from fabric_pipelines.lib.index.vectors import ID_STRIDE, load_vectors
@@ -116,20 +125,41 @@ def test_rebuild_refuses_rows_the_receipt_does_not_describe(db: Engine, paths: F
         rebuild_from_receipt(db, receipt, paths.indexes)
 
 
-def test_a_non_bitwise_backend_is_held_to_the_stated_recall_tolerance(
+def test_a_gpu_build_is_rebuilt_on_the_cpu_within_its_recall_tolerance(
     db: Engine, paths: FabricPaths
 ) -> None:
-    """No faiss-gpu here, so a GPU build is stood in for by its receipt: a recorded sha256 this
-    machine cannot reproduce, with the recall tolerance a GPU build states."""
+    """No GPU here, so a torch-cuda build is stood in for by its receipt: a torch build whose
+    receipt names the torch-cuda builder, its recall tolerance and a sha256 this machine
+    cannot reproduce. The rebuild runs the same algorithm on the CPU and is held to recall."""
     _seed_rows(db)
-    receipt = json.loads(json.dumps(_publish(db, paths).receipt))
-    receipt["build_device"] = "gpu"
+    spec = IndexSpec(factory="IVF32,Flat", nprobe=4, shards=SHARDS, kmeans="torch", device="cpu")
+    receipt = json.loads(json.dumps(_publish(db, paths, spec=spec).receipt))
+    assert receipt["training"]["builder"] == "torch-cpu"
+    receipt["training"]["builder"] = "torch-cuda"
+    receipt["build_device"] = receipt["training"]["device"] = "gpu"
+    receipt["tolerance"] = tolerance("torch-cuda")
     receipt["index_sha256"] = "0" * 64
-    receipt["tolerance"] = {"kind": "recall", "max_recall_drop": 0.01}
     report = rebuild_from_receipt(db, receipt, paths.indexes, repair=False)
-    assert report.matches and "allowed drop 0.01" in report.detail
+    assert report.device == "torch-cpu"
+    assert report.matches and "allowed drop 0.01" in report.detail, report.detail
     receipt["quality"]["recall_at_k"] = 1.5  # a recall no rebuild can come within 0.01 of
     assert not rebuild_from_receipt(db, receipt, paths.indexes, repair=False).matches
+
+
+def test_a_torch_build_rebuilds_bitwise_and_partly(db: Engine, paths: FabricPaths) -> None:
+    """Torch on the CPU is deterministic: its receipt promises bitwise rebuilds, and keeps it,
+    whole or shard by shard."""
+    _seed_rows(db)
+    spec = IndexSpec(factory="IVF32,Flat", nprobe=4, shards=SHARDS, kmeans="torch", device="cpu")
+    first = _publish(db, paths, spec=spec)
+    assert first.receipt["tolerance"]["kind"] == "bitwise"
+    assert first.receipt["training"]["iterations"] == 10
+    report = rebuild_from_receipt(db, first.receipt, paths.indexes)
+    assert report.matches and report.detail == "bitwise identical"
+    (model_folder(paths.indexes, "m") / first.receipt["shards"][6]["index_file"]).unlink()
+    second = _publish(db, paths, spec=spec, previous=first.receipt)
+    assert second.rebuilt_shards == [6]
+    assert second.receipt["index_sha256"] == first.receipt["index_sha256"]
 
 
 def test_only_the_changed_shard_is_rebuilt_and_search_equals_a_full_rebuild(
@@ -226,14 +256,68 @@ def test_a_missing_shard_file_is_rebuilt_on_the_next_build(db: Engine, paths: Fa
     assert second.receipt["index_sha256"] == first.receipt["index_sha256"]
 
 
-def test_an_index_below_its_recall_floor_is_not_recorded(db: Engine, paths: FabricPaths) -> None:
+def test_nprobe_is_raised_until_recall_meets_the_target(db: Engine, paths: FabricPaths) -> None:
+    """Gaussian rows have no clusters to find: one list of 64 holds few neighbours, so the
+    build searches more lists until recall@10 reaches 0.9 and the served index keeps that."""
+    rows = np.random.default_rng(4).standard_normal((3000, 16)).astype("<f4")
+    with db.begin() as conn:
+        model = model_id(conn, "m")
+        conn.execute(
+            insert(Embedding),
+            [
+                {"model_id": model, "task_set_id": 1, "record_no": i, "n_tokens": 5,
+                 "vector": v.tobytes()}
+                for i, v in enumerate(rows)
+            ],
+        )  # fmt: skip
+    spec = IndexSpec(factory="IVF64,Flat", nprobe=1, shards=2)
+    published = _publish(db, paths, spec=spec, min_recall=0.9)
+    params = published.receipt["index"]["params"]
+    tried = {int(k): v for k, v in params["nprobe_tried"].items()}
+    chosen = params["nprobe"]
+    assert params["nprobe_requested"] == 1 and params["min_recall"] == 0.9
+    assert 1 < chosen < 64 and list(tried) == doublings(1, chosen)
+    assert tried[chosen] >= 0.9 > max(v for k, v in tried.items() if k < chosen)
+    assert published.accepted and not published.shortfall
+    assert published.recall_at_k == tried[chosen]
+    served = faiss.extract_index_ivf(deserialize(published.index_path.read_bytes()))
+    assert served.nprobe == chosen
+    folder = model_folder(paths.indexes, "m")
+    for entry in published.receipt["shards"]:  # shards keep what was asked, whatever was chosen
+        shard = deserialize((folder / entry["index_file"]).read_bytes())
+        assert faiss.extract_index_ivf(shard).nprobe == 1
+    # The curve over every nprobe agrees with what was searched.
+    assert published.receipt["quality"]["nprobe_curve"][str(chosen)] == tried[chosen]
+    assert rebuild_from_receipt(db, published.receipt, paths.indexes).matches
+
+
+def test_an_index_no_nprobe_can_save_is_not_recorded(db: Engine, paths: FabricPaths) -> None:
+    """Four bytes of PQ code per row lose neighbours that no nprobe finds again: even every
+    list misses the target, so the build is refused and says what to change."""
     _seed_rows(db)
-    poor = IndexSpec(factory="IVF64,Flat", nprobe=1, shards=2)
-    published = _publish(db, paths, spec=poor, min_recall=0.999)
-    assert not published.accepted and published.recall_at_k < 0.999
+    poor = IndexSpec(factory="IVF32,PQ4x4", nprobe=1, shards=2)
+    published = _publish(db, paths, spec=poor, min_recall=0.9)
+    assert not published.accepted and published.recall_at_k < 0.9
+    params = published.receipt["index"]["params"]
+    assert params["nprobe"] == 32 and list(params["nprobe_tried"]) == [
+        str(p) for p in doublings(1, 32)
+    ]
+    assert "at nprobe=32 (all 32 lists)" in published.shortfall
+    assert "'IVF32,Flat'" in published.shortfall and "lower min_recall" in published.shortfall
     assert published.receipt_path.is_file()  # kept for inspection
     with db.connect() as conn:
         assert conn.execute(select(func.count()).select_from(IndexReceipt)).scalar_one() == 0
+
+
+def test_a_recall_target_above_one_is_refused_and_phases_are_timed(
+    db: Engine, paths: FabricPaths
+) -> None:
+    _seed_rows(db)
+    with pytest.raises(ValueError, match=r"within \[0, 1\]"):
+        _publish(db, paths, min_recall=1.01)
+    published = _publish(db, paths, min_recall=0.5)
+    assert set(published.seconds) == {"load", "prepare", "train", "add", "quality", "write"}
+    assert all(v >= 0 for v in published.seconds.values())
 
 
 def test_the_staleness_sensor_asks_for_a_rebuild_of_the_stale_shards(

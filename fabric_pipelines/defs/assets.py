@@ -404,7 +404,16 @@ def vector_index(
                 cluster_health_table(published.receipt["quality"])
             ),
             "published": published.accepted,
+            "builder": published.receipt["training"].get("builder", ""),
+            "nprobe": published.receipt["index"]["params"].get("nprobe", 0),
+            "nprobe_requested": published.receipt["index"]["params"].get(
+                "nprobe_requested", spec.nprobe
+            ),
+            "shortfall": published.shortfall or "none",
             "seconds": round(time.perf_counter() - started, 3),
+            "phase_seconds": dg.MetadataValue.json(
+                {k: round(v, 3) for k, v in published.seconds.items()}
+            ),
             "receipt": dg.MetadataValue.json(published.receipt),
         },
         data_version=dg.DataVersion(published.receipt_sha256),
@@ -413,7 +422,12 @@ def vector_index(
                 check_name="recall_at_10",
                 passed=recall >= config.min_recall,
                 severity=dg.AssetCheckSeverity.ERROR,
-                metadata={"recall_at_10": recall, "floor": config.min_recall},
+                metadata={
+                    "recall_at_10": recall,
+                    "floor": config.min_recall,
+                    "nprobe": published.receipt["index"]["params"].get("nprobe", 0),
+                    "what_to_change": published.shortfall or "nothing",
+                },
             )
         ],
     )

@@ -44,7 +44,7 @@ class RunProgress:
         self._extract_started = time.monotonic()
         bar = self._ensure_bar()
         if bar is not None:
-            self._done_at_start = bar.n
+            self._done_at_start = int(bar.n)
             if tasks:
                 bar.total = tasks
             bar.set_description(name, refresh=True)

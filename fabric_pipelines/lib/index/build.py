@@ -1,4 +1,12 @@
-"""FAISS index builds: factory string, training, adding rows in id order, recall against exact."""
+"""FAISS index builds: the factory string, who trains the quantizer, adding rows in id order.
+
+Two builders train and fill an IVF index. "faiss-cpu" is the reference: FAISS's own k-means and
+list assignment. The torch builder runs Lloyd's k-means (index/kmeans.py) and assigns rows to
+lists with tiled matrix products (index/torch_search.py): on the GPU ("torch-cuda") or, with the
+same code, on the CPU ("torch-cpu"), which is how a GPU build is made again on a machine without
+one. Either way the centroids go into FAISS's quantizer and each shard's rows go into the lists
+they were assigned to, in ascending id order, so FAISS serves and stores the result.
+"""
 
 from __future__ import annotations
 
@@ -8,58 +16,89 @@ from dataclasses import dataclass
 
 import faiss
 import numpy as np
+import torch
+
+from fabric_pipelines.lib.index import kmeans, torch_search
 
 METRICS = ("cosine", "l2")
 DEVICES = ("auto", "cpu", "gpu")
+KMEANS = ("auto", "faiss", "torch")
 
 
-def gpu_available() -> bool:
-    return hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
-
-
-def build_device(spec: IndexSpec) -> str:
-    """Where training runs: the spec's choice, "auto" meaning the GPU when FAISS can use one."""
-    if spec.device == "auto":
-        return "gpu" if gpu_available() else "cpu"
-    return spec.device
-
-
-def tolerance(device: str) -> dict[str, object]:
-    """How closely a rebuild must match: bitwise on CPU; on GPU k-means sums in a varying order,
-    so a rebuild must hold the same rows and reach the recorded recall within 0.01."""
-    if device == "cpu":
-        return {"kind": "bitwise", "why": "faiss-cpu training and adds are deterministic per seed"}
-    return {
-        "kind": "recall",
-        "max_recall_drop": 0.01,
-        "why": "GPU k-means reduces in a nondeterministic order; centroids differ in low bits",
-    }
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
 
 
 @dataclass(frozen=True)
 class IndexSpec:
     factory: str = "auto"  # a FAISS factory string, or "auto" (Flat when small, else IVF-Flat)
     metric: str = "cosine"
-    nprobe: int = 16
+    nprobe: int = 16  # the first nprobe tried; raised when the recall target needs it
     train_sample: int = 100_000  # at most this many rows train the quantizer
     seed: int = 1234
     recall_queries: int = 500
     k: int = 10
     shards: int = 1  # rows split by a fixed hash; one shared quantizer; merged for serving
-    device: str = "auto"  # where k-means trains: "gpu" needs faiss-gpu; "auto" picks it if present
+    device: str = "auto"  # where torch computes: "gpu" (CUDA), "cpu"; "auto": the GPU if present
+    kmeans: str = "auto"  # who trains and assigns: "faiss" (CPU) or "torch"; "auto": torch on GPU
 
     def __post_init__(self) -> None:
         if self.metric not in METRICS:
             raise ValueError(f"metric {self.metric!r}: expected one of {METRICS}")
         if self.device not in DEVICES:
             raise ValueError(f"device {self.device!r}: expected one of {DEVICES}")
-        if self.device == "gpu" and not gpu_available():
+        if self.kmeans not in KMEANS:
+            raise ValueError(f"kmeans {self.kmeans!r}: expected one of {KMEANS}")
+        if self.device == "gpu" and not cuda_available():
             raise ValueError(
-                "device 'gpu': this FAISS has no GPU support or sees no GPU; "
-                "install faiss-gpu or use device 'cpu'"
+                "device 'gpu': torch sees no CUDA GPU here; use device 'cpu' or 'auto'"
             )
         if min(self.nprobe, self.k, self.recall_queries, self.train_sample, self.shards) < 1:
             raise ValueError("nprobe, k, recall_queries, train_sample and shards must be positive")
+
+
+def compute_device(spec: IndexSpec) -> str:
+    """The torch device of the build's matrix work: "cuda" or "cpu"."""
+    if spec.device == "gpu" or (spec.device == "auto" and cuda_available()):
+        return "cuda"
+    return "cpu"
+
+
+def choose_builder(spec: IndexSpec, index: faiss.Index) -> str:
+    """Who trains `index` and assigns its rows: torch-cuda, torch-cpu or faiss-cpu. Torch takes
+    only a plain IVF index with an exact (flat) quantizer; anything else (a pre-transform, a
+    graph quantizer) trains in FAISS."""
+    device = compute_device(spec)
+    wants_torch = spec.kmeans == "torch" or (spec.kmeans == "auto" and device == "cuda")
+    return f"torch-{device}" if wants_torch and torch_trainable(index) else "faiss-cpu"
+
+
+def torch_trainable(index: faiss.Index) -> bool:
+    return plain_ivf(index) and isinstance(
+        faiss.downcast_index(faiss.extract_index_ivf(index).quantizer), faiss.IndexFlat
+    )
+
+
+def tolerance(builder: str) -> dict[str, object]:
+    """How closely a rebuild must match the build."""
+    if builder == "faiss-cpu":
+        return {
+            "kind": "bitwise",
+            "why": "faiss-cpu training and adds are deterministic per seed on one machine",
+        }
+    if builder == "torch-cpu":
+        return {
+            "kind": "bitwise",
+            "why": "torch k-means on the CPU sums in a fixed order: deterministic per seed on one "
+            "machine (same libraries and thread count)",
+        }
+    return {
+        "kind": "recall",
+        "max_recall_drop": 0.01,
+        "why": "bitwise again only on the same GPU model and libraries; elsewhere (another GPU, "
+        "or torch on the CPU) the products round differently, centroids differ in low bits and "
+        "a few rows change lists",
+    }
 
 
 def resolve_factory(spec: IndexSpec, n: int) -> str:
@@ -72,80 +111,187 @@ def resolve_factory(spec: IndexSpec, n: int) -> str:
     return f"IVF{nlist},Flat"
 
 
+def empty_index(dim: int, factory: str, metric: str) -> faiss.Index:
+    """An untrained index; ids are kept (IVF lists hold them; anything else gets an id map)."""
+    kind = faiss.METRIC_INNER_PRODUCT if metric == "cosine" else faiss.METRIC_L2
+    index = faiss.index_factory(dim, factory, kind)
+    return index if is_ivf(index) else faiss.IndexIDMap2(index)
+
+
+def prepared(vectors: np.ndarray, metric: str, builder: str = "faiss-cpu") -> np.ndarray:
+    """What FAISS sees: float32, C-contiguous, unit length under cosine (inner product): put
+    there by FAISS for a faiss-cpu build, by torch (in parallel threads) for a torch build, so a
+    torch build normalises alike on every machine. Under L2 the rows are used as they are."""
+    x = np.ascontiguousarray(vectors, dtype=np.float32)
+    if metric != "cosine":
+        return x
+    rows = torch.from_numpy(x if x.flags.writeable else x.copy())
+    if builder != "faiss-cpu":
+        return torch.nn.functional.normalize(rows, dim=1).numpy()
+    x = rows.clone().numpy()  # a copy made in parallel threads
+    faiss.normalize_L2(x)
+    return x
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Rows as an index sees them (`prepared`), with their ids, in the source's order: `host`
+    feeds FAISS, `device` holds the same values where torch computes (on the CPU, a view)."""
+
+    ids: np.ndarray
+    host: np.ndarray
+    device: torch.Tensor
+
+    def on_device(self, positions: np.ndarray) -> torch.Tensor:
+        return self.device.index_select(0, torch.as_tensor(positions, device=self.device.device))
+
+    def on_host(self, positions: np.ndarray) -> np.ndarray:
+        """The rows at `positions`, gathered by torch (in parallel threads)."""
+        out = torch.from_numpy(self.host).index_select(0, torch.as_tensor(positions)).numpy()
+        return np.ascontiguousarray(out)
+
+
+def prepare_rows(
+    vectors: np.ndarray, ids: np.ndarray, spec: IndexSpec, builder: str = "faiss-cpu"
+) -> Rows:
+    """The rows `builder` builds from, on the spec's compute device."""
+    host = prepared(vectors, spec.metric, builder)
+    device = torch.from_numpy(host if host.flags.writeable else host.copy())
+    if compute_device(spec) == "cuda":
+        device = device.to("cuda")
+    return Rows(np.ascontiguousarray(ids, dtype=np.int64), host, device)
+
+
+def planned_builder(spec: IndexSpec, n: int, dim: int, factory: str | None = None) -> str:
+    """The builder that will train an index of `n` rows (choose_builder, before any row)."""
+    return choose_builder(spec, empty_index(dim, factory or resolve_factory(spec, n), spec.metric))
+
+
 @dataclass
 class BuiltIndex:
     index: faiss.Index
     factory: str
     train_rows: np.ndarray  # positions (in id order) that trained the quantizer
     centroids_sha256: str | None
+    builder: str = "faiss-cpu"
+    iterations: int | None = None  # k-means iterations (IVF)
 
 
-def prepared(vectors: np.ndarray, metric: str) -> np.ndarray:
-    """What FAISS sees: float32, C-contiguous, unit length under cosine (inner product)."""
-    x = np.ascontiguousarray(vectors, dtype=np.float32).copy()
-    if metric == "cosine":
-        faiss.normalize_L2(x)
-    return x
+def training_sample(n: int, spec: IndexSpec) -> np.ndarray:
+    """Positions of the rows that train the quantizer: a seeded sample without replacement."""
+    take = min(n, spec.train_sample)
+    if take == n:
+        return np.arange(n)
+    return np.sort(np.random.default_rng(spec.seed).choice(n, size=take, replace=False))
+
+
+def train_rows(rows: Rows, spec: IndexSpec, factory: str | None = None) -> BuiltIndex:
+    """An empty index with its quantizer trained (IVF) on a seeded sample; Flat needs none.
+    The caller has checked the vectors (vectors.check_vectors)."""
+    n, dim = rows.host.shape
+    factory = factory or resolve_factory(spec, n)
+    index = empty_index(dim, factory, spec.metric)
+    builder = choose_builder(spec, index)
+    if index.is_trained:
+        return BuiltIndex(index, factory, np.arange(0), None, builder)
+    sample_rows = training_sample(n, spec)
+    sample = rows.on_host(sample_rows)
+    ivf = faiss.extract_index_ivf(index)
+    if builder == "faiss-cpu":
+        ivf.cp.seed = spec.seed
+        index.train(sample)
+        iterations = int(ivf.cp.niter)
+    else:
+        found = kmeans.kmeans(rows.on_device(sample_rows), ivf.nlist, spec.metric, spec.seed)
+        ivf.quantizer.add(np.ascontiguousarray(found.cpu().numpy()))
+        # The quantizer is full, so FAISS skips its k-means and trains only what encodes the
+        # rows (PQ, SQ; nothing for Flat).
+        index.train(sample)
+        iterations = kmeans.ITERATIONS
+    centroids_sha = hashlib.sha256(np.ascontiguousarray(centroids(index)).tobytes()).hexdigest()
+    return BuiltIndex(index, factory, sample_rows, centroids_sha, builder, iterations)
 
 
 def train(vectors: np.ndarray, spec: IndexSpec) -> BuiltIndex:
-    """An empty index with its quantizer trained (IVF) on a seeded sample; Flat needs none.
-    The caller has checked the vectors (vectors.check_vectors)."""
-    n, dim = vectors.shape
-    factory = resolve_factory(spec, n)
-    metric = faiss.METRIC_INNER_PRODUCT if spec.metric == "cosine" else faiss.METRIC_L2
-    index = faiss.index_factory(dim, factory, metric)
-    if not is_ivf(index):
-        index = faiss.IndexIDMap2(index)
-    train_rows = np.arange(0)
-    centroids_sha = None
-    if not index.is_trained:
-        rng = np.random.default_rng(spec.seed)
-        take = min(n, spec.train_sample)
-        train_rows = np.sort(rng.choice(n, size=take, replace=False)) if take < n else np.arange(n)
-        ivf = faiss.extract_index_ivf(index)
-        ivf.cp.seed = spec.seed
-        if build_device(spec) == "gpu":  # k-means assignment on the GPU; the index stays on CPU
-            ivf.clustering_index = faiss.index_cpu_to_all_gpus(faiss.IndexFlatL2(dim))
-        index.train(prepared(vectors[train_rows], spec.metric))
-        # Not part of the index: clones must not share the GPU clustering index.
-        ivf.clustering_index = None  # type: ignore[assignment]
-        centroids_sha = hashlib.sha256(np.ascontiguousarray(centroids(index)).tobytes()).hexdigest()
-    return BuiltIndex(index, factory, train_rows, centroids_sha)
+    """train_rows over raw vectors in id order."""
+    builder = planned_builder(spec, *vectors.shape)
+    return train_rows(prepare_rows(vectors, np.arange(len(vectors)), spec, builder), spec)
+
+
+def assign(
+    trained: faiss.Index,
+    rows: Rows,
+    positions: np.ndarray,
+    builder: str,
+    metric: str,
+    gathered: np.ndarray | None = None,
+) -> np.ndarray | None:
+    """The IVF list of each row at `positions` (`gathered`: those rows on the host, where the
+    caller has them): by torch for a torch builder, by the index's own quantizer for faiss-cpu.
+    None where FAISS must assign rows as it adds them (no lists, or lists behind a transform)."""
+    if not plain_ivf(trained):
+        return None
+    if builder == "faiss-cpu":
+        x = rows.on_host(positions) if gathered is None else gathered
+        return np.ascontiguousarray(faiss.extract_index_ivf(trained).quantizer.assign(x, 1).ravel())
+    lists = torch.from_numpy(centroids(trained)).to(rows.device.device)
+    labels = torch_search.nearest(rows.on_device(positions), lists, metric)
+    return np.ascontiguousarray(labels.cpu().numpy())
+
+
+def add_rows(index: faiss.Index, x: np.ndarray, ids: np.ndarray, lists: np.ndarray | None) -> None:
+    """Append rows `x` (prepared) with `ids`, in the given order: each to its list from
+    `assign`, or where FAISS assigns it (`lists` None). Appending shard after shard gives the
+    same index as merging the shards' own indexes."""
+    if not len(ids):
+        return
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    if lists is None:
+        index.add_with_ids(x, ids)
+        return
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    lists = np.ascontiguousarray(lists, dtype=np.int64)
+    ivf = faiss.extract_index_ivf(index)  # the index itself (plain_ivf)
+    ivf.add_core(len(ids), faiss.swig_ptr(x), faiss.swig_ptr(ids), faiss.swig_ptr(lists))
+
+
+def fill_assigned(
+    trained: faiss.Index, x: np.ndarray, ids: np.ndarray, lists: np.ndarray | None, nprobe: int
+) -> faiss.Index:
+    """A copy of the trained empty index holding rows `x` (add_rows)."""
+    index = faiss.clone_index(trained)
+    add_rows(index, x, ids, lists)
+    set_nprobe(index, nprobe)
+    return index
 
 
 def fill(
     trained: faiss.Index, vectors: np.ndarray, ids: np.ndarray, spec: IndexSpec
 ) -> faiss.Index:
     """A copy of the trained empty index holding `vectors`, added in ascending id order."""
-    index = faiss.clone_index(trained)
     order = np.argsort(ids, kind="stable")
-    if len(ids):
-        index.add_with_ids(
-            prepared(vectors[order], spec.metric), np.ascontiguousarray(ids[order], dtype=np.int64)
-        )
-    set_search_params(index, spec)
-    return index
+    builder = choose_builder(spec, trained)
+    rows = prepare_rows(vectors[order], ids[order], spec, builder)
+    every = np.arange(len(order))
+    lists = assign(trained, rows, every, builder, spec.metric, gathered=rows.host)
+    return fill_assigned(trained, rows.host, rows.ids, lists, spec.nprobe)
 
 
-def merge(parts: list[faiss.Index], spec: IndexSpec) -> faiss.Index:
-    """One index serving every shard (same quantizer, so lists merge)."""
+def merge(parts: list[faiss.Index], spec: IndexSpec, nprobe: int | None = None) -> faiss.Index:
+    """One index serving every shard (same quantizer, so lists merge: each list holds shard 0's
+    rows, then shard 1's, ...). FAISS moves the rows: the parts are left empty."""
     merged = faiss.clone_index(parts[0])
     for part in parts[1:]:
         merged.merge_from(part, 0)
-    set_search_params(merged, spec)
+    set_nprobe(merged, spec.nprobe if nprobe is None else nprobe)
     return merged
 
 
 def build_index(vectors: np.ndarray, ids: np.ndarray, spec: IndexSpec) -> BuiltIndex:
     """Train and fill in one go (a single shard)."""
     built = train(vectors, spec)
-    return BuiltIndex(
-        fill(built.index, vectors, ids, spec),
-        built.factory,
-        built.train_rows,
-        built.centroids_sha256,
-    )
+    built.index = fill(built.index, vectors, ids, spec)
+    return built
 
 
 def centroids(index: faiss.Index) -> np.ndarray:
@@ -159,9 +305,33 @@ def list_sizes(index: faiss.Index) -> np.ndarray:
     return np.array([lists.list_size(i) for i in range(lists.nlist)], dtype=np.int64)
 
 
-def set_search_params(index: faiss.Index, spec: IndexSpec) -> None:
+def list_ids(index: faiss.Index) -> tuple[np.ndarray, np.ndarray]:
+    """(every id the IVF index holds, the list holding it)."""
+    lists = faiss.extract_index_ivf(index).invlists
+    assert lists is not None
+    ids, owner = [], []
+    for number in range(lists.nlist):
+        size = lists.list_size(number)
+        if size:
+            ids.append(faiss.rev_swig_ptr(lists.get_ids(number), size).copy())
+            owner.append(np.full(size, number, dtype=np.int64))
+    if not ids:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(ids), np.concatenate(owner)
+
+
+def set_nprobe(index: faiss.Index, nprobe: int) -> None:
     if is_ivf(index):
-        faiss.extract_index_ivf(index).nprobe = spec.nprobe
+        faiss.extract_index_ivf(index).nprobe = nprobe
+
+
+def nlist(index: faiss.Index) -> int:
+    return int(faiss.extract_index_ivf(index).nlist) if is_ivf(index) else 0
+
+
+def plain_ivf(index: faiss.Index) -> bool:
+    """An IVF index itself, not wrapped (by a transform or an id map)."""
+    return isinstance(faiss.downcast_index(index), faiss.IndexIVF)
 
 
 def is_ivf(index: faiss.Index) -> bool:
@@ -172,84 +342,11 @@ def is_ivf(index: faiss.Index) -> bool:
     return True
 
 
-class RecallProbe:
-    """Recall against exact search, over a seeded sample of the rows as queries. The exact
-    neighbours are found once, up to `max_k`; any index over the same rows is then scored at
-    any k up to it with one search. Each query's own row is left out of both answers, so recall
-    measures its neighbours. A returned neighbour counts when it is as close as the k-th exact
-    one, so rows tied at that distance (duplicates) count alike, whichever order a search
-    returned them in."""
-
-    def __init__(self, vectors: np.ndarray, ids: np.ndarray, spec: IndexSpec, max_k: int) -> None:
-        n = len(ids)
-        self.rows = n
-        self.max_k = max_k
-        self.metric = spec.metric
-        rng = np.random.default_rng(spec.seed + 1)
-        q = np.sort(rng.choice(n, size=min(spec.recall_queries, n), replace=False))
-        self.x = prepared(vectors, spec.metric)
-        self.by_id = np.argsort(ids, kind="stable")  # id -> row, through searchsorted
-        self.sorted_ids = ids[self.by_id]
-        self.queries = self.x[q]
-        self.own = ids[q]
-        self.truth = np.empty((len(q), 0), dtype=ids.dtype)
-        self.truth_distance = np.empty((len(q), 0), dtype=np.float32)
-        if n > 1:  # with one row there is no neighbour: every k gives recall 1
-            dim = self.x.shape[1]
-            exact = faiss.IndexFlatIP(dim) if spec.metric == "cosine" else faiss.IndexFlatL2(dim)
-            exact.add(self.x)
-            self.truth_distance, truth_pos = exact.search(self.queries, min(max_k + 1, n))
-            self.truth = ids[truth_pos]
-
-    def _as_close(self, query: int, found: np.ndarray, kth: float) -> int:
-        """How many of the `found` ids are as close to the query as distance `kth` (inner
-        product under cosine: larger is closer; squared L2 otherwise), within float32 rounding."""
-        rows = self.x[self.by_id[np.searchsorted(self.sorted_ids, found)]]
-        tolerance = 1e-5 * max(1.0, abs(kth))
-        if self.metric == "cosine":
-            return int((rows @ self.queries[query] >= kth - tolerance).sum())
-        return int((((rows - self.queries[query]) ** 2).sum(1) <= kth + tolerance).sum())
-
-    def recall(self, index: faiss.Index, k: int) -> tuple[float, int]:
-        """(recall@k of `index`, queries used); 1.0 when there are no k neighbours to find."""
-        if k > self.max_k:
-            raise ValueError(f"k={k}: this probe holds exact neighbours up to k={self.max_k}")
-        if self.rows <= k:
-            return 1.0, 0
-        _, found = index.search(self.queries, k + 1)
-        hits = 0
-        for query, (truth_row, distances, found_row, me) in enumerate(
-            zip(self.truth, self.truth_distance, found, self.own, strict=True)
-        ):
-            kth = float(distances[truth_row != me][k - 1])  # the k-th exact neighbour's distance
-            got = found_row[(found_row != me) & (found_row >= 0)][:k]
-            hits += self._as_close(query, got, kth)
-        return hits / (len(self.queries) * k), len(self.queries)
-
-
-def recall_at_k(
-    index: faiss.Index, vectors: np.ndarray, ids: np.ndarray, spec: IndexSpec, k: int | None = None
-) -> tuple[float, int]:
-    """Recall@k (default the spec's k) of `index` against exact search: one RecallProbe."""
-    k = spec.k if k is None else k
-    return RecallProbe(vectors, ids, spec, k).recall(index, k)
-
-
-def nprobe_curve(index: faiss.Index, probe: RecallProbe, spec: IndexSpec) -> dict[int, float]:
-    """recall@k at each nprobe 1, 2, 4, ... up to the number of lists (IVF only)."""
-    if not is_ivf(index):
-        return {}
-    ivf = faiss.extract_index_ivf(index)
-    curve = {}
-    nprobe = 1
-    while True:
-        ivf.nprobe = min(nprobe, ivf.nlist)
-        curve[ivf.nprobe] = round(probe.recall(index, spec.k)[0], 6)
-        if nprobe >= ivf.nlist:
-            break
-        nprobe *= 2
-    set_search_params(index, spec)
-    return curve
+def is_ivf_flat(index: faiss.Index) -> bool:
+    """IVF lists holding the rows themselves: a probed list is searched exactly."""
+    return is_ivf(index) and type(faiss.downcast_index(faiss.extract_index_ivf(index))) is (
+        faiss.IndexIVFFlat
+    )
 
 
 def serialize(index: faiss.Index) -> bytes:
@@ -258,3 +355,18 @@ def serialize(index: faiss.Index) -> bytes:
 
 def deserialize(data: bytes) -> faiss.Index:
     return faiss.deserialize_index(np.frombuffer(data, dtype=np.uint8))
+
+
+def index_sha256(index: faiss.Index) -> str:
+    """sha256 of the index's serialised bytes, streamed: the bytes are never held at once."""
+    digest = hashlib.sha256()
+    faiss.write_index(index, faiss.PyCallbackIOWriter(digest.update))  # type: ignore[attr-defined]
+    return digest.hexdigest()
+
+
+def recorded_builder(training: dict[str, object]) -> str:
+    """The builder a receipt's training names; receipts from before builders were recorded
+    trained in FAISS, on the CPU or (faiss-gpu) on the GPU."""
+    if "builder" in training:
+        return str(training["builder"])
+    return "faiss-cpu" if training.get("device") == "cpu" else "faiss-gpu"

@@ -11,6 +11,7 @@ from typing import Any
 
 from sqlalchemy import Connection, func, select
 
+from fabric_pipelines.lib.index.build import recorded_builder
 from fabric_pipelines.lib.store.models import (
     Batch,
     BatchPlan,
@@ -162,6 +163,7 @@ def trace(conn: Connection, receipt_sha256: str, receipt: dict[str, Any]) -> Lin
         "vectors": receipt["source"]["rows"],
         "recall_at_10": receipt["quality"].get("recall_at_10"),
         "build_device": receipt["build_device"],
+        "builder": recorded_builder(receipt["training"]),
         "quantizer_sha256": receipt["training"]["quantizer_sha256"],
         "libraries": receipt["libraries"],
     }
@@ -173,7 +175,7 @@ def render(lineage: Lineage) -> str:
     i, m = lineage.index, lineage.model
     lines = [
         f"index {i['index_sha256'][:16]}  {i['factory']} ({i['metric']}, {i['shards']} shards), "
-        f"{i['vectors']:,} vectors, recall@10 {i['recall_at_10']}, built on {i['build_device']}",
+        f"{i['vectors']:,} vectors, recall@10 {i['recall_at_10']}, built on {i['build_device']} ({i['builder']})",
         f"  receipt   {lineage.receipt_sha256}",
         f"  quantizer {i['quantizer_sha256'][:16]}",
         f"  libraries {', '.join(f'{k} {v}' for k, v in sorted(i['libraries'].items()))}",

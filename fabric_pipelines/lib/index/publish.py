@@ -6,20 +6,32 @@ order and stored; the shards are merged into the serving index. With the previou
 hand, only shards whose database watermark moved (or whose file is missing or corrupt) are
 rebuilt; the rest are reused, verified against their recorded sha256.
 
+The serving index searches with the nprobe it was asked for, or, where that misses the recall
+target, the smallest doubling of it that meets it (index/recall.py); the receipt records both.
+
 Order matters for "nothing half-published": files are written first (atomically, named by their
 sha256), then the receipt file, then the receipt row. A failure before the row publishes nothing;
 an index below its recall floor never gets the row.
+
+Hashes of the source rows run in background threads from the start (hashlib lets other threads
+run), files are written straight from FAISS and in parallel, and `PublishedIndex.seconds` says
+where the time went, phase by phase.
 """
 
 from __future__ import annotations
 
 import re
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import faiss
 import numpy as np
+import torch
 from sqlalchemy import Engine
 
 from fabric_pipelines.lib.charts import bar_table
@@ -29,22 +41,24 @@ from fabric_pipelines.lib.files import (
     write_bytes,
     write_content_addressed,
 )
-from fabric_pipelines.lib.index import metrics, shards
+from fabric_pipelines.lib.index import shards
 from fabric_pipelines.lib.index.build import (
     IndexSpec,
-    RecallProbe,
-    build_device,
-    centroids,
-    deserialize,
-    fill,
+    Rows,
+    add_rows,
+    assign,
+    choose_builder,
+    empty_index,
+    fill_assigned,
     is_ivf,
-    list_sizes,
-    merge,
-    nprobe_curve,
-    serialize,
+    planned_builder,
+    prepare_rows,
+    recorded_builder,
+    set_nprobe,
     tolerance,
-    train,
+    train_rows,
 )
+from fabric_pipelines.lib.index.quality import measure, shortfall
 from fabric_pipelines.lib.index.receipt import (
     RECEIPT_SCHEMA,
     array_sha256,
@@ -57,7 +71,7 @@ from fabric_pipelines.lib.store.db import insert_ignoring_duplicates
 from fabric_pipelines.lib.store.keys import model_id
 from fabric_pipelines.lib.store.models import IndexReceipt
 
-HEALTH_SAMPLE = 20_000  # rows the cluster-health metrics look at
+WORKERS = 8  # threads for hashing, reading and writing files beside the build
 
 
 class EmptySourceError(ValueError):
@@ -72,26 +86,47 @@ class PublishedIndex:
     receipt_path: Path
     rebuilt_shards: list[int] = field(default_factory=list)
     accepted: bool = True  # False: below the recall floor, so not recorded as current
+    shortfall: str = ""  # when not accepted: what fell short and what to change
+    # Wall seconds per phase: load, prepare, train, add, quality, write.
+    seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def recall_at_k(self) -> float:
         return float(self.receipt["quality"]["recall_at_k"])
 
 
+class PhaseClock:
+    """Wall seconds per named phase of a build."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = round(self.seconds.get(name, 0.0) + time.perf_counter() - start, 3)
+
+
 def model_folder(index_folder: Path, model_key: str) -> Path:
     return index_folder / re.sub(r"[^A-Za-z0-9._-]", "_", model_key)
 
 
-def write_faiss_file(folder: Path, data: bytes) -> tuple[str, Path]:
-    """Store `data` as <folder>/<sha256>.faiss (atomically); returns (sha256, path)."""
-    stored = write_content_addressed(folder, ".faiss", lambda tmp: tmp.write_bytes(data))
+def store_index(folder: Path, index: faiss.Index) -> tuple[str, Path]:
+    """Store `index` as <folder>/<sha256>.faiss, written by FAISS straight to the file (no copy
+    of its bytes in memory); returns (sha256, path)."""
+    stored = write_content_addressed(
+        folder, ".faiss", lambda tmp: faiss.write_index(index, str(tmp))
+    )
     return stored.sha256, stored.path
 
 
 def read_verified(path: Path, sha256: str) -> faiss.Index:
     """An index file, refused unless it hashes to what the receipt recorded."""
     verify_sha256(path, sha256, "index file", "fabric index rebuild --receipt writes it again")
-    return deserialize(path.read_bytes())
+    return faiss.read_index(str(path))
 
 
 def build_and_publish(
@@ -108,87 +143,64 @@ def build_and_publish(
     code: dict[str, str] | None = None,
 ) -> PublishedIndex:
     """Build (or partly rebuild, given the previous receipt) and publish; `model` and `inputs`
-    go into the receipt. Below `min_recall` the files and receipt file are kept for inspection
-    but no receipt row is written: the index never becomes the model's current one."""
-    with db.begin() as conn:
-        try:
-            mid = model_id(conn, model_key, create=False)
-        except LookupError as exc:
+    go into the receipt. An IVF index below `min_recall` at the spec's nprobe searches more
+    lists until it meets it. If none does, the files and receipt file are kept for inspection
+    but no receipt row is written (the index never becomes the model's current one) and
+    `shortfall` says what to change."""
+    if not 0.0 <= min_recall <= 1.0:
+        raise ValueError(f"min_recall {min_recall}: a recall target lies within [0, 1]")
+    clock = PhaseClock()
+    with clock.phase("load"):
+        with db.begin() as conn:
+            try:
+                mid = model_id(conn, model_key, create=False)
+            except LookupError as exc:
+                raise EmptySourceError(
+                    f"no embeddings for model {model_key}: materialise extraction_outputs first"
+                ) from exc
+            shards.register(conn, mid, spec.shards)
+        with db.connect() as conn:
+            # Versions before rows: a change that lands after this read shows up as stale next time.
+            versions = shards.versions(conn, mid, spec.shards)
+            source = load_vectors(conn, model_key)
+        if len(source.ids) == 0:
             raise EmptySourceError(
                 f"no embeddings for model {model_key}: materialise extraction_outputs first"
-            ) from exc
-        shards.register(conn, mid, spec.shards)
-    with db.connect() as conn:
-        # Versions before rows: a change that lands after this read shows up as stale next time.
-        versions = shards.versions(conn, mid, spec.shards)
-        source = load_vectors(conn, model_key)
-    if len(source.ids) == 0:
-        raise EmptySourceError(
-            f"no embeddings for model {model_key}: materialise extraction_outputs first"
-        )
-    check_vectors(source.vectors, spec.metric)
-    ids_sha256 = array_sha256(source.ids.astype("<i8"))
-    vectors_sha256 = array_sha256(source.vectors.astype("<f4"))
-    folder = model_folder(index_folder, model_key)
-    (folder / "shards").mkdir(parents=True, exist_ok=True)
-    (folder / "quantizers").mkdir(parents=True, exist_ok=True)
-
-    device = build_device(spec)
-    reuse = _reusable(previous, spec, model, folder)
-    if reuse is not None:
-        trained, training = reuse
-    else:
-        built = train(source.vectors, spec)
-        sha, path = write_faiss_file(folder / "quantizers", serialize(built.index))
-        trained = built.index
-        training = {
-            "rule": "seeded sample without replacement of rows in id order",
-            "sample": len(built.train_rows),
-            "seed": spec.seed,
-            "max_sample": spec.train_sample,
-            "factory": built.factory,
-            "device": device,
-            "trained_on": {
-                "rows": len(source.ids),
-                "ids_sha256": ids_sha256,
-                "vectors_sha256": vectors_sha256,
-            },
-            "quantizer_sha256": sha,
-            "quantizer_file": f"quantizers/{path.name}",
-            "centroids_sha256": built.centroids_sha256,
-        }
-    old = {s["shard"]: s for s in previous["shards"]} if (previous and reuse is not None) else {}
-    parts, entries, rebuilt = [], [], []
-    for shard, rows in enumerate(shard_rows(source, spec.shards)):
-        ids = source.ids[rows]
-        before = old.get(shard)
-        index = None
-        if before is not None and before["version"] == versions[shard]:
-            try:
-                index = read_verified(folder / before["index_file"], before["index_sha256"])
-                entries.append(before)
-            except (FileNotFoundError, CorruptFileError):
-                index = None  # rebuilt below from the same quantizer
-        if index is None:
-            vectors = source.vectors[rows]  # gathered only for the shards being rebuilt
-            index = fill(trained, vectors, ids, spec)
-            sha, path = write_faiss_file(folder / "shards", serialize(index))
-            entries.append(
-                {
-                    "shard": shard,
-                    "rows": len(ids),
-                    "version": versions[shard],
-                    "ids_sha256": array_sha256(ids.astype("<i8")),
-                    "vectors_sha256": array_sha256(vectors.astype("<f4")),
-                    "index_sha256": sha,
-                    "index_file": f"shards/{path.name}",
-                }
             )
-            rebuilt.append(shard)
-        parts.append(index)
-    served = merge(parts, spec)
-    data = serialize(served)
-    index_sha, index_path = write_faiss_file(folder, data)
+        counts = check_vectors(source.vectors, spec.metric)
+    with ThreadPoolExecutor(WORKERS, thread_name_prefix="index") as pool:
+        ids_sha256 = pool.submit(array_sha256, source.ids)
+        vectors_sha256 = pool.submit(array_sha256, source.vectors)
+        folder = model_folder(index_folder, model_key)
+        with clock.phase("prepare"):
+            reuse = _reusable(previous, spec, model, folder, source.dim)
+            builder = (
+                recorded_builder(reuse[1])
+                if reuse
+                else planned_builder(spec, len(source.ids), source.dim)
+            )
+            rows = prepare_rows(source.vectors, source.ids, spec, builder)
+        built = _build(pool, clock, source, rows, versions, spec, folder, previous, reuse)
+        with clock.phase("quality"):
+            quality = measure(built.served, rows, source.vectors, counts, spec, min_recall)
+            set_nprobe(built.served, quality.choice.nprobe)
+        on_gpu = rows.device.is_cuda
+        del rows  # the device's copy of the rows is no longer needed: hand its memory back
+        if on_gpu:
+            torch.cuda.empty_cache()
+        with clock.phase("write"):
+            served = pool.submit(store_index, built.folder, built.served)
+            entries = [_entry(e) for e in built.entries]
+            index_sha, index_path = served.result()
+    training = _with_source_hashes(built.training, ids_sha256.result(), vectors_sha256.result())
+    params: dict[str, Any] = {"nprobe": spec.nprobe}
+    if is_ivf(built.served):
+        params = {
+            "nprobe": quality.choice.nprobe,
+            "nprobe_requested": spec.nprobe,
+            "nprobe_tried": {str(k): v for k, v in quality.choice.tried.items()},
+            "min_recall": min_recall,
+        }
     receipt: dict[str, Any] = {
         "schema": RECEIPT_SCHEMA,
         "source": {
@@ -198,13 +210,13 @@ def build_and_publish(
             "task_sets": list(source.task_sets),
             "watermark": {"n_shards": spec.shards, "versions": versions},
         },
-        "ids_sha256": ids_sha256,
-        "vectors_sha256": vectors_sha256,
+        "ids_sha256": ids_sha256.result(),
+        "vectors_sha256": vectors_sha256.result(),
         "model": {**model, "model_key": model_key, "dim": source.dim},
         "index": {
-            "factory": training["factory"],
+            "factory": built.training["factory"],
             "metric": spec.metric,
-            "params": {"nprobe": spec.nprobe},
+            "params": params,
             "train_sample": spec.train_sample,
             "shards": spec.shards,
             "shard_rule": "(task_set_id * 7919 + record_no) mod shards",
@@ -212,20 +224,162 @@ def build_and_publish(
         "training": training,
         "shards": entries,
         "libraries": library_versions(),
-        "build_device": training["device"],
-        "tolerance": tolerance(training["device"]),
+        "build_device": built.training["device"],
+        "tolerance": tolerance(built.training["builder"]),
         "index_sha256": index_sha,
         "index_file": index_path.name,
-        "index_bytes": len(data),
-        "quality": quality(served, source, spec),
+        "index_bytes": index_path.stat().st_size,
+        "quality": quality.measures,
         "inputs": inputs,
         "code": code or {},
     }
-    sha = receipt_sha256(receipt)
-    receipt_path = receipt_folder / f"{sha}.json"
-    write_bytes(receipt_path, canonical_json(receipt))
-    if receipt["quality"]["recall_at_k"] < min_recall:
-        return PublishedIndex(receipt, sha, index_path, receipt_path, rebuilt, accepted=False)
+    with clock.phase("write"):
+        sha = receipt_sha256(receipt)
+        receipt_path = receipt_folder / f"{sha}.json"
+        write_bytes(receipt_path, canonical_json(receipt))
+        missed = shortfall(
+            receipt["quality"], quality.choice, built.training["factory"], min_recall
+        )
+        if not missed:
+            _record(db, sha, model_key, index_path, index_sha, receipt)
+    return PublishedIndex(
+        receipt,
+        sha,
+        index_path,
+        receipt_path,
+        built.rebuilt,
+        accepted=not missed,
+        shortfall=missed,
+        seconds=dict(clock.seconds),
+    )
+
+
+@dataclass
+class _Built:
+    folder: Path
+    served: faiss.Index
+    training: dict[str, Any]
+    entries: list[dict[str, Any] | tuple[dict[str, Any], Future[tuple[str, Path]]]]
+    rebuilt: list[int]
+
+
+def _build(
+    pool: ThreadPoolExecutor,
+    clock: PhaseClock,
+    source: VectorSet,
+    rows: Rows,
+    versions: list[int],
+    spec: IndexSpec,
+    folder: Path,
+    previous: dict[str, Any] | None,
+    reuse: tuple[faiss.Index, dict[str, Any]] | None,
+) -> _Built:
+    """Train (or reuse the previous quantizer), fill and store the shards, merge them."""
+    positions = shard_rows(source, spec.shards)
+    (folder / "shards").mkdir(parents=True, exist_ok=True)
+    (folder / "quantizers").mkdir(parents=True, exist_ok=True)
+    old = {s["shard"]: s for s in previous["shards"]} if (previous and reuse is not None) else {}
+    # Shards unchanged since the previous build are read back (verified) in parallel.
+    kept = {
+        shard: pool.submit(read_verified, folder / before["index_file"], before["index_sha256"])
+        for shard, before in old.items()
+        if shard < spec.shards and before["version"] == versions[shard]
+    }
+
+    def hashes(shard: int) -> tuple[Future[str], Future[str]]:
+        ids = pool.submit(array_sha256, source.ids, positions[shard])
+        return ids, pool.submit(array_sha256, source.vectors, positions[shard])
+
+    # The rows of each shard to build are hashed beside the work, from now on.
+    shard_hashes = {s: hashes(s) for s in range(spec.shards) if s not in kept}
+    with clock.phase("train"):
+        if reuse is not None:
+            trained, training = reuse
+        else:
+            built = train_rows(rows, spec)
+            sha, path = store_index(folder / "quantizers", built.index)
+            trained = built.index
+            training = {
+                "rule": "seeded sample without replacement of rows in id order",
+                "sample": len(built.train_rows),
+                "seed": spec.seed,
+                "max_sample": spec.train_sample,
+                "factory": built.factory,
+                "builder": built.builder,
+                "iterations": built.iterations,
+                "device": "gpu" if built.builder == "torch-cuda" else "cpu",
+                "trained_on": {"rows": len(source.ids)},  # + the source hashes, once known
+                "quantizer_sha256": sha,
+                "quantizer_file": f"quantizers/{path.name}",
+                "centroids_sha256": built.centroids_sha256,
+            }
+            if built.builder == "torch-cuda":
+                training["gpu"] = torch.cuda.get_device_name()
+    builder = recorded_builder(training)
+    # The served index gets each shard's rows as the shard does: the same lists as merging the
+    # shards, while the shards' own indexes stay whole for their files.
+    served = faiss.clone_index(trained)
+    entries: list[dict[str, Any] | tuple[dict[str, Any], Future[tuple[str, Path]]]] = []
+    rebuilt = []
+    with clock.phase("add"):
+        for shard, rows_of_shard in enumerate(positions):
+            if shard in kept:
+                try:
+                    served.merge_from(kept[shard].result(), 0)
+                    entries.append(old[shard])
+                    continue
+                except (FileNotFoundError, CorruptFileError):
+                    pass  # rebuilt below from the same quantizer
+            if shard not in shard_hashes:  # a kept shard whose file failed its check
+                shard_hashes[shard] = hashes(shard)
+            x, ids = rows.on_host(rows_of_shard), source.ids[rows_of_shard]
+            lists = assign(trained, rows, rows_of_shard, builder, spec.metric, gathered=x)
+            part = fill_assigned(trained, x, ids, lists, spec.nprobe)
+            add_rows(served, x, ids, lists)
+            entry = {
+                "shard": shard,
+                "rows": len(rows_of_shard),
+                "version": versions[shard],
+                "ids_sha256": shard_hashes[shard][0],
+                "vectors_sha256": shard_hashes[shard][1],
+            }
+            entries.append((entry, pool.submit(store_index, folder / "shards", part)))
+            rebuilt.append(shard)
+        set_nprobe(served, spec.nprobe)
+    return _Built(folder, served, training, entries, rebuilt)
+
+
+def _entry(
+    entry: dict[str, Any] | tuple[dict[str, Any], Future[tuple[str, Path]]],
+) -> dict[str, Any]:
+    """A shard's receipt entry, once its file is written and its hashes are done."""
+    if isinstance(entry, dict):
+        return entry
+    fields, stored = entry
+    sha, path = stored.result()
+    return {
+        **{k: v.result() if isinstance(v, Future) else v for k, v in fields.items()},
+        "index_sha256": sha,
+        "index_file": f"shards/{path.name}",
+    }
+
+
+def _with_source_hashes(
+    training: dict[str, Any], ids_sha256: str, vectors_sha256: str
+) -> dict[str, Any]:
+    """A new quantizer's training record names the rows it was trained on by their hashes."""
+    trained_on = training["trained_on"]
+    if "ids_sha256" in trained_on:  # reused: trained on earlier rows
+        return training
+    return {
+        **training,
+        "trained_on": {**trained_on, "ids_sha256": ids_sha256, "vectors_sha256": vectors_sha256},
+    }
+
+
+def _record(
+    db: Engine, sha: str, model_key: str, index_path: Path, index_sha: str, receipt: dict[str, Any]
+) -> None:
     with db.begin() as conn:
         conn.execute(
             insert_ignoring_duplicates(db, IndexReceipt),
@@ -234,12 +388,11 @@ def build_and_publish(
                 "model_key": model_key,
                 "index_path": str(index_path),
                 "index_sha256": index_sha,
-                "n_vectors": len(source.ids),
+                "n_vectors": receipt["source"]["rows"],
                 "recall_at_k": receipt["quality"]["recall_at_k"],
                 "receipt_json": canonical_json(receipt).decode("utf-8"),
             },
         )
-    return PublishedIndex(receipt, sha, index_path, receipt_path, rebuilt)
 
 
 def shard_rows(source: VectorSet, n_shards: int) -> list[np.ndarray]:
@@ -254,70 +407,37 @@ def split_shards(source: VectorSet, n_shards: int) -> list[tuple[np.ndarray, np.
 
 
 def _reusable(
-    previous: dict[str, Any] | None, spec: IndexSpec, model: dict[str, Any], folder: Path
+    previous: dict[str, Any] | None,
+    spec: IndexSpec,
+    model: dict[str, Any],
+    folder: Path,
+    dim: int,
 ) -> tuple[faiss.Index, dict[str, Any]] | None:
     """The previous build's trained quantizer, when the previous receipt describes the same
-    index (model, factory, metric, shards) and its quantizer file is intact."""
+    index (model, factory, metric, shards, builder) and its quantizer file is intact."""
     if not previous or previous.get("schema") != RECEIPT_SCHEMA:
         return None
-    if "trained_on" not in previous.get("training", {}):
+    training = previous.get("training", {})
+    if "trained_on" not in training:
         return None
     same = (
         previous["index"]["metric"] == spec.metric
         and previous["index"]["shards"] == spec.shards
         and previous["model"].get("weights_sha256") == model.get("weights_sha256")
-        and (spec.factory == "auto" or previous["training"]["factory"] == spec.factory)
+        and previous["model"].get("dim") in (None, dim)
+        and (spec.factory == "auto" or training["factory"] == spec.factory)
     )
     if not same:
         return None
-    training = previous["training"]
+    # New shards must be assigned to lists the way the kept ones were.
+    builder_now = choose_builder(spec, empty_index(dim, training["factory"], spec.metric))
+    if recorded_builder(training) != builder_now:
+        return None
     try:
         quantizer = read_verified(folder / training["quantizer_file"], training["quantizer_sha256"])
     except (FileNotFoundError, CorruptFileError):
         return None
     return quantizer, training
-
-
-def quality(index: faiss.Index, source: VectorSet, spec: IndexSpec) -> dict[str, Any]:
-    """Recall against exact search, the nprobe curve, list balance and cluster health (NumPy)."""
-    probe = RecallProbe(source.vectors, source.ids, spec, max_k=max(100, spec.k))
-    recall = {k: round(probe.recall(index, k)[0], 6) for k in sorted({1, 10, 100, spec.k})}
-    out: dict[str, Any] = {
-        "k": spec.k,
-        "recall_at_k": recall[spec.k],
-        **{f"recall_at_{k}": recall[k] for k in (1, 10, 100)},
-        "queries": min(spec.recall_queries, len(source.ids)),
-        "query_rule": (
-            "seeded sample of indexed rows, each query's own row left out; a returned neighbour "
-            "counts when it is as close as the k-th exact one (ties count alike)"
-        ),
-        "query_seed": spec.seed + 1,
-    }
-    health = metrics.vector_health(source.vectors, np)
-    out["vectors"] = {
-        "rows": health.rows,
-        "nan": health.nan_rows,
-        "inf": health.inf_rows,
-        "zero_norm": health.zero_norm_rows,
-    }
-    if is_ivf(index):
-        out["nprobe_curve"] = {str(k): v for k, v in nprobe_curve(index, probe, spec).items()}
-        sizes = list_sizes(index)
-        out["lists"] = {
-            "count": int(sizes.size),
-            "imbalance": round(float(sizes.max() / max(sizes.mean(), 1e-12)), 4),
-        }
-        rng = np.random.default_rng(spec.seed + 2)
-        sample = rng.choice(
-            len(source.ids), size=min(HEALTH_SAMPLE, len(source.ids)), replace=False
-        )
-        x = metrics.prepare(source.vectors[sample], spec.metric, np, np.float64)
-        c = metrics.prepare(centroids(index), spec.metric, np, np.float64)
-        out["cluster_health"] = metrics.cluster_health(x, c, spec.metric, np).summary()
-        probe = x[: min(500, len(x))]
-        out["knn_density_10"] = round(metrics.knn_density(probe, x, 10, spec.metric, np), 6)
-        out["near_duplicates"] = metrics.near_duplicates(probe, x, 1e-6, spec.metric, np)
-    return out
 
 
 def recall_curve_chart(quality: dict[str, Any]) -> str:

@@ -10,9 +10,9 @@ tolerance the receipt states. Missing or corrupt files are written back when the
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,19 +23,24 @@ from sqlalchemy import Engine
 from fabric_pipelines.lib.files import CorruptFileError, sha256_file
 from fabric_pipelines.lib.index.build import (
     IndexSpec,
-    build_device,
-    fill,
-    merge,
-    recall_at_k,
-    serialize,
-    train,
+    add_rows,
+    assign,
+    choose_builder,
+    fill_assigned,
+    index_sha256,
+    planned_builder,
+    prepare_rows,
+    recorded_builder,
+    set_nprobe,
+    train_rows,
 )
 from fabric_pipelines.lib.index.publish import (
     model_folder,
     read_verified,
-    split_shards,
-    write_faiss_file,
+    shard_rows,
+    store_index,
 )
+from fabric_pipelines.lib.index.recall import RecallProbe
 from fabric_pipelines.lib.index.receipt import RECEIPT_SCHEMA, array_sha256, receipt_sha256
 from fabric_pipelines.lib.index.vectors import VectorSet, load_vectors
 
@@ -54,7 +59,7 @@ class FileProblem:
 class RebuildReport:
     expected_sha256: str
     rebuilt_sha256: str
-    device: str
+    device: str  # the builder that rebuilt it: faiss-cpu, torch-cpu or torch-cuda
     tolerance: dict[str, Any]
     matches: bool
     detail: str
@@ -108,24 +113,34 @@ def load_verified_receipt(path: Path) -> dict[str, Any]:
     return receipt
 
 
-def spec_from_receipt(receipt: dict[str, Any], device: str = "auto") -> IndexSpec:
+def spec_from_receipt(receipt: dict[str, Any], device: str | None = None) -> IndexSpec:
+    """The spec that rebuilds `receipt`: its builder where this machine has it. A torch-cuda
+    build is redone by torch on the CPU where torch sees no GPU (same algorithm; the receipt's
+    tolerance says how close it must come); a faiss-gpu build (older receipts) by faiss-cpu."""
     index, training = receipt["index"], receipt["training"]
+    builder = recorded_builder(training)
+    where, kmeans = {
+        "torch-cuda": ("auto", "torch"),
+        "torch-cpu": ("cpu", "torch"),
+    }.get(builder, ("cpu", "faiss"))
     return IndexSpec(
         factory=training["factory"],
         metric=index["metric"],
-        nprobe=index["params"]["nprobe"],
+        # Shards keep the nprobe asked for; the served index the one chosen (params.nprobe).
+        nprobe=index["params"].get("nprobe_requested", index["params"]["nprobe"]),
         train_sample=training["max_sample"],
         seed=training["seed"],
         recall_queries=receipt["quality"]["queries"] or 1,
         k=receipt["quality"]["k"],
         shards=index["shards"],
-        device=device,
+        device=device or where,
+        kmeans=kmeans,
     )
 
 
 def _check_source(receipt: dict[str, Any], source: VectorSet) -> None:
-    ids_sha = array_sha256(source.ids.astype("<i8"))
-    vectors_sha = array_sha256(source.vectors.astype("<f4"))
+    ids_sha = array_sha256(source.ids)
+    vectors_sha = array_sha256(source.vectors)
     if ids_sha != receipt["ids_sha256"] or vectors_sha != receipt["vectors_sha256"]:
         what = "ids" if ids_sha != receipt["ids_sha256"] else "vectors"
         raise ReceiptError(
@@ -148,10 +163,9 @@ def rebuild_from_receipt(
         source = load_vectors(conn, receipt["source"]["predicate"]["model_key"])
     _check_source(receipt, source)
     spec = spec_from_receipt(receipt)
-    device = build_device(spec)
     folder = model_folder(index_folder, model_key)
     training = receipt["training"]
-    outputs: dict[str, tuple[str, bytes]] = {}  # file -> (sha, bytes) of what the rebuild made
+    outputs: dict[str, faiss.Index] = {}  # file -> what the rebuild made for it
 
     trained_on = training["trained_on"]
     # Trained on exactly these rows (ids and vectors): train again. A partial build reuses an
@@ -160,8 +174,11 @@ def rebuild_from_receipt(
         receipt["ids_sha256"],
         receipt["vectors_sha256"],
     ):
-        quantizer = train(source.vectors, spec).index
-        outputs[training["quantizer_file"]] = _serialized(quantizer)
+        builder = planned_builder(spec, len(source.ids), source.dim, training["factory"])
+        rows = prepare_rows(source.vectors, source.ids, spec, builder)
+        built = train_rows(rows, spec, training["factory"])
+        quantizer, builder = built.index, built.builder
+        outputs[training["quantizer_file"]] = quantizer
     else:
         try:
             quantizer = read_verified(
@@ -173,59 +190,58 @@ def rebuild_from_receipt(
                 f"ids sha256 {trained_on['ids_sha256'][:12]}...) and its "
                 f"file, the only copy, is unusable: {exc}. Build a fresh index instead."
             ) from exc
-    parts = []
-    for entry, (ids, vectors) in zip(
-        receipt["shards"], split_shards(source, spec.shards), strict=True
-    ):
-        part = fill(quantizer, vectors, ids, spec)
-        outputs[entry["index_file"]] = _serialized(part)
-        parts.append(part)
-    served = merge(parts, spec)
-    outputs[receipt["index_file"]] = _serialized(served)
+        builder = choose_builder(spec, quantizer)
+        rows = prepare_rows(source.vectors, source.ids, spec, builder)
+    served = faiss.clone_index(quantizer)
+    for entry, positions in zip(receipt["shards"], shard_rows(source, spec.shards), strict=True):
+        x, ids = rows.on_host(positions), source.ids[positions]
+        lists = assign(quantizer, rows, positions, builder, spec.metric, gathered=x)
+        outputs[entry["index_file"]] = fill_assigned(quantizer, x, ids, lists, spec.nprobe)
+        add_rows(served, x, ids, lists)  # as merging the shards does
+    set_nprobe(served, receipt["index"]["params"]["nprobe"])
+    outputs[receipt["index_file"]] = served
+    with ThreadPoolExecutor(len(outputs)) as pool:  # hashlib lets the threads run side by side
+        hashes = dict(zip(outputs, pool.map(index_sha256, outputs.values()), strict=True))
 
     expected = receipt["index_sha256"]
-    rebuilt_sha = outputs[receipt["index_file"]][0]
+    rebuilt_sha = hashes[receipt["index_file"]]
     tol = receipt["tolerance"]
-    if device == receipt["build_device"] and tol["kind"] == "bitwise":
+    if builder == recorded_builder(training) and tol["kind"] == "bitwise":
         matches = rebuilt_sha == expected
         detail = "bitwise identical" if matches else f"sha256 {rebuilt_sha} differs from {expected}"
     elif rebuilt_sha == expected:
         matches, detail = True, "bitwise identical"
     else:
-        recall, _ = recall_at_k(served, source.vectors, source.ids, spec)
+        recall, _ = RecallProbe(rows, spec, spec.k).recall(served, spec.k)
         recorded = float(receipt["quality"]["recall_at_k"])
         drop = recorded - recall
         limit = float(tol.get("max_recall_drop", 0.0))
         matches = drop <= limit
         detail = (
-            f"not bitwise ({device} rebuild of a {receipt['build_device']} build); "
+            f"not bitwise ({builder} rebuild of a {recorded_builder(training)} build); "
             f"recall@{spec.k} {recall:.4f} vs recorded {recorded:.4f} (allowed drop {limit})"
         )
-    report = RebuildReport(expected, rebuilt_sha, device, tol, matches, detail)
-    if repair and matches:
-        report.repaired = _repair(receipt, folder, outputs, bitwise=rebuilt_sha == expected)
+    report = RebuildReport(expected, rebuilt_sha, builder, tol, matches, detail)
+    if repair and matches and rebuilt_sha == expected:
+        report.repaired = _repair(receipt, folder, outputs, hashes)
     return report
 
 
-def _serialized(index: faiss.Index) -> tuple[str, bytes]:
-    data = serialize(index)
-    return hashlib.sha256(data).hexdigest(), data
-
-
 def _repair(
-    receipt: dict[str, Any], folder: Path, outputs: dict[str, tuple[str, bytes]], *, bitwise: bool
+    receipt: dict[str, Any],
+    folder: Path,
+    outputs: dict[str, faiss.Index],
+    hashes: dict[str, str],
 ) -> list[str]:
     """Write back each missing or corrupt file whose rebuilt bytes hash to what the receipt says
     (only a bitwise rebuild can restore a file under its recorded name)."""
-    if not bitwise:
-        return []
     repaired = []
     for problem in check_files(receipt, folder.parent):
-        sha, data = outputs.get(problem.file, ("", b""))
+        sha = hashes.get(problem.file, "")
         if sha and Path(problem.file).name == f"{sha}.faiss":
             target = folder / problem.file
             target.parent.mkdir(parents=True, exist_ok=True)
             target.unlink(missing_ok=True)
-            write_faiss_file(target.parent, data)
+            store_index(target.parent, outputs[problem.file])
             repaired.append(problem.file)
     return repaired

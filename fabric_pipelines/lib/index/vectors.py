@@ -83,22 +83,46 @@ def _float32_rows(model_key: str, rows: Any) -> np.ndarray:
     return out
 
 
-def check_vectors(vectors: np.ndarray, metric: str) -> None:
-    """Raise BadVectorsError naming how many rows are NaN, Inf or (for cosine) zero-norm."""
-    nan_rows = int(np.isnan(vectors).any(axis=1).sum())
-    inf_rows = int(np.isinf(vectors).any(axis=1).sum())
+@dataclass(frozen=True)
+class VectorCounts:
+    rows: int
+    nan_rows: int
+    inf_rows: int
+    zero_norm_rows: int
+
+
+def count_bad_rows(vectors: np.ndarray) -> VectorCounts:
+    """Rows with NaN, with Inf, and of zero norm (NaN and Inf parts left out). One pass of
+    squared norms finds the suspects (a NaN, an Inf or all zeros shows in the norm); only those
+    rows are looked at element by element."""
+    x = np.ascontiguousarray(vectors, dtype=np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow to Inf marks a suspect
+        squares = np.einsum("ij,ij->i", x, x)
+        suspects = x[~np.isfinite(squares) | (squares == 0)]
+        finite = np.where(np.isfinite(suspects), suspects, 0)
+        zero_norm = np.linalg.norm(finite, axis=1) == 0
+    return VectorCounts(
+        rows=len(x),
+        nan_rows=int(np.isnan(suspects).any(axis=1).sum()),
+        inf_rows=int(np.isinf(suspects).any(axis=1).sum()),
+        zero_norm_rows=int(zero_norm.sum()),
+    )
+
+
+def check_vectors(vectors: np.ndarray, metric: str) -> VectorCounts:
+    """The rows' counts (count_bad_rows); raises BadVectorsError naming how many rows are NaN,
+    Inf or (for cosine) zero-norm."""
+    counts = count_bad_rows(vectors)
     problems = []
-    if nan_rows:
-        problems.append(f"{nan_rows} with NaN")
-    if inf_rows:
-        problems.append(f"{inf_rows} with Inf")
-    if metric == "cosine":
-        finite = np.where(np.isfinite(vectors), vectors, 0)
-        zero_rows = int((np.linalg.norm(finite, axis=1) == 0).sum())
-        if zero_rows:
-            problems.append(f"{zero_rows} with zero norm (undefined under cosine)")
+    if counts.nan_rows:
+        problems.append(f"{counts.nan_rows} with NaN")
+    if counts.inf_rows:
+        problems.append(f"{counts.inf_rows} with Inf")
+    if metric == "cosine" and counts.zero_norm_rows:
+        problems.append(f"{counts.zero_norm_rows} with zero norm (undefined under cosine)")
     if problems:
         raise BadVectorsError(
             f"refusing to build: of {len(vectors)} vectors, {', '.join(problems)}; "
             "fix or delete those rows first"
         )
+    return counts

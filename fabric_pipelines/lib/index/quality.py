@@ -1,0 +1,123 @@
+"""What a built index is worth: recall against exact search at the nprobe it serves with (raised
+until it meets the recall target), the recall curve over nprobe, list balance, cluster health.
+Exact search runs where the build computes (torch on the GPU when there is one); searches of the
+index itself run in FAISS; cluster health looks at a sample, in float64 NumPy; local density and
+near-duplicates are read off the recall queries' exact neighbours among all rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import faiss
+import numpy as np
+
+from fabric_pipelines.lib.index import metrics
+from fabric_pipelines.lib.index.build import (
+    IndexSpec,
+    Rows,
+    centroids,
+    is_ivf,
+    is_ivf_flat,
+    list_sizes,
+)
+from fabric_pipelines.lib.index.recall import (
+    CURVE_RULE_LISTS,
+    CURVE_RULE_SEARCH,
+    RULE,
+    NprobeChoice,
+    RecallProbe,
+    choose_nprobe,
+    nprobe_curve,
+)
+from fabric_pipelines.lib.index.vectors import VectorCounts
+
+HEALTH_SAMPLE = 20_000  # rows the cluster-health metrics look at
+NEAR_DUPLICATE = 1e-6  # a row this close to another (metrics.py's distance) is a near-duplicate
+
+
+@dataclass(frozen=True)
+class Quality:
+    measures: dict[str, Any]  # the receipt's "quality"
+    choice: NprobeChoice
+
+
+def measure(
+    index: faiss.Index,
+    rows: Rows,
+    vectors: np.ndarray,
+    counts: VectorCounts,
+    spec: IndexSpec,
+    min_recall: float,
+) -> Quality:
+    """Measure `index` over `rows` (prepared; `vectors` the same rows as stored), leaving it set
+    to the nprobe chosen (NprobeChoice)."""
+    probe = RecallProbe(rows, spec, max_k=max(100, spec.k))
+    choice = choose_nprobe(index, probe, spec, min_recall, ks=(1, 10, 100))
+    recall = choice.recall
+    out: dict[str, Any] = {
+        "k": spec.k,
+        "recall_at_k": recall[spec.k],
+        **{f"recall_at_{k}": recall[k] for k in (1, 10, 100)},
+        "queries": min(spec.recall_queries, len(rows.ids)),
+        "query_rule": RULE,
+        "query_seed": spec.seed + 1,
+        "vectors": {
+            "rows": counts.rows,
+            "nan": counts.nan_rows,
+            "inf": counts.inf_rows,
+            "zero_norm": counts.zero_norm_rows,
+        },
+    }
+    if is_ivf(index):
+        out["nprobe_curve"] = {str(k): v for k, v in nprobe_curve(index, probe, spec).items()}
+        out["nprobe_curve_rule"] = CURVE_RULE_LISTS if is_ivf_flat(index) else CURVE_RULE_SEARCH
+        sizes = list_sizes(index)
+        out["lists"] = {
+            "count": int(sizes.size),
+            "imbalance": round(float(sizes.max() / max(sizes.mean(), 1e-12)), 4),
+        }
+        out["cluster_health"] = _cluster_health(index, vectors, spec)
+        # Around the recall queries, against every row (their exact neighbours are known).
+        nearest = probe.neighbour_distances(10)
+        out["knn_density_10"] = round(float(nearest.mean()) if nearest.size else 0.0, 6)
+        out["near_duplicates"] = int((nearest[:, :1] < NEAR_DUPLICATE).sum())
+    return Quality(out, choice)
+
+
+def _cluster_health(index: faiss.Index, vectors: np.ndarray, spec: IndexSpec) -> dict[str, Any]:
+    rng = np.random.default_rng(spec.seed + 2)
+    sample = rng.choice(len(vectors), size=min(HEALTH_SAMPLE, len(vectors)), replace=False)
+    x = metrics.prepare(vectors[sample], spec.metric, np, np.float64)
+    c = metrics.prepare(centroids(index), spec.metric, np, np.float64)
+    return metrics.cluster_health(x, c, spec.metric, np).summary()
+
+
+def shortfall(
+    quality: dict[str, Any], choice: NprobeChoice, factory: str, min_recall: float
+) -> str:
+    """What to change when no nprobe reaches `min_recall` ("" when one did)."""
+    if choice.met:
+        return ""
+    k, recall = quality["k"], quality["recall_at_k"]
+    below = f"recall@{k} {recall:.4f} is below min_recall {min_recall}"
+    if "nprobe_curve" not in quality:  # Flat: exhaustive search
+        where = f"{below} with exhaustive search ({factory})"
+        exact = True
+    else:
+        lists = quality["lists"]["count"]
+        where = f"{below} at nprobe={choice.nprobe} (all {lists} lists)"
+        exact = quality["nprobe_curve_rule"] == CURVE_RULE_LISTS
+    duplicates = quality.get("near_duplicates")
+    rows = f" ({duplicates} of the sampled rows have a near-duplicate)" if duplicates else ""
+    if exact:
+        return (
+            f"{where}: that search is exact, so no index setting reaches the target. Lower "
+            f"min_recall, or check the embeddings{rows}: rows so alike that float32 cannot order "
+            "them defeat any index"
+        )
+    return (
+        f"{where}: '{factory}' stores compressed codes, so even every list misses neighbours. "
+        f"Use uncompressed lists (e.g. 'IVF{quality['lists']['count']},Flat') or more code "
+        f"bytes per vector, or factory 'Flat', or lower min_recall"
+    )
