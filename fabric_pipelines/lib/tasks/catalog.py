@@ -54,6 +54,9 @@ from fabric_pipelines.lib.tasks.ingest import (
 )
 from fabric_pipelines.lib.tasks.store import read_table, to_table
 
+# SQLite page cache while task ids are inserted, in KiB (the default is 2 MiB).
+SQLITE_INSERT_CACHE_KIB = 256 * 1024
+
 
 class ImmutableTaskSetError(ValueError):
     pass
@@ -387,10 +390,18 @@ def write_task_ids(conn: Any, set_id: int, record_no: np.ndarray, task_ids: list
             copy.write(sink.getvalue().to_pybytes())
         return
     cursor = conn.connection.driver_connection.cursor()
-    cursor.executemany(
-        "INSERT INTO tasks (task_set_id, record_no, task_id) VALUES (?, ?, ?)",
-        zip([set_id] * len(task_ids), record_no.tolist(), task_ids, strict=True),
-    )
+    # Ids in no particular order land all over the unique index on (set, id): a page cache that
+    # holds the index saves re-reading its pages (a third less time for 1 M random ids). The
+    # cache size belongs to the pooled connection, so it is put back after.
+    (cache_size,) = cursor.execute("PRAGMA cache_size").fetchone()
+    cursor.execute(f"PRAGMA cache_size = {-SQLITE_INSERT_CACHE_KIB}")
+    try:
+        cursor.executemany(
+            "INSERT INTO tasks (task_set_id, record_no, task_id) VALUES (?, ?, ?)",
+            zip([set_id] * len(task_ids), record_no.tolist(), task_ids, strict=True),
+        )
+    finally:
+        cursor.execute(f"PRAGMA cache_size = {int(cache_size)}")
 
 
 def list_task_sets(db: Engine) -> list[str]:

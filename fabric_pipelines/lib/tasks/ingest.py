@@ -4,25 +4,40 @@ Every record ends as a task or as a failure with a reason a user can act on; a b
 aborts the set, whatever it holds (deep nesting, huge numbers, lone surrogates, NUL, wrong types).
 Records are numbered from 0 in file order (blank JSONL lines are not records). Only a file that
 cannot be read at all raises SubmissionError, before anything is stored.
+
+Two readers give the same result. A Parquet file of the plain shape (an 'id' column of strings or
+integers, a 'text' column of strings, a 'token_ids' column of lists of integers) is checked column
+by column with Arrow and NumPy, so that its good records never pass through Python one by one;
+the records that fail a check are handed to the record-by-record reader, which words the reason.
+Every other file is read record by record.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import re
 import sys
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from tokenizers import Tokenizer
+from tokenizers import Encoding, Tokenizer
 from tqdm import tqdm
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 SUPPORTED_SUFFIXES = (".jsonl", ".parquet")
 MAX_ID_CHARS = 256
 MAX_REASON_CHARS = 1000
+# Texts per encode_batch call: large enough to keep every core busy between calls, small enough
+# that a chunk's Encoding objects (a few kB per text) stay well under a GB.
 TOKENISE_CHUNK = 8192
 
 # Neither PostgreSQL text (NUL) nor UTF-8 (lone surrogates) can hold these.
@@ -79,6 +94,42 @@ def storable_failure(failure: Failure) -> Failure:
     return Failure(failure.record_no, task_id, storable(failure.reason, MAX_REASON_CHARS))
 
 
+def ingest(
+    path: Path,
+    tokenizer: Tokenizer,
+    *,
+    max_seq_len: int,
+    truncate: bool = False,
+    progress: bool = False,
+) -> TokenisedTasks:
+    """Every record of `path` as a task or a failure; over-long ones fail unless truncating."""
+    table = _plain_parquet(path) if path.suffix.lower() == ".parquet" else None
+    if table is None:
+        return ingest_record_by_record(
+            path, tokenizer, max_seq_len=max_seq_len, truncate=truncate, progress=progress
+        )
+    _check_max_seq_len(max_seq_len)
+    return _ingest_columns(table, tokenizer, max_seq_len, truncate, progress)
+
+
+def ingest_record_by_record(
+    path: Path,
+    tokenizer: Tokenizer,
+    *,
+    max_seq_len: int,
+    truncate: bool = False,
+    progress: bool = False,
+) -> TokenisedTasks:
+    """`ingest`, one record at a time, for any file: what the column-wise reader must agree with."""
+    _check_max_seq_len(max_seq_len)
+    n, records, failures = read_records(path)
+    tokens, token_failures = tokenise(records, tokenizer, progress=progress)
+    where = {r.record_no: r.where for r in records}
+    return _within_length(
+        n, tokens, failures + token_failures, where.__getitem__, max_seq_len, truncate
+    )
+
+
 def read_records(path: Path) -> tuple[int, list[Record], list[Failure]]:
     """Parse and validate every record of `path`: (records seen, good records, failures)."""
     suffix = path.suffix.lower()
@@ -97,26 +148,15 @@ def read_records(path: Path) -> tuple[int, list[Record], list[Failure]]:
     try:
         for record_no, where, row, parse_error in raw:
             n += 1
-            if parse_error is not None:
-                failures.append(Failure(record_no, _id_or_none(row), f"{where}: {parse_error}"))
+            checked = _check_row(record_no, where, row, parse_error)
+            if isinstance(checked, Failure):
+                failures.append(checked)
                 continue
-            record, error = _validate(record_no, where, row)
-            if error is not None:
-                failures.append(Failure(record_no, _id_or_none(row), f"{where}: {error}"))
+            if checked.task_id in first_seen:
+                failures.append(_duplicate(checked, first_seen[checked.task_id]))
                 continue
-            assert record is not None
-            if record.task_id in first_seen:
-                failures.append(
-                    Failure(
-                        record_no,
-                        record.task_id,
-                        f"{where}: duplicate id {record.task_id!r} (first at record "
-                        f"{first_seen[record.task_id]}); ids must be unique within a task set",
-                    )
-                )
-                continue
-            first_seen[record.task_id] = record_no
-            records.append(record)
+            first_seen[checked.task_id] = record_no
+            records.append(checked)
     except OSError as exc:
         raise SubmissionError(
             f"{path.name}: cannot be read ({exc.strerror or exc}); check the file and submit it again"
@@ -124,36 +164,83 @@ def read_records(path: Path) -> tuple[int, list[Record], list[Failure]]:
     return n, records, failures
 
 
+def _check_row(
+    record_no: int, where: str, row: object, parse_error: str | None
+) -> Record | Failure:
+    if parse_error is not None:
+        return Failure(record_no, _id_or_none(row), f"{where}: {parse_error}")
+    record, error = _validate(record_no, where, row)
+    if error is not None:
+        return Failure(record_no, _id_or_none(row), f"{where}: {error}")
+    assert record is not None
+    return record
+
+
+def _duplicate(record: Record, first: int) -> Failure:
+    return Failure(
+        record.record_no,
+        record.task_id,
+        f"{record.where}: duplicate id {record.task_id!r} (first at record {first}); ids must be "
+        "unique within a task set",
+    )
+
+
+def _check_max_seq_len(max_seq_len: int) -> None:
+    if max_seq_len < 1:
+        raise ValueError(f"max_seq_len must be at least 1, got {max_seq_len}")
+
+
+# ---- tokens of many records at once --------------------------------------------------------------
+
+
+@dataclass
+class RecordTokens:
+    """Some records' ids and tokens back to back, in record order; lengths not yet limited."""
+
+    record_no: np.ndarray  # int64 [records]
+    task_ids: list[str]
+    offsets: np.ndarray  # int64 [records + 1], from 0
+    tokens: np.ndarray  # int32
+
+    @staticmethod
+    def of(records: list[Record], arrays: list[np.ndarray]) -> RecordTokens:
+        lengths = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
+        tokens = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int32)
+        return RecordTokens(
+            np.fromiter((r.record_no for r in records), dtype=np.int64, count=len(records)),
+            [r.task_id for r in records],
+            _offsets(lengths),
+            tokens.astype(np.int32, copy=False),
+        )
+
+
+def _offsets(lengths: np.ndarray) -> np.ndarray:
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return offsets
+
+
 def tokenise(
-    records: list[Record],
-    tokenizer: Tokenizer,
-    *,
-    max_seq_len: int,
-    truncate: bool = False,
-    progress: bool = False,
-) -> tuple[list[Record], list[np.ndarray], list[Failure], int]:
-    """Token ids per record (special tokens added to text); over-long items fail unless truncating."""
+    records: list[Record], tokenizer: Tokenizer, *, progress: bool = False
+) -> tuple[RecordTokens, list[Failure]]:
+    """Token ids of every record (special tokens added to text), and the records that have none:
+    text the tokenizer refuses, token ids outside the vocabulary. Lengths are not checked here."""
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    texts = [r.text for r in records if r.text is not None]
+    lengths, flat, refused = encode_texts(tokenizer, texts, progress=progress)
+    text_offsets = _offsets(lengths)
     kept: list[Record] = []
     arrays: list[np.ndarray] = []
     failures: list[Failure] = []
-    truncated = 0
-    text_idx = [i for i, r in enumerate(records) if r.text is not None]
-    encoded: dict[int, np.ndarray | str] = {}  # token ids, or why the tokenizer refused the text
-    bar = tqdm(total=len(text_idx), desc="tokenise", unit="item", disable=not progress)
-    for start in range(0, len(text_idx), TOKENISE_CHUNK):
-        chunk = text_idx[start : start + TOKENISE_CHUNK]
-        encoded.update(_encode_chunk(tokenizer, [(i, records[i].text or "") for i in chunk]))
-        bar.update(len(chunk))
-    bar.close()
-    for i, record in enumerate(records):
+    text_no = 0
+    for record in records:
         where = f"{record.where}: " if record.where else ""
         if record.text is not None:
-            result = encoded[i]
-            if isinstance(result, str):
-                failures.append(Failure(record.record_no, record.task_id, where + result))
+            i, text_no = text_no, text_no + 1
+            if i in refused:
+                failures.append(Failure(record.record_no, record.task_id, where + refused[i]))
                 continue
-            ids = result
+            ids = flat[text_offsets[i] : text_offsets[i + 1]]
         else:
             out_of_vocab = _first_outside(record.token_ids or [], vocab)
             if out_of_vocab is not None:
@@ -169,74 +256,141 @@ def tokenise(
                 )
                 continue
             ids = np.asarray(record.token_ids, dtype=np.int32)
-        if len(ids) > max_seq_len:
-            if not truncate:
-                failures.append(
-                    Failure(
-                        record.record_no,
-                        record.task_id,
-                        f"{where}over-long: {len(ids)} tokens > max_seq_len {max_seq_len}; split "
-                        "the text, raise max_seq_len (up to the model's limit) or submit with "
-                        "--truncate",
-                    )
-                )
-                continue
-            # Keep the head and the closing special token.
-            ids = np.concatenate([ids[: max_seq_len - 1], ids[-1:]])
-            truncated += 1
         kept.append(record)
         arrays.append(ids)
-    return kept, arrays, failures, truncated
+    return RecordTokens.of(kept, arrays), failures
 
 
-def ingest(
-    path: Path,
-    tokenizer: Tokenizer,
-    *,
+def _within_length(
+    n_records: int,
+    found: RecordTokens,
+    failures: list[Failure],
+    where: Callable[[int], str],
     max_seq_len: int,
-    truncate: bool = False,
-    progress: bool = False,
+    truncate: bool,
 ) -> TokenisedTasks:
-    n, records, failures = read_records(path)
-    kept, arrays, token_failures, truncated = tokenise(
-        records, tokenizer, max_seq_len=max_seq_len, truncate=truncate, progress=progress
-    )
-    failures = sorted(
-        (storable_failure(f) for f in failures + token_failures), key=lambda f: f.record_no
-    )
-    lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
-    offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    tokens = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int32)
+    """The tasks, once over-long records are failed, or cut to their head and closing token."""
+    lengths = np.diff(found.offsets)
+    over = lengths > max_seq_len
+    keep = np.ones(len(lengths), dtype=bool) if truncate else ~over
+    failures = list(failures)
+    if not truncate:
+        for i in np.flatnonzero(over).tolist():
+            record_no = int(found.record_no[i])
+            failures.append(
+                Failure(
+                    record_no,
+                    found.task_ids[i],
+                    f"{where(record_no)}: over-long: {int(lengths[i])} tokens > max_seq_len "
+                    f"{max_seq_len}; split the text, raise max_seq_len (up to the model's limit) "
+                    "or submit with --truncate",
+                )
+            )
+    tokens, offsets = _select_rows(found.tokens, found.offsets, keep, max_seq_len)
     return TokenisedTasks(
-        n_records=n,
-        record_no=np.fromiter((r.record_no for r in kept), dtype=np.int64, count=len(kept)),
-        task_ids=[r.task_id for r in kept],
-        tokens=tokens.astype(np.int32, copy=False),
+        n_records=n_records,
+        record_no=found.record_no[keep],
+        task_ids=found.task_ids if keep.all() else list(itertools.compress(found.task_ids, keep)),
+        tokens=tokens,
         offsets=offsets,
-        failures=failures,
-        truncated=truncated,
+        failures=sorted(map(storable_failure, failures), key=lambda f: f.record_no),
+        truncated=int(np.count_nonzero(over)) if truncate else 0,
     )
 
 
-# ---- tokenising ----------------------------------------------------------------------------------
+def _select_rows(
+    tokens: np.ndarray, offsets: np.ndarray, keep: np.ndarray, max_len: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The tokens of the rows in `keep` (offsets from 0), each row longer than `max_len` cut to
+    its first `max_len - 1` tokens and its last one (the closing special token)."""
+    lengths = np.diff(offsets)
+    cut = keep & (lengths > max_len)
+    if keep.all() and not cut.any():
+        return tokens, offsets
+    wanted = np.repeat(keep, lengths)
+    if cut.any():
+        # Each cut row drops [start + max_len - 1, end - 1): mark both ends, sum to a mask.
+        ends = np.zeros(len(tokens) + 1, dtype=np.int8)
+        ends[offsets[:-1][cut] + max_len - 1] = 1
+        ends[offsets[1:][cut] - 1] = -1
+        wanted &= np.cumsum(ends[:-1], dtype=np.int8) == 0
+    return tokens[wanted], _offsets(np.minimum(lengths, max_len)[keep])
 
 
-def _encode_chunk(
-    tokenizer: Tokenizer, items: list[tuple[int, str]]
-) -> Iterator[tuple[int, np.ndarray | str]]:
-    """Encode a chunk at once; if the tokenizer refuses it, find the texts it refuses one by one."""
+# ---- encoding text -------------------------------------------------------------------------------
+
+
+def encode_texts(
+    tokenizer: Tokenizer, texts: Sequence[str] | pa.Array, *, progress: bool = False
+) -> tuple[np.ndarray, np.ndarray, dict[int, str]]:
+    """(tokens per text, all tokens back to back, why the tokenizer refused a text, by index),
+    special tokens added; a refused text has no tokens. `texts`: a list or an Arrow string array.
+
+    encode_batch runs in Rust on every core without the GIL. Turning its Encodings into ids
+    needs Python, a few microseconds per text, so this thread does that for one chunk while
+    encode_batch encodes the next.
+    """
+    lengths: list[np.ndarray] = []
+    tokens: list[np.ndarray] = []
+    refused: dict[int, str] = {}
+    bar = tqdm(total=len(texts), desc="tokenise", unit="item", disable=not progress)
+    pending: deque[tuple[int, list[str], Future[list[Encoding]]]] = deque()
+
+    def collect() -> None:
+        start, chunk, encoding = pending.popleft()
+        chunk_lengths, chunk_tokens = _flat_ids(tokenizer, start, chunk, encoding, refused)
+        lengths.append(chunk_lengths)
+        tokens.append(chunk_tokens)
+        bar.update(len(chunk))
+
+    with ThreadPoolExecutor(1, thread_name_prefix="encode") as encoder:
+        for start in range(0, len(texts), TOKENISE_CHUNK):
+            chunk = _list(texts[start : start + TOKENISE_CHUNK])
+            pending.append((start, chunk, encoder.submit(_encode_batch, tokenizer, chunk)))
+            if len(pending) > 1:
+                collect()
+        while pending:
+            collect()
+    bar.close()
+    if not tokens:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32), refused
+    return np.concatenate(lengths), np.concatenate(tokens), refused
+
+
+def _encode_batch(tokenizer: Tokenizer, texts: list[str]) -> list[Encoding]:
+    # The _fast variant leaves out character offsets, which ingest does not keep.
+    return tokenizer.encode_batch_fast(texts, add_special_tokens=True)
+
+
+def _flat_ids(
+    tokenizer: Tokenizer,
+    start: int,
+    texts: list[str],
+    encoding: Future[list[Encoding]],
+    refused: dict[int, str],
+) -> tuple[np.ndarray, np.ndarray]:
+    """A chunk's ids back to back (its first text is text `start`); if the tokenizer refused the
+    chunk, it encodes the texts one by one to find the ones it refuses."""
     try:
-        batch = tokenizer.encode_batch([text for _, text in items], add_special_tokens=True)
+        ids = [e.ids for e in encoding.result()]
     except Exception:
-        for i, text in items:
+        ids = []
+        for i, text in enumerate(texts, start=start):
             try:
-                yield i, np.asarray(tokenizer.encode(text, add_special_tokens=True).ids, np.int32)
+                ids.append(tokenizer.encode(text, add_special_tokens=True).ids)
             except Exception as exc:
-                yield i, f"'text' could not be tokenised ({type(exc).__name__}: {exc}); check it"
-        return
-    for (i, _), enc in zip(items, batch, strict=True):
-        yield i, np.asarray(enc.ids, dtype=np.int32)
+                ids.append([])
+                refused[i] = (
+                    f"'text' could not be tokenised ({type(exc).__name__}: {exc}); check it"
+                )
+    # One pass over all ids of the chunk: cheaper than an array per text and a concatenation.
+    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=int(lengths.sum()))
+    return lengths, flat
+
+
+def _list(texts: Sequence[str] | pa.Array) -> list[str]:
+    return texts.to_pylist() if hasattr(texts, "to_pylist") else list(texts)
 
 
 def _first_outside(token_ids: list[int], vocab: int) -> tuple[int, int] | None:
@@ -253,6 +407,267 @@ def _first_outside(token_ids: list[int], vocab: int) -> tuple[int, int] | None:
 def _show_int(value: int) -> str:
     # str() of a very long integer is slow, and refused past sys.get_int_max_str_digits().
     return str(value) if value.bit_length() <= 128 else f"of {value.bit_length()} bits"
+
+
+# ---- Parquet of the plain shape, column by column ------------------------------------------------
+
+
+@functools.cache
+def _not_blank() -> str:
+    """RE2 (Arrow's engine) for a character str.strip() keeps: a text holding one is not blank."""
+    spaces = (c for c in map(chr, range(sys.maxunicode + 1)) if c.isspace())
+    return "[^" + "".join(f"\\x{{{ord(c):x}}}" for c in spaces) + "]"
+
+
+def _plain_parquet(path: Path) -> pa.Table | None:
+    """The file's id, text and token_ids columns, one chunk each, if it is a readable Parquet file
+    of the plain shape with valid UTF-8; else None, and the record-by-record reader takes it (and
+    words what is wrong with it)."""
+    import pyarrow.parquet as pq
+
+    try:
+        with pq.ParquetFile(path) as parquet:
+            schema = parquet.schema_arrow
+            wanted = [c for c in ("id", "text", "token_ids") if c in schema.names]
+            if not _plain_schema(schema, wanted):
+                return None
+            table = parquet.read(columns=wanted).combine_chunks()
+        for column in table.columns:
+            if column.num_chunks > 1:  # over 2 GB of strings: the record reader streams them
+                return None
+            for chunk in column.chunks:
+                chunk.validate(full=True)  # UTF-8 included
+    except Exception:
+        return None
+    return table
+
+
+def _plain_schema(schema: pa.Schema, wanted: list[str]) -> bool:
+    import pyarrow as pa
+
+    if "id" not in wanted or len(wanted) < 2 or len(set(schema.names)) != len(schema.names):
+        return False
+    strings = (pa.string(), pa.large_string())
+    id_type = schema.field("id").type
+    if not (pa.types.is_integer(id_type) or id_type in strings):
+        return False
+    if "text" in wanted and schema.field("text").type not in (*strings, pa.null()):
+        return False
+    if "token_ids" in wanted:
+        lists = schema.field("token_ids").type
+        if pa.types.is_list(lists) or pa.types.is_large_list(lists):
+            return bool(pa.types.is_integer(lists.value_type))
+        return bool(pa.types.is_null(lists))
+    return True
+
+
+@dataclass
+class _Lists:
+    """A column of integer lists: its values back to back (nulls as 0) and where each row's lie."""
+
+    offsets: np.ndarray  # int64 [rows + 1]
+    values: np.ndarray  # the column's integer type
+    holds_null: np.ndarray  # bool [rows]
+
+    @staticmethod
+    def of(lists: pa.Array) -> _Lists:
+        import pyarrow.compute as pc
+
+        offsets = _offsets(_numpy(pc.list_value_length(lists), 0).astype(np.int64))
+        values = lists.flatten()  # the values of the non-null lists
+        holds_null = np.zeros(len(lists), dtype=bool)
+        if values.null_count:
+            holds_null = _rows_holding(_numpy(values.is_null(), False), offsets)
+        return _Lists(offsets, _numpy(values, 0), holds_null)
+
+
+def _ingest_columns(
+    table: pa.Table, tokenizer: Tokenizer, max_seq_len: int, truncate: bool, progress: bool
+) -> TokenisedTasks:
+    import pyarrow.compute as pc
+
+    n = table.num_rows
+    if n == 0:
+        return _within_length(0, RecordTokens.of([], []), [], str, max_seq_len, truncate)
+    task_ids, id_ok = _task_ids(table.column("id").chunk(0))
+    text = _column(table, "text")
+    lists = _column(table, "token_ids")
+    no_rows = np.zeros(n, dtype=bool)
+    has_text = no_rows if text is None else _numpy(text.is_valid(), False)
+    has_list = no_rows if lists is None else _numpy(lists.is_valid(), False)
+    text_ok = id_ok & has_text & ~has_list
+    list_ok = id_ok & has_list & ~has_text
+    if text is not None and text_ok.any():
+        text_ok &= _numpy(pc.match_substring_regex(text, _not_blank()), False)
+    flat = _Lists.of(lists) if lists is not None and list_ok.any() else None
+    if flat is not None:
+        list_ok &= (np.diff(flat.offsets) > 0) & ~flat.holds_null
+
+    # Rows the column checks do not vouch for are read as the record-by-record reader reads them.
+    records: list[Record] = []
+    failures: list[Failure] = []
+    for checked in _check_rows(table, np.flatnonzero(~(text_ok | list_ok))):
+        if isinstance(checked, Failure):
+            failures.append(checked)
+        else:
+            records.append(checked)
+    valid = text_ok | list_ok
+    valid[[r.record_no for r in records]] = True
+    repeated = _fail_repeated(task_ids, valid, failures)
+    records = [r for r in records if not repeated[r.record_no]]
+
+    parts = []
+    if (list_ok & ~repeated).any():
+        assert flat is not None
+        part, outside = _given_tokens(flat, list_ok & ~repeated, task_ids, tokenizer)
+        parts.append(part)
+        # The reason names the first such id and its position: the record reader's words.
+        records += [r for r in _check_rows(table, outside) if isinstance(r, Record)]
+    if (text_ok & ~repeated).any():
+        assert text is not None
+        parts.append(
+            _encode_rows(text, text_ok & ~repeated, task_ids, tokenizer, failures, progress)
+        )
+    if records:
+        records.sort(key=lambda r: r.record_no)
+        found, token_failures = tokenise(records, tokenizer, progress=progress)
+        parts.append(found)
+        failures += token_failures
+    return _within_length(n, _merge(parts), failures, lambda no: f"row {no}", max_seq_len, truncate)
+
+
+def _fail_repeated(task_ids: pa.Array, valid: np.ndarray, failures: list[Failure]) -> np.ndarray:
+    """Which valid rows repeat the id of an earlier valid row; each joins `failures`."""
+    rows = np.flatnonzero(valid)
+    codes = _chosen_array(task_ids, valid).dictionary_encode().indices.to_numpy()
+    _, first, inverse = np.unique(codes, return_index=True, return_inverse=True)
+    first_of = first[inverse]  # per valid row, the first valid row with its id
+    repeat = first_of != np.arange(len(rows))
+    for row, first_row in zip(rows[repeat].tolist(), rows[first_of[repeat]].tolist(), strict=True):
+        task_id = task_ids[row].as_py()
+        failures.append(_duplicate(Record(row, task_id, None, None, f"row {row}"), first_row))
+    repeated = np.zeros(len(valid), dtype=bool)
+    repeated[rows[repeat]] = True
+    return repeated
+
+
+def _given_tokens(
+    flat: _Lists, rows: np.ndarray, task_ids: pa.Array, tokenizer: Tokenizer
+) -> tuple[RecordTokens, np.ndarray]:
+    """The token ids of `rows` (a mask) that lie in the vocabulary, and the rows (numbers) that
+    hold one outside it."""
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    outside = np.zeros(0, dtype=np.int64)
+    if flat.values.min() < 0 or flat.values.max() >= vocab:
+        flags = (flat.values < 0) | (flat.values >= vocab)
+        outside = np.flatnonzero(_rows_holding(flags, flat.offsets) & rows)
+        rows = rows.copy()
+        rows[outside] = False
+    # In the vocabulary, every id fits in int32.
+    values = flat.values.astype(np.int32, copy=False)
+    tokens, offsets = _select_rows(values, flat.offsets, rows, sys.maxsize)
+    return RecordTokens(np.flatnonzero(rows), _chosen(task_ids, rows), offsets, tokens), outside
+
+
+def _column(table: pa.Table, name: str) -> pa.Array | None:
+    import pyarrow as pa
+
+    if name not in table.column_names or pa.types.is_null(table.schema.field(name).type):
+        return None
+    return table.column(name).chunk(0)
+
+
+def _task_ids(ids: pa.Array) -> tuple[pa.Array, np.ndarray]:
+    """Each row's id as the task id it becomes (an integer in decimal), and whether that is a
+    good one: given, 1..MAX_ID_CHARS characters, no NUL."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    task_ids = ids.cast(pa.string())
+    if pa.types.is_integer(ids.type):
+        return task_ids, _numpy(ids.is_valid(), False)
+    length = pc.utf8_length(task_ids)
+    ok = pc.and_(pc.greater_equal(length, 1), pc.less_equal(length, MAX_ID_CHARS))
+    ok = pc.and_(ok, pc.invert(pc.match_substring(task_ids, "\x00")))
+    return task_ids, _numpy(ok, False)
+
+
+def _check_rows(table: pa.Table, rows: np.ndarray) -> Iterator[Record | Failure]:
+    """`rows` of the table, as the record-by-record reader checks them."""
+    for record_no, row in zip(rows.tolist(), table.take(rows).to_pylist(), strict=True):
+        # Nulls in Parquet mean "not given", as an absent key would in JSON.
+        given = {k: v for k, v in row.items() if v is not None}
+        yield _check_row(record_no, f"row {record_no}", given, None)
+
+
+def _encode_rows(
+    text: pa.Array,
+    rows: np.ndarray,
+    task_ids: pa.Array,
+    tokenizer: Tokenizer,
+    failures: list[Failure],
+    progress: bool,
+) -> RecordTokens:
+    """The tokens of the texts of `rows` (a mask); texts the tokenizer refuses join `failures`."""
+    texts = _chosen_array(text, rows)
+    lengths, flat, refused = encode_texts(tokenizer, texts, progress=progress)
+    record_no = np.flatnonzero(rows)
+    ids = _chosen(task_ids, rows)
+    keep = np.ones(len(record_no), dtype=bool)
+    for i, reason in refused.items():
+        failures.append(Failure(int(record_no[i]), ids[i], f"row {record_no[i]}: {reason}"))
+        keep[i] = False
+    tokens, offsets = _select_rows(flat, _offsets(lengths), keep, sys.maxsize)
+    return RecordTokens(record_no[keep], list(itertools.compress(ids, keep)), offsets, tokens)
+
+
+def _merge(parts: list[RecordTokens]) -> RecordTokens:
+    """Parts holding different records, as one in record order."""
+    import pyarrow as pa
+
+    parts = [p for p in parts if len(p.record_no)]
+    if len(parts) == 1:
+        return parts[0]
+    if not parts:
+        return RecordTokens.of([], [])
+    record_no = np.concatenate([p.record_no for p in parts])
+    order = np.argsort(record_no, kind="stable")
+    lists = pa.concat_arrays(
+        [pa.LargeListArray.from_arrays(pa.array(p.offsets), pa.array(p.tokens)) for p in parts]
+    ).take(pa.array(order))
+    task_ids = [t for p in parts for t in p.task_ids]
+    return RecordTokens(
+        record_no[order],
+        [task_ids[i] for i in order.tolist()],
+        lists.offsets.to_numpy().astype(np.int64),
+        lists.flatten().to_numpy().astype(np.int32, copy=False),
+    )
+
+
+def _rows_holding(flags: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Per row, whether any of its values is flagged (values back to back, as `offsets` say)."""
+    rows = np.zeros(len(offsets) - 1, dtype=bool)
+    rows[np.searchsorted(offsets, np.flatnonzero(flags), side="right") - 1] = True
+    return rows
+
+
+def _chosen_array(values: pa.Array, rows: np.ndarray) -> pa.Array:
+    import pyarrow as pa
+
+    return values if rows.all() else values.filter(pa.array(rows))
+
+
+def _chosen(task_ids: pa.Array, rows: np.ndarray) -> list[str]:
+    return list(_chosen_array(task_ids, rows).to_pylist())
+
+
+def _numpy(values: pa.Array, null: Any) -> np.ndarray:
+    """An Arrow array as NumPy, nulls read as `null`."""
+    import pyarrow.compute as pc
+
+    if values.null_count:
+        values = pc.fill_null(values, null)
+    return np.asarray(values.to_numpy(zero_copy_only=False))
 
 
 # ---- parsing -------------------------------------------------------------------------------------
