@@ -7,7 +7,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from sqlalchemy import Engine, create_engine, text
+from sqlalchemy import Engine, create_engine, make_url, text
 
 
 @contextmanager
@@ -19,7 +19,8 @@ def scratch_database(server_url: str, prefix: str) -> Iterator[str]:
     with admin.connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{name}"'))
     try:
-        yield server_url.rsplit("/", 1)[0] + f"/{name}"
+        # The database name set properly: a socket URL's `?host=/dir` holds slashes of its own.
+        yield make_url(server_url).set(database=name).render_as_string(hide_password=False)
     finally:
         admin.dispose()  # the server may have restarted meanwhile: start from fresh connections
         with admin.connect() as conn:
