@@ -451,6 +451,9 @@ def summarise(run: dict[str, Any], engine: dict[str, Any], submitted_tokens: int
         "recall_at_10": index.get("recall_at_10"),
         "index_factory": index.get("factory"),
         "stage_seconds": stages,
+        "worker_timelines": report["extract"]
+        .get("extraction_outputs", {})
+        .get("worker_timelines", []),
     }
 
 

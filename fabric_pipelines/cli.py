@@ -110,14 +110,12 @@ def run_pipeline(task_set: str, args: argparse.Namespace) -> dict[str, Any]:
     log_config = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}
     started = time.perf_counter()
     with run_progress():  # one bar for the run: stage, tasks done, tokens/s, ETA
-        # The engine's workers start now and load while the set is ingested and planned.
-        with _warm_workers(task_set, args):
-            extract = definitions.resolve_job_def("extract_task_set").execute_in_process(
-                partition_key=task_set,
-                instance=instance,
-                run_config={**run_config, **log_config},
-                raise_on_error=False,
-            )
+        extract = definitions.resolve_job_def("extract_task_set").execute_in_process(
+            partition_key=task_set,
+            instance=instance,
+            run_config={**run_config, **log_config},
+            raise_on_error=False,
+        )
         if not extract.success:
             if registered and not _ingested(task_set):
                 instance.delete_dynamic_partition(TASK_SET_PARTITIONS, task_set)
@@ -141,29 +139,44 @@ def run_pipeline(task_set: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _warm_workers(task_set: str, args: argparse.Namespace) -> Any:
-    """Start the run's extraction workers ahead of their plan (lib/warm_workers.py); a no-op
-    when the engine settings cannot be read here (the run's own step reports why)."""
-    from fabric_pipelines.defs.resources import EngineConfig
+    """Start the run's extraction workers first thing (lib/warm_workers.py), so that Python,
+    torch, the CUDA context and the weights load while the CLI imports Dagster and the set is
+    submitted, ingested and planned. A no-op when the engine settings cannot be read here (the
+    run's own step reports why); the step takes the workers over only if its settings match."""
+    from fabric_pipelines.lib.broker.ledger import DEFAULT_LEASE_SECONDS
     from fabric_pipelines.lib.gpu_pool import visible_gpus
     from fabric_pipelines.lib.settings import FabricPaths, database_url, default_root
     from fabric_pipelines.lib.warm_workers import warm_workers
 
     try:
-        engine = EngineConfig(**_engine_config(args))
-        manifest = engine.manifest()
+        manifest = _engine_manifest(args)
     except Exception:  # the extraction step reports the same error, in the run
         return contextlib.nullcontext()
-    paths = FabricPaths(default_root()).ensure()
+    paths = FabricPaths(_prepare_environment()).ensure()
+    assert paths.root == default_root()
     return warm_workers(
         paths,
         task_set,
         manifest,
         database_url=database_url(paths),
-        count=engine.workers,
+        count=1 if args.workers is None else args.workers,  # EngineConfig's default: 1
         visible_gpus=visible_gpus() if manifest.backend != "cpu" else 0,
-        lease_seconds=engine.lease_seconds,
-        heartbeat_seconds=engine.heartbeat_seconds,
+        lease_seconds=args.lease_seconds or DEFAULT_LEASE_SECONDS,
+        heartbeat_seconds=args.heartbeat_seconds,
     )
+
+
+def _engine_manifest(args: argparse.Namespace) -> Any:
+    """The run's engine manifest: a manifest file is read directly (no Dagster import, which
+    takes seconds); the options' defaults come from the engine resource."""
+    from fabric_gpu.manifest import EngineManifest
+
+    path = getattr(args, "manifest", None) or os.environ.get("FABRIC_ENGINE_MANIFEST", "")
+    if path:
+        return EngineManifest.load(Path(path))
+    from fabric_pipelines.defs.resources import EngineConfig
+
+    return EngineConfig(**_engine_config(args)).manifest()
 
 
 def _write_report(args: argparse.Namespace, summary: dict[str, Any]) -> None:
@@ -290,12 +303,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"fabric demo: data root {paths.root}, database {redact_url(database_url(paths))}")
     # The demo owns its task set: start it afresh so every demo run does (and times) real work.
     forget_task_set(db, paths, DEMO_TASK_SET)
-    with tempfile.TemporaryDirectory() as tmp:
-        source = Path(tmp) / "demo.jsonl"
-        n = write_demo_set(source, args.items)
-        submit(source, paths.inbox, DEMO_TASK_SET)
-    print(f"submitted {n} records (standard-library docstrings + deliberately bad records)")
-    summary = run_pipeline(DEMO_TASK_SET, args)
+    with _warm_workers(DEMO_TASK_SET, args):  # the engine loads while the set is written
+        with tempfile.TemporaryDirectory() as tmp:
+            source = Path(tmp) / "demo.jsonl"
+            n = write_demo_set(source, args.items)
+            submit(source, paths.inbox, DEMO_TASK_SET)
+        print(f"submitted {n} records (standard-library docstrings + deliberately bad records)")
+        summary = run_pipeline(DEMO_TASK_SET, args)
     _print_summary(summary)
     return 0 if all(passed for _, passed in summary["checks"]) else 1
 
@@ -343,15 +357,23 @@ def _index_rows(index: dict[str, Any]) -> list[tuple[str, str]]:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     from fabric_pipelines.lib.names import InvalidNameError, validate_task_set_name
-    from fabric_pipelines.lib.tasks.catalog import is_ingested
-    from fabric_pipelines.lib.tasks.inbox import submit
-    from fabric_pipelines.lib.tasks.ingest import SubmissionError
 
     try:
         validate_task_set_name(args.task_set)
     except InvalidNameError as exc:
         print(f"fabric submit: {exc}", file=sys.stderr)
         return 2
+    # With --run, the engine's workers start loading first, while the rest of this runs.
+    with _warm_workers(args.task_set, args) if args.run else contextlib.nullcontext():
+        return _submit(args)
+
+
+def _submit(args: argparse.Namespace) -> int:
+    from fabric_pipelines.lib.names import InvalidNameError
+    from fabric_pipelines.lib.tasks.catalog import is_ingested
+    from fabric_pipelines.lib.tasks.inbox import submit
+    from fabric_pipelines.lib.tasks.ingest import SubmissionError
+
     paths, db = _open_database()
     try:
         # A set never ingested (its file could not be read) takes a corrected file in its place.
@@ -384,8 +406,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     except InvalidNameError as exc:
         print(f"fabric run: {exc}", file=sys.stderr)
         return 2
-    _open_database()[1].dispose()  # the schema first, before two runs' steps race to make it
-    summary = run_pipeline(args.task_set, args)
+    with _warm_workers(args.task_set, args):
+        _open_database()[1].dispose()  # the schema first, before two runs' steps race to make it
+        summary = run_pipeline(args.task_set, args)
     _write_report(args, summary)
     _print_summary(summary)
     return 0 if all(passed for _, passed in summary["checks"]) else 1

@@ -61,6 +61,13 @@ def test_a_warm_pool_started_before_ingest_runs_the_plan_made_after_it(
         assert pool.taken and pool.go_file.exists()
         assert all(w.process.returncode == 0 for w in pool.workers)
     assert summary.batches_done == 30 and summary.rows_inserted == 120
+    # Each worker's timeline: loaded its engine, then waited for go, then ran the plan.
+    points = ("engine_ready", "go", "job_loaded", "ready", "last_ack", "done", "closed")
+    for timeline in summary.timelines:  # a worker that acked nothing has no last_ack
+        present = [timeline[p] for p in points if p in timeline]
+        assert present == sorted(present) and "go" in timeline and "closed" in timeline
+    assert len(summary.timelines) == 2
+    assert any("last_ack" in timeline for timeline in summary.timelines)
     with db.connect() as conn:
         counts = accounting(conn, "set", manifest.model_key)
     assert counts.finished and counts.completed == 120

@@ -264,6 +264,7 @@ def extraction_outputs(
             "extract_seconds": round(report.seconds, 3),
             "pulling_seconds": round(report.pulling_seconds, 3),
             "verify_seconds": round(verify_seconds, 3),
+            "worker_timelines": dg.MetadataValue.json(list(report.timelines)),
             "pulling_tokens_per_s": round(
                 report.real_tokens / report.pulling_seconds if report.pulling_seconds else 0.0, 1
             ),

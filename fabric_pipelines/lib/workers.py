@@ -269,19 +269,28 @@ def main(argv: list[str] | None = None) -> int:
     paths = FabricPaths(default_root()).ensure()
     db = make_engine(database_url(paths))
     manifest = EngineManifest.load(Path(args.manifest))
+    # Where a worker's time goes (unix times), for the step's metadata.
+    timeline = {"started_at": time.time()}
     engine = create_engine(manifest)  # first: the slow part a warm worker does ahead of its plan
     try:
         if args.go_file:
             prewarm(engine)
+            timeline["engine_ready_at"] = time.time()
             wait_for_file(Path(args.go_file))
+        timeline["go_at"] = time.time()
         job = _job(db, paths, args.task_set, manifest)
+        timeline["job_loaded_at"] = time.time()
         report = run_worker(
             db, engine, job, owner=args.owner, lease_seconds=args.lease_seconds,
             heartbeat_seconds=args.heartbeat_seconds, max_attempts=args.max_attempts,
         )  # fmt: skip
+        timeline["done_at"] = time.time()
     finally:
         engine.close()
-    summary = {"owner": args.owner, **asdict(report), "errors": report.errors[:20]}
+    timeline["closed_at"] = time.time()
+    summary = {
+        "owner": args.owner, **asdict(report), "errors": report.errors[:20], **timeline,
+    }  # fmt: skip
     summary.pop("runtime", None)
     if args.report:
         write_bytes(Path(args.report), json.dumps(summary).encode())
@@ -326,6 +335,9 @@ class ExtractionSummary:
     # sentence that says so; this run's accounting check cannot pass then.
     superseded_by: str = ""
     superseded: str = ""
+    # Per worker process, seconds from its start to each point (engine_ready, go, job_loaded,
+    # ready, last_ack, done, closed): where its time went.
+    timelines: tuple[dict[str, float], ...] = ()
 
     @property
     def tokens_per_second(self) -> float:
@@ -388,7 +400,22 @@ def extract_task_set(
         pulling_seconds=_pulling_window(reports),
         superseded_by=superseded["superseded_by"] if superseded else "",
         superseded=superseded["superseded"] if superseded else "",
+        timelines=tuple(_timeline(r) for r in reports if r.get("started_at")),
     )
+
+
+def _timeline(report: dict[str, Any]) -> dict[str, float]:
+    start = float(report["started_at"])
+    return {
+        name.removesuffix("_at"): round(float(report[name]) - start, 3)
+        for name in TIMELINE_POINTS
+        if report.get(name)
+    }
+
+
+TIMELINE_POINTS = (
+    "engine_ready_at", "go_at", "job_loaded_at", "ready_at", "last_ack_at", "done_at", "closed_at",
+)  # fmt: skip
 
 
 def worker_settings(
