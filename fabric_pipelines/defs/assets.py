@@ -303,6 +303,7 @@ class IndexConfig(dg.Config):
     min_recall: float = 0.9
     shards: int = 8
     device: str = "auto"
+    kmeans: str = "auto"  # torch on a GPU, faiss-cpu without one; or "torch" / "faiss"
     full_rebuild: bool = False  # retrain and refill every shard instead of only the stale ones
 
 
@@ -342,6 +343,7 @@ def vector_index(
         nprobe=config.nprobe,
         shards=config.shards,
         device=config.device,
+        kmeans=config.kmeans,
     )
     db = database.engine()
     with db.connect() as conn:
