@@ -14,7 +14,8 @@ sha256), then the receipt file, then the receipt row. A failure before the row p
 an index below its recall floor never gets the row.
 
 Hashes of the source rows run in background threads from the start (hashlib lets other threads
-run), files are written straight from FAISS and in parallel, and `PublishedIndex.seconds` says
+run), files are written straight from FAISS and in parallel (the served index as soon as its
+nprobe is chosen, while the rest of its quality is measured), and `PublishedIndex.seconds` says
 where the time went, phase by phase.
 """
 
@@ -59,6 +60,7 @@ from fabric_pipelines.lib.index.build import (
     train_rows,
 )
 from fabric_pipelines.lib.index.quality import measure, shortfall
+from fabric_pipelines.lib.index.recall import NprobeChoice
 from fabric_pipelines.lib.index.receipt import (
     RECEIPT_SCHEMA,
     array_sha256,
@@ -181,18 +183,27 @@ def build_and_publish(
             )
             rows = prepare_rows(source.vectors, source.ids, spec, builder)
         built = _build(pool, clock, source, rows, versions, spec, folder, previous, reuse)
-        with clock.phase("quality"):
-            quality = measure(built.served, rows, source.vectors, counts, spec, min_recall)
-            set_nprobe(built.served, quality.choice.nprobe)
-        on_gpu = rows.device.is_cuda
-        del rows  # the device's copy of the rows is no longer needed: hand its memory back
-        if on_gpu:
-            torch.cuda.empty_cache()
-        with clock.phase("write"):
-            served = pool.submit(store_index, built.folder, built.served)
-            entries = [_entry(e) for e in built.entries]
-            index_sha, index_path = served.result()
-    training = _with_source_hashes(built.training, ids_sha256.result(), vectors_sha256.result())
+        # The served index is stored the moment its nprobe is chosen, on a thread of its own
+        # (not queued behind the pool's hashes), while the rest of its quality is measured.
+        with ThreadPoolExecutor(1, thread_name_prefix="index-store") as store:
+            served_file: list[Future[tuple[str, Path]]] = []
+
+            def store_served(_: NprobeChoice) -> None:
+                served_file.append(store.submit(store_index, built.folder, built.served))
+
+            with clock.phase("quality"):
+                quality = measure(
+                    built.served, rows, source.vectors, counts, spec, min_recall, store_served
+                )
+            on_gpu = rows.device.is_cuda
+            del rows  # the device's copy of the rows is no longer needed: hand its memory back
+            if on_gpu:
+                torch.cuda.empty_cache()
+            with clock.phase("write"):
+                entries = [_entry(e) for e in built.entries]
+                index_sha, index_path = served_file[0].result()
+                source_hashes = ids_sha256.result(), vectors_sha256.result()
+    training = _with_source_hashes(built.training, *source_hashes)
     params: dict[str, Any] = {"nprobe": spec.nprobe}
     if is_ivf(built.served):
         params = {
@@ -210,8 +221,8 @@ def build_and_publish(
             "task_sets": list(source.task_sets),
             "watermark": {"n_shards": spec.shards, "versions": versions},
         },
-        "ids_sha256": ids_sha256.result(),
-        "vectors_sha256": vectors_sha256.result(),
+        "ids_sha256": source_hashes[0],
+        "vectors_sha256": source_hashes[1],
         "model": {**model, "model_key": model_key, "dim": source.dim},
         "index": {
             "factory": built.training["factory"],

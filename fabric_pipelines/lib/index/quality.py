@@ -1,11 +1,14 @@
 """What a built index is worth: recall against exact search at the nprobe it serves with (raised
 until it meets the recall target), the recall curve over nprobe, list balance, cluster health.
-Exact search runs where the build computes (torch on the GPU when there is one); searches of the
-index itself run in FAISS; cluster health looks at a sample, in float64 NumPy; local density and
-near-duplicates are read off the recall queries' exact neighbours among all rows."""
+Exact search runs where the build computes (torch on the GPU when there is one); an IVF-Flat
+index's recall is read off its lists at every nprobe (a few queries searched in FAISS confirm
+it), other indexes are searched in FAISS; cluster health looks at a sample, in float64 NumPy;
+local density and near-duplicates are read off the recall queries' exact neighbours among all
+rows."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +24,7 @@ from fabric_pipelines.lib.index.build import (
     is_ivf_flat,
     list_sizes,
 )
+from fabric_pipelines.lib.index.list_recall import ListRecall
 from fabric_pipelines.lib.index.recall import (
     CURVE_RULE_LISTS,
     CURVE_RULE_SEARCH,
@@ -49,11 +53,18 @@ def measure(
     counts: VectorCounts,
     spec: IndexSpec,
     min_recall: float,
+    chosen: Callable[[NprobeChoice], object] | None = None,
 ) -> Quality:
     """Measure `index` over `rows` (prepared; `vectors` the same rows as stored), leaving it set
-    to the nprobe chosen (NprobeChoice)."""
+    to the nprobe chosen (NprobeChoice). `chosen` is called as soon as the index is final (set to
+    that nprobe, searched for the last time): what is measured after only reads it, so the caller
+    may store it meanwhile."""
     probe = RecallProbe(rows, spec, max_k=max(100, spec.k))
-    choice = choose_nprobe(index, probe, spec, min_recall, ks=(1, 10, 100))
+    lists = ListRecall(probe, index) if is_ivf_flat(index) else None
+    choice = choose_nprobe(index, probe, spec, min_recall, ks=(1, 10, 100), lists=lists)
+    curve = nprobe_curve(index, probe, spec, lists)  # IVF-Flat: from the lists, no search
+    if chosen is not None:
+        chosen(choice)
     recall = choice.recall
     out: dict[str, Any] = {
         "k": spec.k,
@@ -70,7 +81,7 @@ def measure(
         },
     }
     if is_ivf(index):
-        out["nprobe_curve"] = {str(k): v for k, v in nprobe_curve(index, probe, spec).items()}
+        out["nprobe_curve"] = {str(k): v for k, v in curve.items()}
         out["nprobe_curve_rule"] = CURVE_RULE_LISTS if is_ivf_flat(index) else CURVE_RULE_SEARCH
         sizes = list_sizes(index)
         out["lists"] = {

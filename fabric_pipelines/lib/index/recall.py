@@ -5,10 +5,17 @@ on the build's device) up to `max_k`; any index over the same rows is then score
 it. Each query's own row is left out of both answers, so recall measures its neighbours. A
 returned neighbour counts when it is as close as the k-th exact one, so rows tied at that
 distance (duplicates) count alike, whichever order a search returned them in.
+
+An IVF-Flat index's recall at any nprobe is read off its lists (index/list_recall.py): what a
+search would find, without paying for the rows of every probed list per query. Searching 500
+queries costs the rows of the lists each probes, which uneven lists (a few holding many rows,
+probed by most queries) and every extra nprobe tried multiply. Other indexes store compressed
+codes, so they are searched.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import faiss
@@ -19,11 +26,11 @@ from fabric_pipelines.lib.index.build import (
     Rows,
     is_ivf,
     is_ivf_flat,
-    list_ids,
     nlist,
     prepare_rows,
     set_nprobe,
 )
+from fabric_pipelines.lib.index.list_recall import ListRecall
 from fabric_pipelines.lib.index.torch_search import top_k
 
 RULE = (
@@ -37,9 +44,13 @@ CURVE_RULE_LISTS = (
 CURVE_RULE_SEARCH = "searched: the index at each nprobe"
 
 
+TIE_DEPTH = 2  # exact neighbours held: this many times max_k + 1, so that rows tied (within
+# rounding) with the k-th are seen too; dense data has many rows within rounding of it
+
+
 class RecallProbe:
-    """The exact neighbours of a seeded sample of `rows` (up to max_k + 1, own row included),
-    found once on the rows' device; scores any index over the same rows."""
+    """The exact neighbours of a seeded sample of `rows` (TIE_DEPTH * (max_k + 1) of them, own
+    row included), found once on the rows' device; scores any index over the same rows."""
 
     def __init__(self, rows: Rows, spec: IndexSpec, max_k: int) -> None:
         n = len(rows.ids)
@@ -49,16 +60,32 @@ class RecallProbe:
         rng = np.random.default_rng(spec.seed + 1)
         q = np.sort(rng.choice(n, size=min(spec.recall_queries, n), replace=False))
         self.x = rows.host
-        self.by_id = np.argsort(rows.ids, kind="stable")  # id -> row, through searchsorted
-        self.sorted_ids = rows.ids[self.by_id]
+        # id -> row through searchsorted; rows come in ascending id order, so usually no sort.
+        ascending = bool(np.all(rows.ids[1:] > rows.ids[:-1]))
+        self.by_id = None if ascending else np.argsort(rows.ids, kind="stable")
+        self.sorted_ids = rows.ids if self.by_id is None else rows.ids[self.by_id]
         self.queries = rows.host[q]
         self.own = rows.ids[q]
-        self.truth = np.empty((len(q), 0), dtype=np.int64)
+        self.truth_rows = np.empty((len(q), 0), dtype=np.int64)  # positions in `rows`
         self.truth_distance = np.empty((len(q), 0), dtype=np.float32)
         if n > 1:  # with one row there is no neighbour: every k gives recall 1
-            scores, at = top_k(rows.on_device(q), rows.device, min(max_k + 1, n), spec.metric)
+            depth = min(TIE_DEPTH * (max_k + 1), n)
+            scores, at = top_k(rows.on_device(q), rows.device, depth, spec.metric)
             self.truth_distance = scores.cpu().numpy()
-            self.truth = rows.ids[at.cpu().numpy()]
+            self.truth_rows = at.cpu().numpy()
+        self.truth = rows.ids[self.truth_rows]
+
+    def positions(self, ids: np.ndarray) -> np.ndarray:
+        """The row of each id (every id must be one of the rows')."""
+        at = np.searchsorted(self.sorted_ids, ids)
+        return at if self.by_id is None else self.by_id[at]
+
+    def held_positions(self, ids: np.ndarray) -> np.ndarray:
+        """The row of each id, -1 for an id that is none of the rows'."""
+        at = np.minimum(np.searchsorted(self.sorted_ids, ids), max(len(self.sorted_ids) - 1, 0))
+        held = self.sorted_ids[at] == ids if len(self.sorted_ids) else np.zeros(len(ids), bool)
+        rows = at if self.by_id is None else self.by_id[at]
+        return np.where(held, rows, -1)
 
     @classmethod
     def of_vectors(
@@ -80,32 +107,56 @@ class RecallProbe:
             return distance >= kth[:, None] - slack
         return distance <= kth[:, None] + slack
 
-    def search(self, index: faiss.Index) -> np.ndarray:
-        """The ids `index` returns for every query, max_k + 1 of them (own row included)."""
-        _, found = index.search(self.queries, min(self.max_k + 1, max(self.rows, 1)))
+    def counted(self, k: int) -> np.ndarray:
+        """Per query and held exact neighbour, whether a search finding it scores it at k: the
+        others as close as the k-th."""
+        return (self.truth != self.own[:, None]) & self._as_close(self.truth_distance, self._kth(k))
+
+    def complete(self, k: int) -> np.ndarray:
+        """Per query, whether every row as close as its k-th exact neighbour is held (`counted`
+        then names every neighbour a search may score at k)."""
+        if self.truth.shape[1] >= self.rows:
+            return np.ones(len(self.queries), dtype=bool)
+        last = self.truth_distance[:, -1:]
+        return ~self._as_close(last, self._kth(k))[:, 0]
+
+    def search(self, index: faiss.Index, queries: np.ndarray | None = None) -> np.ndarray:
+        """The ids `index` returns for every query (or those at `queries`), max_k + 1 of them
+        (own row included)."""
+        x = self.queries if queries is None else self.queries[queries]
+        _, found = index.search(x, min(self.max_k + 1, max(self.rows, 1)))
         return np.asarray(found)
+
+    def hits(
+        self, found: np.ndarray, ks: list[int], queries: np.ndarray | None = None
+    ) -> dict[int, int]:
+        """Neighbours a search's results (`search`, of every query or those at `queries`) find
+        at each k below the number of rows: among the first k other rows returned, those as
+        close as the k-th exact."""
+        if max(ks) > self.max_k:
+            raise ValueError(f"k={max(ks)}: this probe holds exact neighbours up to k={self.max_k}")
+        chosen = slice(None) if queries is None else queries
+        own, x = self.own[chosen], self.queries[chosen]
+        valid = (found >= 0) & (found != own[:, None])
+        looked_up = np.where(valid, found, self.sorted_ids[0])
+        rows = self.x[self.positions(looked_up)]  # queries x m x dim
+        if self.metric == "cosine":
+            distance = np.matmul(rows, x[:, :, None])[..., 0]
+        else:
+            distance = ((rows - x[:, None, :]) ** 2).sum(axis=2)
+        out = {}
+        for k in ks:
+            if self.rows <= k:  # no k neighbours to find
+                continue
+            keep = valid & (np.cumsum(valid, axis=1) <= k)  # the first k other rows returned
+            out[k] = int((keep & self._as_close(distance, self._kth(k)[chosen])).sum())
+        return out
 
     def scores(self, found: np.ndarray, ks: list[int]) -> dict[int, float]:
         """recall@k of a search's results (`search`) at each k; 1.0 when there are no k
         neighbours to find."""
-        if max(ks) > self.max_k:
-            raise ValueError(f"k={max(ks)}: this probe holds exact neighbours up to k={self.max_k}")
-        valid = (found >= 0) & (found != self.own[:, None])
-        looked_up = np.where(valid, found, self.sorted_ids[0])
-        rows = self.x[self.by_id[np.searchsorted(self.sorted_ids, looked_up)]]  # queries x m x dim
-        if self.metric == "cosine":
-            distance = np.matmul(rows, self.queries[:, :, None])[..., 0]
-        else:
-            distance = ((rows - self.queries[:, None, :]) ** 2).sum(axis=2)
-        out = {}
-        for k in ks:
-            if self.rows <= k:
-                out[k] = 1.0
-                continue
-            keep = valid & (np.cumsum(valid, axis=1) <= k)  # the first k other rows returned
-            hits = keep & self._as_close(distance, self._kth(k))
-            out[k] = int(hits.sum()) / (len(self.queries) * k)
-        return out
+        hits = self.hits(found, ks)
+        return {k: 1.0 if self.rows <= k else hits[k] / (len(self.queries) * k) for k in ks}
 
     def score(self, found: np.ndarray, k: int) -> float:
         return self.scores(found, [k])[k]
@@ -126,35 +177,15 @@ class RecallProbe:
         k = min(k, int(others.sum(axis=1).min(initial=k)))
         first = np.argsort(~others, axis=1, kind="stable")[:, :k]  # the first k others, in order
         ids = np.take_along_axis(self.truth, first, axis=1)
-        rows = self.x[self.by_id[np.searchsorted(self.sorted_ids, ids)]].astype(np.float64)
+        rows = self.x[self.positions(ids)].astype(np.float64)
         queries = self.queries.astype(np.float64)[:, None, :]
         if self.metric == "cosine":
             return 1.0 - (rows * queries).sum(axis=2)
         return ((rows - queries) ** 2).sum(axis=2)
 
     def lists_curve(self, index: faiss.Index, nprobes: list[int], k: int) -> dict[int, float]:
-        """recall@k of an IVF-Flat index at each nprobe without searching it: a probed list is
-        scanned exactly, so at nprobe p a query returns its k nearest rows among the lists it
-        probes, and finds min(k, exact neighbours as close as the k-th that lie in its p
-        nearest lists). Ties beyond the max_k + 1 exact neighbours held are not seen."""
-        if self.rows <= k:
-            return {p: 1.0 for p in nprobes}
-        ivf = faiss.extract_index_ivf(index)
-        held, owner = list_ids(index)
-        order = np.argsort(held, kind="stable")
-        lists = owner[order][np.searchsorted(held[order], self.truth)]
-        _, nearest = ivf.quantizer.search(self.queries, ivf.nlist)  # the probing order
-        rank = np.empty_like(nearest)
-        rank[np.arange(len(nearest))[:, None], nearest] = np.arange(ivf.nlist)
-        list_rank = np.take_along_axis(rank, lists, axis=1)
-        found = (self.truth != self.own[:, None]) & self._as_close(
-            self.truth_distance, self._kth(k)
-        )
-        total = len(self.queries) * k
-        return {
-            p: round(float(np.minimum(k, (found & (list_rank < p)).sum(1)).sum()) / total, 6)
-            for p in nprobes
-        }
+        """recall@k of an IVF-Flat index at each nprobe without searching it (ListRecall)."""
+        return ListRecall(self, index).curve(nprobes, k)
 
 
 def recall_at_k(
@@ -173,14 +204,16 @@ def doublings(start: int, stop: int) -> list[int]:
     return out
 
 
-def nprobe_curve(index: faiss.Index, probe: RecallProbe, spec: IndexSpec) -> dict[int, float]:
+def nprobe_curve(
+    index: faiss.Index, probe: RecallProbe, spec: IndexSpec, lists: ListRecall | None = None
+) -> dict[int, float]:
     """recall@k at each nprobe 1, 2, 4, ... up to the number of lists (IVF only): from the lists
-    for IVF-Flat (cheap at any size), by searching otherwise."""
+    for IVF-Flat (cheap at any size; `lists` where the caller has them), by searching otherwise."""
     if not is_ivf(index):
         return {}
     points = doublings(1, nlist(index))
     if is_ivf_flat(index):
-        return probe.lists_curve(index, points, spec.k)
+        return (lists or ListRecall(probe, index)).curve(points, spec.k)
     before = faiss.extract_index_ivf(index).nprobe
     curve = {}
     for p in points:
@@ -194,7 +227,7 @@ def nprobe_curve(index: faiss.Index, probe: RecallProbe, spec: IndexSpec) -> dic
 class NprobeChoice:
     nprobe: int  # the nprobe the served index keeps
     requested: int
-    tried: dict[int, float]  # recall@k at each nprobe searched, in order
+    tried: dict[int, float]  # recall@k at each nprobe tried, in order
     met: bool  # whether recall@k at `nprobe` reaches the target
     recall: dict[int, float]  # recall at `nprobe` for each k asked for
 
@@ -205,17 +238,42 @@ def choose_nprobe(
     spec: IndexSpec,
     min_recall: float,
     ks: tuple[int, ...] = (),
+    lists: ListRecall | None = None,
 ) -> NprobeChoice:
-    """Search at the spec's nprobe, then at twice that, ... up to every list, until recall@k
-    reaches `min_recall`; the index keeps the nprobe that did (or every list, when none did).
-    Doubling keeps the searches' total cost within twice that of the last one. Recall is
-    reported (rounded to 6 places) at the spec's k and at each of `ks`."""
+    """Recall@k at the spec's nprobe, then at twice that, ... up to every list, until it reaches
+    `min_recall`; the index keeps the nprobe that did (or every list, when none did). Recall is
+    reported (rounded to 6 places) at the spec's k and at each of `ks`.
+
+    With `lists` (IVF-Flat) each nprobe's recall is read off the lists, and FAISS searches a
+    few queries at the chosen nprobe to confirm it; where the two disagree, or without `lists`,
+    the index is searched at each nprobe (doubling keeps the total within twice the last)."""
     steps = doublings(spec.nprobe, nlist(index)) if is_ivf(index) else [spec.nprobe]
-    tried: dict[int, float] = {}
-    for nprobe in steps:
+    every_k = [spec.k, *ks]
+    if lists is not None:
+        choice = _choose(steps, min_recall, spec, lambda p: lists.at(index, p, every_k))
+        if lists.agrees_with_search(index, choice.nprobe, every_k):
+            return choice
+
+    def searched(nprobe: int) -> dict[int, float]:
         set_nprobe(index, nprobe)
-        found = probe.search(index)
-        recall = {k: round(v, 6) for k, v in probe.scores(found, [spec.k, *ks]).items()}
+        return probe.scores(probe.search(index), every_k)
+
+    choice = _choose(steps, min_recall, spec, searched)
+    set_nprobe(index, choice.nprobe)
+    return choice
+
+
+def _choose(
+    steps: list[int],
+    min_recall: float,
+    spec: IndexSpec,
+    recall_at: Callable[[int], dict[int, float]],
+) -> NprobeChoice:
+    """The first of `steps` whose recall@k (`recall_at`) reaches `min_recall`, else the last."""
+    tried: dict[int, float] = {}
+    recall: dict[int, float] = {}
+    for nprobe in steps:
+        recall = {k: round(v, 6) for k, v in recall_at(nprobe).items()}
         tried[nprobe] = recall[spec.k]
         if tried[nprobe] >= min_recall:
             break

@@ -1,18 +1,29 @@
-"""Reading the vectors an index is built from, in id order, and refusing bad ones."""
+"""Reading the vectors an index is built from, in id order, and refusing bad ones.
+
+A million rows are read without a Python object per value: the ids are computed by the
+database, SQLite's rows come in large batches whose blobs are joined and decoded at once, and
+PostgreSQL's come as a binary COPY decoded by NumPy (index/copy_rows.py). The arrays are sized
+by a count taken first, so the vectors are written once, where they stay.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import closing
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from sqlalchemy import BigInteger, Connection, cast, column, func, literal, select
+from psycopg.pq import TransactionStatus
+from sqlalchemy import Connection, func, select, text
 
+from fabric_pipelines.lib.index.copy_rows import RowLayoutError, vector_rows
 from fabric_pipelines.lib.store.models import Embedding, Model, TaskSet
 from fabric_pipelines.lib.store.schema import has_pgvector_column
 
 # An index id packs the task set and the task: task_set_id * 2**40 + record_no.
 ID_STRIDE = 1 << 40
+SQLITE_BATCH = 4096  # rows per fetch: their blobs (12 MB at 768-d) are joined in reused memory
 
 
 class BadVectorsError(ValueError):
@@ -32,55 +43,153 @@ class VectorSet:
 
 
 def load_vectors(conn: Connection, model_key: str) -> VectorSet:
-    """Every embedding of `model_key`, ascending by id."""
-    model = select(Model.id).where(Model.model_key == model_key).scalar_subquery()
-    columns = [
-        (
-            cast(Embedding.task_set_id, BigInteger) * literal(ID_STRIDE, BigInteger)
-            + Embedding.record_no
-        ).label("id"),
-        Embedding.vector,
-    ]
-    if has_pgvector_column(conn):  # schema revision 0002 on a server with pgvector
-        columns.append(func.vector_send(column("embedding")).label("pgvector"))
-    rows = conn.execute(
-        select(*columns)
-        .select_from(Embedding)
-        .where(Embedding.model_id == model)
-        .order_by(Embedding.task_set_id, Embedding.record_no)
-    ).all()
+    """Every embedding of `model_key`, ascending by id. Raises BadVectorsError when they are not
+    all of one dimension."""
+    empty = VectorSet(model_key, np.zeros(0, np.int64), np.zeros((0, 0), np.float32), ())
+    model = conn.execute(select(Model.id).where(Model.model_key == model_key)).scalar()
+    if model is None:
+        return empty
+    expected = conn.execute(
+        select(func.count()).select_from(Embedding).where(Embedding.model_id == model)
+    ).scalar_one()
+    if not expected:
+        return empty
+    pgvector = has_pgvector_column(conn)
+    rows = _RowArrays(int(expected))
+    try:
+        batches = (
+            _postgres_rows(conn, model, pgvector)
+            if _is_postgres(conn)
+            else _sqlite_rows(conn, model)
+        )
+        for ids, vectors in batches:
+            rows.add(ids, vectors)
+    except RowLayoutError as exc:
+        raise _unreadable(conn, model, model_key, pgvector, exc) from exc
+    ids, vectors = rows.arrays()
+    if len(ids) == 0:
+        return empty
+    in_use = [int(t) for t in np.unique(ids // ID_STRIDE)]
     task_sets = conn.execute(
-        select(TaskSet.name)
-        .where(TaskSet.id.in_(select(Embedding.task_set_id).where(Embedding.model_id == model)))
-        .order_by(TaskSet.name)
+        select(TaskSet.name).where(TaskSet.id.in_(in_use)).order_by(TaskSet.name)
     ).scalars()
-    if not rows:
-        return VectorSet(model_key, np.zeros(0, np.int64), np.zeros((0, 0), np.float32), ())
-    vectors = _float32_rows(model_key, rows)
-    ids = np.fromiter((r.id for r in rows), dtype=np.int64, count=len(rows))
     return VectorSet(model_key, ids, vectors, tuple(task_sets))
 
 
-def _float32_rows(model_key: str, rows: Any) -> np.ndarray:
-    """The rows' vectors as float32 [n, dim]: from the `vector` column (little-endian float32
-    bytes) or, where that is empty, from pgvector's binary form (16-bit dimension, 16-bit zero,
-    float32 in network order). Each kind is decoded in one NumPy pass."""
-    as_bytes = np.fromiter((r.vector is not None for r in rows), dtype=bool, count=len(rows))
-    sizes = {len(r.vector) if r.vector is not None else len(r.pgvector) - 4 for r in rows}
-    if len(sizes) != 1:
-        raise BadVectorsError(
-            f"model {model_key}: embeddings of several dimensions {sorted(s // 4 for s in sizes)}"
+class _RowArrays:
+    """ids and vectors written batch by batch into arrays allocated once for the rows counted
+    beforehand. Rows beyond that count (written since) are appended at the end with one copy;
+    fewer rows (deleted since) leave the arrays shorter."""
+
+    def __init__(self, expected: int) -> None:
+        self.expected = expected
+        self.filled = 0
+        self.ids = np.zeros(0, np.int64)
+        self.vectors = np.zeros((0, 0), np.float32)
+        self.beyond: list[tuple[np.ndarray, np.ndarray]] = []
+
+    def add(self, ids: np.ndarray, vectors: np.ndarray) -> None:
+        if self.filled == 0 and not self.beyond:
+            self.ids = np.empty(self.expected, np.int64)
+            self.vectors = np.empty((self.expected, vectors.shape[1]), np.float32)
+        take = min(len(ids), self.expected - self.filled)
+        self.ids[self.filled : self.filled + take] = ids[:take]
+        self.vectors[self.filled : self.filled + take] = vectors[:take]
+        self.filled += take
+        if take < len(ids):
+            self.beyond.append(
+                (np.array(ids[take:], np.int64), np.array(vectors[take:], np.float32))
+            )
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        ids, vectors = self.ids[: self.filled], self.vectors[: self.filled]
+        if self.beyond:
+            ids = np.concatenate([ids, *(i for i, _ in self.beyond)])
+            vectors = np.concatenate([vectors, *(v for _, v in self.beyond)])
+        return ids, vectors
+
+
+def _is_postgres(conn: Connection) -> bool:
+    return conn.dialect.name == "postgresql"
+
+
+def _sqlite_rows(conn: Connection, model: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(ids, vectors) per batch of SQLite rows, ascending by id."""
+    raw: Any = conn.connection.driver_connection
+    dim = None
+    with closing(raw.cursor()) as cursor:
+        cursor.execute(
+            "SELECT task_set_id * ? + record_no, vector FROM embeddings WHERE model_id = ? "
+            "ORDER BY task_set_id, record_no",
+            (ID_STRIDE, model),
         )
-    dim = sizes.pop() // 4
-    out = np.empty((len(rows), dim), dtype=np.float32)
-    if as_bytes.any():
-        joined = b"".join(r.vector for r in rows if r.vector is not None)
-        out[as_bytes] = np.frombuffer(joined, dtype="<f4").reshape(-1, dim)
-    if not as_bytes.all():
-        joined = b"".join(r.pgvector for r in rows if r.vector is None)
-        values = np.frombuffer(joined, dtype=np.uint8).reshape(-1, 4 + 4 * dim)[:, 4:]
-        out[~as_bytes] = np.ascontiguousarray(values).view(">f4")
-    return out
+        while batch := cursor.fetchmany(SQLITE_BATCH):
+            ids, blobs = zip(*batch, strict=True)
+            try:
+                sizes = set(map(len, blobs))
+            except TypeError:  # len(None): a NULL vector
+                raise RowLayoutError("a row without a vector") from None
+            if dim is None and len(sizes) == 1:
+                dim = next(iter(sizes)) // 4
+            if dim is None or sizes != {4 * dim}:
+                raise RowLayoutError("rows of several dimensions")
+            joined = np.frombuffer(b"".join(blobs), dtype="<f4")
+            yield np.array(ids, dtype=np.int64), joined.reshape(len(blobs), dim)
+
+
+def _postgres_rows(
+    conn: Connection, model: int, pgvector: bool
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(ids, vectors) per run of PostgreSQL rows, ascending by id: a binary COPY of the id and
+    the vector's bytes or, where those are NULL, pgvector's binary value less its 4-byte head
+    (so every row of one dimension has one size). Sorting is turned off for the statement: the
+    primary key's index gives the order, where the planner would otherwise sort the whole
+    table's vectors (on disk, at a million rows)."""
+    raw: Any = conn.connection.driver_connection
+    from_pgvector = (
+        ", CASE WHEN vector IS NULL THEN substring(vector_send(embedding) from 5) END"
+        if pgvector
+        else ""
+    )
+    with raw.cursor() as cursor:
+        cursor.execute("SELECT current_setting('enable_sort')")
+        before = cursor.fetchone()[0]
+        cursor.execute("SELECT set_config('enable_sort', 'off', true)")
+        try:
+            with cursor.copy(
+                f"COPY (SELECT task_set_id::int8 * {ID_STRIDE} + record_no, vector{from_pgvector} "
+                "FROM embeddings WHERE model_id = %s ORDER BY task_set_id, record_no) "
+                "TO STDOUT (FORMAT BINARY)",
+                (model,),
+            ) as copy:
+                try:
+                    yield from vector_rows(copy, pgvector)
+                except RowLayoutError:
+                    for _ in copy:  # read to the end, so the connection can ask what was wrong
+                        pass
+                    raise
+        finally:
+            if raw.info.transaction_status != TransactionStatus.INERROR:  # else nothing to undo
+                cursor.execute("SELECT set_config('enable_sort', %s, true)", (before,))
+
+
+def _unreadable(
+    conn: Connection, model: int, model_key: str, pgvector: bool, exc: RowLayoutError
+) -> BadVectorsError:
+    """What is wrong with rows that could not be read as one array: their dimensions."""
+    dim = (
+        "coalesce(length(vector) / 4, vector_dims(embedding))" if pgvector else "length(vector) / 4"
+    )
+    dims = conn.execute(
+        text(f"SELECT DISTINCT {dim} FROM embeddings WHERE model_id = :model"), {"model": model}
+    ).scalars()
+    found = set(dims)
+    known = sorted(int(d) for d in found if d is not None)
+    if len(known) > 1:
+        return BadVectorsError(f"model {model_key}: embeddings of several dimensions {known}")
+    if None in found:
+        return BadVectorsError(f"model {model_key}: embeddings without a vector (NULL)")
+    return BadVectorsError(f"model {model_key}: embeddings that cannot be read: {exc}")
 
 
 @dataclass(frozen=True)
