@@ -47,30 +47,13 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from yardstick import DEFAULT, load_reference
+from yardstick import DEFAULT, load_reference, random_model
 
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.txt",
-)
 TASK_SET = "e2e"
 CLS, SEP = 101, 102  # the BERT vocabulary's [CLS] and [SEP]
 
 
 # ---- inputs ----------------------------------------------------------------------------------
-
-
-def random_model(reference: Any, folder: Path, size: str, tokenizer_from: Path, dtype: Any) -> Path:
-    """The yardstick's random encoder of this size, saved with all-MiniLM's tokenizer."""
-    if (folder / "config.json").is_file():
-        return folder
-    reference.random_encoder(size, device="cpu", dtype=dtype).save_pretrained(folder)
-    for name in TOKENIZER_FILES:
-        if (tokenizer_from / name).is_file():
-            shutil.copy(tokenizer_from / name, folder / name)
-    return folder
 
 
 def write_token_ids(path: Path, lengths: np.ndarray, seed: int = 0) -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -32,27 +31,11 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from yardstick import DEFAULT, load_reference
+from yardstick import DEFAULT, load_reference, random_model
 
 from fabric_gpu.manifest import HookSpec, manifest_for_model
 from fabric_gpu.model import DEFAULT_MODEL_ID, resolve_model_dir
 from fabric_gpu.profile import ConsumerProfile
-
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.txt",
-)
-
-
-def random_model(reference: Any, folder: Path, size: str, tokenizer_from: Path) -> Path:
-    """The yardstick's random fp16 encoder of this size, saved with all-MiniLM's tokenizer."""
-    reference.random_encoder(size, device="cpu").save_pretrained(folder)
-    for name in TOKENIZER_FILES:
-        if (tokenizer_from / name).is_file():
-            shutil.copy(tokenizer_from / name, folder / name)
-    return folder
 
 
 def run(
