@@ -145,7 +145,7 @@ def _warm_workers(task_set: str, args: argparse.Namespace) -> Any:
     run's own step reports why); the step takes the workers over only if its settings match."""
     from fabric_pipelines.lib.broker.ledger import DEFAULT_LEASE_SECONDS
     from fabric_pipelines.lib.gpu_pool import visible_gpus
-    from fabric_pipelines.lib.settings import FabricPaths, database_url, default_root
+    from fabric_pipelines.lib.settings import FabricPaths, database_url
     from fabric_pipelines.lib.warm_workers import warm_workers
 
     try:
@@ -153,7 +153,6 @@ def _warm_workers(task_set: str, args: argparse.Namespace) -> Any:
     except Exception:  # the extraction step reports the same error, in the run
         return contextlib.nullcontext()
     paths = FabricPaths(_prepare_environment()).ensure()
-    assert paths.root == default_root()
     return warm_workers(
         paths,
         task_set,

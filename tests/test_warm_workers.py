@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,12 @@ from fabric_pipelines.lib.device_lease import DevicesBusy, lease_devices
 from fabric_pipelines.lib.settings import FabricPaths
 from fabric_pipelines.lib.tasks.catalog import ingest_task_set
 from fabric_pipelines.lib.tasks.inbox import submit
-from fabric_pipelines.lib.warm_workers import take_warm_pool, warm_devices, warm_workers
+from fabric_pipelines.lib.warm_workers import (
+    WarmPool,
+    take_warm_pool,
+    warm_devices,
+    warm_workers,
+)
 from fabric_pipelines.lib.workers import extract_task_set
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -32,6 +38,21 @@ def _manifest(model_dir: Path, backend: str = "cpu") -> EngineManifest:
     return manifest_for_model(
         str(model_dir), backend=backend, dtype="float32",
         profile=ConsumerProfile(256, 4, 64, 8), hooks=HookSpec((), "mean"),
+    )  # fmt: skip
+
+
+def _warm(
+    paths: FabricPaths,
+    db_url: str,
+    manifest: EngineManifest,
+    task_set: str = "set",
+    count: int = 1,
+    visible_gpus: int = 0,
+) -> AbstractContextManager[WarmPool | None]:
+    """A warm pool with a 30 s lease, the settings the steps below run with unless they say."""
+    return warm_workers(
+        paths, task_set, manifest, database_url=db_url, count=count,
+        visible_gpus=visible_gpus, lease_seconds=30,
     )  # fmt: skip
 
 
@@ -49,9 +70,7 @@ def test_a_warm_pool_started_before_ingest_runs_the_plan_made_after_it(
     db: Engine, db_url: str, paths: FabricPaths, tiny_model_dir: Path
 ) -> None:
     manifest = _manifest(tiny_model_dir)
-    with warm_workers(
-        paths, "set", manifest, database_url=db_url, count=2, visible_gpus=0, lease_seconds=30
-    ) as pool:
+    with _warm(paths, db_url, manifest, count=2) as pool:
         assert pool is not None and len(pool.workers) == 2
         # The workers load their engine and wait: no plan exists yet.
         _ingest_and_plan(db, paths, manifest, 120)
@@ -77,9 +96,7 @@ def test_a_pool_whose_settings_differ_is_stopped_and_the_step_launches_its_own(
     db: Engine, db_url: str, paths: FabricPaths, tiny_model_dir: Path
 ) -> None:
     manifest = _manifest(tiny_model_dir)
-    with warm_workers(
-        paths, "set", manifest, database_url=db_url, count=1, visible_gpus=0, lease_seconds=30
-    ) as pool:
+    with _warm(paths, db_url, manifest) as pool:
         assert pool is not None
         _ingest_and_plan(db, paths, manifest, 40)
         # Another lease length: not the run this pool was started for.
@@ -95,9 +112,7 @@ def test_a_pool_nobody_takes_is_stopped_when_its_block_ends(
     db_url: str, paths: FabricPaths, tiny_model_dir: Path
 ) -> None:
     manifest = _manifest(tiny_model_dir)
-    with warm_workers(
-        paths, "set", manifest, database_url=db_url, count=1, visible_gpus=0, lease_seconds=30
-    ) as pool:
+    with _warm(paths, db_url, manifest) as pool:
         assert pool is not None
         workers = list(pool.workers)
     assert all(w.process.returncode is not None for w in workers)
@@ -110,17 +125,12 @@ def test_a_gpu_pool_holds_its_devices_until_its_block_ends(
     db_url: str, paths: FabricPaths, tiny_model_dir: Path
 ) -> None:
     manifest = _manifest(tiny_model_dir, backend="torch")  # its workers fail here: no CUDA
-    with warm_workers(
-        paths, "set", manifest, database_url=db_url, count=1, visible_gpus=1, lease_seconds=30
-    ) as pool:
+    with _warm(paths, db_url, manifest, visible_gpus=1) as pool:
         assert pool is not None and pool.devices == [0] and warm_devices("set") == [0]
         with pytest.raises(DevicesBusy), lease_devices(paths.device_leases, 1, 1, wait=False):
             pass
         # A second run's pool finds the device taken: it starts nothing (its step waits).
-        with warm_workers(
-            paths, "set2", manifest, database_url=db_url, count=1, visible_gpus=1,
-            lease_seconds=30,
-        ) as second:  # fmt: skip
+        with _warm(paths, db_url, manifest, "set2", visible_gpus=1) as second:
             assert second is None
     assert warm_devices("set") is None
     with lease_devices(paths.device_leases, 1, 1, wait=False) as devices:
@@ -132,9 +142,7 @@ def test_two_threads_taking_one_pool_get_it_once(
 ) -> None:
     manifest = _manifest(tiny_model_dir)
     taken: list[object] = []
-    with warm_workers(
-        paths, "set", manifest, database_url=db_url, count=1, visible_gpus=0, lease_seconds=30
-    ):
+    with _warm(paths, db_url, manifest):
         barrier = threading.Barrier(4)
 
         def take() -> None:

@@ -47,15 +47,19 @@ class WarmPool:
     def go_file(self) -> Path:
         return self.settings.folder / "go"
 
-    def matches(self, settings: WorkerSettings, manifest: dict[str, Any], count: int) -> bool:
-        def timing(s: WorkerSettings) -> tuple[str, float, float | None]:
-            return s.database_url, s.lease_seconds, s.heartbeat_seconds
-
-        return (
-            timing(self.settings) == timing(settings)
-            and self.manifest == manifest
-            and self.count == count
-        )
+    def matches(
+        self,
+        manifest: Any,
+        count: int,
+        database_url: str,
+        lease_seconds: float,
+        heartbeat_seconds: float | None,
+    ) -> bool:
+        """Started for exactly these settings (the step would otherwise run other workers)."""
+        mine = self.settings
+        return (mine.database_url, mine.lease_seconds, mine.heartbeat_seconds, self.count) == (
+            database_url, lease_seconds, heartbeat_seconds, count,
+        ) and self.manifest == _plain(manifest)  # fmt: skip
 
     def go(self) -> list[WorkerProcess]:
         """Let the workers read the plan and run it."""
@@ -144,12 +148,8 @@ def take_warm_pool(
         if pool is None or pool.taken:
             return None
         pool.taken = True
-    wanted = WorkerSettings(
-        task_set, pool.settings.manifest_path, pool.settings.data_root, database_url,
-        lease_seconds=lease_seconds, heartbeat_seconds=heartbeat_seconds,
-    )  # fmt: skip
     alive = all(w.process.poll() is None for w in pool.workers)
-    if alive and pool.matches(wanted, _plain(manifest), count):
+    if alive and pool.matches(manifest, count, database_url, lease_seconds, heartbeat_seconds):
         return pool
     stop_workers(pool.workers)
     return None
