@@ -203,18 +203,43 @@ def run_product(
     env = {**os.environ, "FABRIC_HOME": str(root), "DAGSTER_HOME": str(root)}
     env["FABRIC_DATABASE_URL"] = db_url
     command = [
-        sys.executable, "-c", "from fabric_pipelines.cli import main; raise SystemExit(main())",
+        sys.executable, "-c", "from fabric_pipelines.cli import run_command; run_command()",
         "submit", str(tasks_file), "--task-set", TASK_SET, "--run",
         "--manifest", str(manifest_file), "--workers", str(gpus), "--report", str(report_file),
     ]  # fmt: skip
-    start = time.perf_counter()
+    launched_at, start = time.time(), time.perf_counter()
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
     if done.returncode != 0 or not report_file.is_file():
         sys.stderr.write(done.stdout[-3000:] + done.stderr[-3000:])
         raise ProductRunFailed(f"the product run failed (exit {done.returncode}) in {root}")
     report = json.loads(report_file.read_text())
-    return {"wall_seconds": wall, "report": report, **exactly_once(db_url, manifest_file)}
+    return {
+        "wall_seconds": wall,
+        "report": report,
+        "clock": run_clock(report, launched_at, launched_at + wall),
+        **exactly_once(db_url, manifest_file),
+    }
+
+
+def run_clock(report: dict[str, Any], launched_at: float, exited_at: float) -> dict[str, float]:
+    """Every milestone of the run in seconds from launch, in order: the CLI's marks, each
+    Dagster step's start and end, and each worker's timeline."""
+    clock = report.get("clock", {})
+    events = {f"cli:{name}": at for name, at in clock.get("marks", {}).items()}
+    for step, ends in clock.get("steps", {}).items():
+        events.update({f"{step}:{end}": at for end, at in ends.items()})
+    timelines = report["extract"].get("extraction_outputs", {}).get("worker_timelines", [])
+    for i, timeline in enumerate(timelines):
+        started = timeline.get("started_at")
+        if started is None:
+            continue
+        events[f"worker{i}:started"] = started
+        for name, offset in timeline.items():
+            if name != "started_at":
+                events[f"worker{i}:{name}"] = started + offset
+    events["exit"] = exited_at
+    return {k: round(v - launched_at, 2) for k, v in sorted(events.items(), key=lambda kv: kv[1])}
 
 
 class ProductRunFailed(RuntimeError):
@@ -229,7 +254,7 @@ def rebuild_index(root: Path, db_url: str, receipt_path: str, cpu: bool) -> dict
     if cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
     command = [
-        sys.executable, "-c", "from fabric_pipelines.cli import main; raise SystemExit(main())",
+        sys.executable, "-c", "from fabric_pipelines.cli import run_command; run_command()",
         "index", "rebuild", "--receipt", receipt_path, "--no-repair",
     ]  # fmt: skip
     start = time.perf_counter()
@@ -434,6 +459,7 @@ def summarise(run: dict[str, Any], engine: dict[str, Any], submitted_tokens: int
         "recall_at_10": index.get("recall_at_10"),
         "index_factory": index.get("factory"),
         "stage_seconds": stages,
+        "clock": run["clock"],
         "worker_timelines": report["extract"]
         .get("extraction_outputs", {})
         .get("worker_timelines", []),
@@ -451,7 +477,8 @@ def show(key: str, r: dict[str, Any]) -> None:
         f"  stages: {', '.join(f'{k} {v:.2f}' for k, v in s.items())}\n"
         f"  rows {r['rows']:,} = completed {r['completed']:,} of {r['tasks']:,} "
         f"(failed {r['failed']}); exactly once: {r['exactly_once']}; "
-        f"index {r['index_factory']} recall@10 {r['recall_at_10']}",
+        f"index {r['index_factory']} recall@10 {r['recall_at_10']}\n"
+        f"  clock (s from launch): {', '.join(f'{k} {v}' for k, v in r.get('clock', {}).items())}",
         flush=True,
     )
 

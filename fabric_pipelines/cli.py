@@ -101,10 +101,13 @@ def run_pipeline(task_set: str, args: argparse.Namespace) -> dict[str, Any]:
     from fabric_pipelines.defs.partitions import TASK_SET_PARTITIONS
     from fabric_pipelines.lib.names import validate_task_set_name
     from fabric_pipelines.lib.progress import run_progress
+    from fabric_pipelines.lib.run_clock import mark, marks, steps_of
 
     validate_task_set_name(task_set)  # InvalidNameError: main() prints it, exit 2
+    mark("dagster_imported")
     definitions = defs()
     instance = dg.DagsterInstance.get()
+    mark("definitions_loaded")
     registered = _register_partition(instance, TASK_SET_PARTITIONS, task_set)
     run_config = _run_config(args)
     log_config = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}
@@ -116,6 +119,7 @@ def run_pipeline(task_set: str, args: argparse.Namespace) -> dict[str, Any]:
             run_config={**run_config, **log_config},
             raise_on_error=False,
         )
+        mark("extraction_job_done")
         if not extract.success:
             if registered and not _ingested(task_set):
                 instance.delete_dynamic_partition(TASK_SET_PARTITIONS, task_set)
@@ -123,6 +127,7 @@ def run_pipeline(task_set: str, args: argparse.Namespace) -> dict[str, Any]:
         index = definitions.resolve_job_def("build_vector_index").execute_in_process(
             instance=instance, run_config={**run_config, **log_config}, raise_on_error=False
         )
+        mark("index_job_done")
     if not index.success:
         raise SystemExit(_failure_text(index, "index build", task_set))
     materialized = {**_materializations(extract), **_materializations(index)}
@@ -135,6 +140,14 @@ def run_pipeline(task_set: str, args: argparse.Namespace) -> dict[str, Any]:
             name: meta["seconds"] for name, meta in materialized.items() if "seconds" in meta
         },
         "run_ids": (extract.run_id, index.run_id),
+        # Wall-clock marks and every step's start and end, for `--report` readers (bench/e2e.py).
+        "clock": {
+            "marks": marks(),
+            "steps": {
+                **steps_of(instance, extract.run_id),
+                **{f"index:{k}": v for k, v in steps_of(instance, index.run_id).items()},
+            },
+        },
     }
 
 
@@ -145,6 +158,7 @@ def _warm_workers(task_set: str, args: argparse.Namespace) -> Any:
     run's own step reports why); the step takes the workers over only if its settings match."""
     from fabric_pipelines.lib.broker.ledger import DEFAULT_LEASE_SECONDS
     from fabric_pipelines.lib.gpu_pool import visible_gpus
+    from fabric_pipelines.lib.run_clock import mark
     from fabric_pipelines.lib.settings import FabricPaths, database_url
     from fabric_pipelines.lib.warm_workers import warm_workers
 
@@ -152,14 +166,17 @@ def _warm_workers(task_set: str, args: argparse.Namespace) -> Any:
         manifest = _engine_manifest(args)
     except Exception:  # the extraction step reports the same error, in the run
         return contextlib.nullcontext()
+    mark("manifest_read")
     paths = FabricPaths(_prepare_environment()).ensure()
+    gpus = visible_gpus() if manifest.backend != "cpu" else 0
+    mark("gpus_counted")
     return warm_workers(
         paths,
         task_set,
         manifest,
         database_url=database_url(paths),
         count=1 if args.workers is None else args.workers,  # EngineConfig's default: 1
-        visible_gpus=visible_gpus() if manifest.backend != "cpu" else 0,
+        visible_gpus=gpus,
         lease_seconds=args.lease_seconds or DEFAULT_LEASE_SECONDS,
         heartbeat_seconds=args.heartbeat_seconds,
     )
@@ -183,8 +200,11 @@ def _write_report(args: argparse.Namespace, summary: dict[str, Any]) -> None:
     if not getattr(args, "report", None):
         return
     from fabric_pipelines.lib.files import write_bytes
+    from fabric_pipelines.lib.run_clock import mark, marks
 
+    mark("report_written")
     plain = {key: value for key, value in summary.items() if key != "run_ids"}
+    plain.setdefault("clock", {})["marks"] = marks()
     plain["run_ids"] = list(summary["run_ids"])
     write_bytes(Path(args.report), json.dumps(plain, default=str, indent=1).encode())
 
@@ -369,11 +389,14 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 def _submit(args: argparse.Namespace) -> int:
     from fabric_pipelines.lib.names import InvalidNameError
+    from fabric_pipelines.lib.run_clock import mark
     from fabric_pipelines.lib.tasks.catalog import is_ingested
     from fabric_pipelines.lib.tasks.inbox import submit
     from fabric_pipelines.lib.tasks.ingest import SubmissionError
 
+    mark("warm_pool_started")
     paths, db = _open_database()
+    mark("database_opened")
     try:
         # A set never ingested (its file could not be read) takes a corrected file in its place.
         staged = submit(
@@ -382,6 +405,7 @@ def _submit(args: argparse.Namespace) -> int:
     except (SubmissionError, InvalidNameError) as exc:
         print(f"fabric submit: {exc}", file=sys.stderr)
         return 2
+    mark("submitted")
     print(
         f"submitted {args.file} as task set {staged.task_set!r} ({staged.path}, sha256 {staged.sha256[:16]}…)"
     )
@@ -781,6 +805,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["worker"]:  # its own parser (fabric_pipelines.lib.workers), options and all
         return _worker(argv[1:])
+    from fabric_pipelines.lib.run_clock import mark
+
+    mark("cli_started")
     args = build_parser().parse_args(argv)
     _quiet_dagster()
     from fabric_pipelines.lib.names import InvalidNameError
@@ -793,5 +820,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     return result
 
 
+def run_command() -> None:
+    """The `fabric` console script. Once a command has returned, everything it wrote is
+    committed and fsynced: exit without the interpreter's teardown, which (torch and the CUDA
+    context loaded by an index build) takes a second or more after a run."""
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run_command()
