@@ -15,14 +15,8 @@ from fabric_pipelines.defs.resources import ArtifactStore, Database, EngineConfi
 from fabric_pipelines.lib.broker.ledger import Accounting, accounting
 from fabric_pipelines.lib.broker.plans import current_plan, plan_task_set
 from fabric_pipelines.lib.charts import bar_table, length_histogram
-from fabric_pipelines.lib.index.build import IndexSpec
-from fabric_pipelines.lib.index.publish import (
-    EmptySourceError,
-    build_and_publish,
-    cluster_health_table,
-    recall_curve_chart,
-)
 from fabric_pipelines.lib.index.staleness import latest_receipt
+from fabric_pipelines.lib.preload import INDEX_MODULES, preload
 from fabric_pipelines.lib.progress import TaskProgress, stage
 from fabric_pipelines.lib.tasks.catalog import ingest_task_set
 from fabric_pipelines.lib.tasks.ingest import SubmissionError
@@ -212,6 +206,9 @@ def extraction_outputs(
     def waiting_for_gpus() -> None:
         context.log.info(f"{task_set}: waiting for {engine.workers} free GPU(s)")
 
+    # The index step that follows needs torch, FAISS and a CUDA context: load them while the
+    # workers run (lib/preload.py).
+    preload(INDEX_MODULES, cuda=manifest.backend != "cpu")
     try:
         with engine.devices(store.paths(), waiting_for_gpus, task_set) as devices:
             report = extract_task_set(
@@ -333,6 +330,16 @@ def vector_index(
     database: Database,
     engine: EngineConfig,
 ) -> dg.MaterializeResult:
+    # Imported here, not with the definitions: torch and FAISS take seconds to load, and every
+    # process that loads the definitions would pay them (the extraction step preloads them).
+    from fabric_pipelines.lib.index.build import IndexSpec
+    from fabric_pipelines.lib.index.publish import (
+        EmptySourceError,
+        build_and_publish,
+        cluster_health_table,
+        recall_curve_chart,
+    )
+
     manifest = engine.manifest()
     paths = store.paths()
     started = time.perf_counter()

@@ -217,6 +217,23 @@ def prewarm(engine: Any) -> None:
     engine.capture(engine.shapes_for([(profile.max_batch_tokens, profile.max_batch_items)]))
 
 
+def open_cuda_context_early() -> None:
+    """Create the GPU's primary CUDA context on a thread of its own while this process imports
+    torch and loads the weights. torch uses the primary context, so it finds it made instead
+    of spending that time on the way to the first batch; ctypes lets go of the GIL for each
+    driver call, so the imports go on meanwhile. Best effort: where a call fails, torch makes
+    the context itself later and reports any error then."""
+
+    def open_context() -> None:
+        with contextlib.suppress(OSError, AttributeError):
+            cuda = ctypes.CDLL("libcuda.so.1")
+            device, context = ctypes.c_int(), ctypes.c_void_p()
+            if cuda.cuInit(0) == 0 and cuda.cuDeviceGet(ctypes.byref(device), 0) == 0:
+                cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), device)
+
+    threading.Thread(target=open_context, name="cuda-context", daemon=True).start()
+
+
 def wait_for_file(path: Path, poll_s: float = 0.01) -> None:
     """Block until `path` exists (the supervisor's go); the parent watchdog ends a worker
     whose supervisor dies meanwhile."""
@@ -248,8 +265,11 @@ def main(argv: list[str] | None = None) -> int:
         "(a worker started while its task set is still being ingested and planned)",
     )
     args = parser.parse_args(argv)
+    main_at = time.time()
     if args.parent_pid:
         bind_to_parent(args.parent_pid)
+    if os.environ.get("CUDA_VISIBLE_DEVICES"):  # a GPU worker (launch_workers sets it)
+        open_cuda_context_early()
     heartbeat_interval(args.lease_seconds, args.heartbeat_seconds)  # refuse bad timing early
     if args.threads > 0:
         import torch
@@ -270,8 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     db = make_engine(database_url(paths))
     manifest = EngineManifest.load(Path(args.manifest))
     # Where a worker's time goes (unix times), for the step's metadata.
-    timeline = {"started_at": time.time()}
+    timeline = {"main_at": main_at, "started_at": time.time()}
     engine = create_engine(manifest)  # first: the slow part a warm worker does ahead of its plan
+    timeline["engine_created_at"] = time.time()
     try:
         if args.go_file:
             prewarm(engine)
@@ -407,14 +428,18 @@ def extract_task_set(
 def _timeline(report: dict[str, Any]) -> dict[str, float]:
     start = float(report["started_at"])
     return {
-        name.removesuffix("_at"): round(float(report[name]) - start, 3)
-        for name in TIMELINE_POINTS
-        if report.get(name)
+        "started_at": start,  # the wall clock, to line workers up with the run's own marks
+        **{
+            name.removesuffix("_at"): round(float(report[name]) - start, 3)
+            for name in TIMELINE_POINTS
+            if report.get(name)
+        },
     }
 
 
 TIMELINE_POINTS = (
-    "engine_ready_at", "go_at", "job_loaded_at", "ready_at", "last_ack_at", "done_at", "closed_at",
+    "main_at", "engine_created_at", "engine_ready_at", "go_at", "job_loaded_at", "ready_at",
+    "last_ack_at", "done_at", "closed_at",
 )  # fmt: skip
 
 
@@ -490,4 +515,9 @@ def _pulling_window(reports: list[dict[str, Any]]) -> float:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Rows committed, report written: skip the interpreter's teardown (unloading torch and the
+    # CUDA context takes a second or more), so the supervisor sees the worker end at once.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -15,7 +15,6 @@ from typing import Any
 from sqlalchemy import Connection, select
 
 from fabric_pipelines.lib.index import shards
-from fabric_pipelines.lib.index.publish import model_folder
 from fabric_pipelines.lib.store.keys import model_id
 from fabric_pipelines.lib.store.models import IndexReceipt
 
@@ -61,5 +60,8 @@ def staleness(conn: Connection, model_key: str, index_folder: Path) -> Staleness
     now = shards.versions(conn, model_id(conn, model_key, create=False), watermark["n_shards"])
     stale = [s for s, (then, current) in enumerate(zip(watermark["versions"], now, strict=True))
              if then != current]  # fmt: skip
+    # Here, not at the top: publish loads torch and FAISS, which a staleness check never needs.
+    from fabric_pipelines.lib.index.publish import model_folder
+
     missing = not (model_folder(index_folder, model_key) / receipt["index_file"]).is_file()
     return Staleness(model_key, sha, stale, missing, receipt)
