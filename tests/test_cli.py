@@ -121,12 +121,24 @@ def test_submit_and_run_then_status(tmp_path: Path) -> None:
     rows = [{"id": f"r{i}", "text": f"row {i} of a small set"} for i in range(40)]
     rows.append({"id": "blank", "text": " "})
     source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = tmp_path / "report.json"
     run = _fabric(
         home, "submit", str(source), "--task-set", "small", "--run",
         "--max-seq-len", "128", "--max-batch-tokens", "2048", "--hook-layers", "",
+        "--report", str(report),
     )  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
     assert "tasks submitted  41" in run.stdout
+    # The report's clock: the CLI's milestones in order, and every step's start before its end.
+    clock = json.loads(report.read_text())["clock"]
+    marks = clock["marks"]
+    order = ["cli_started", "submitted", "definitions_loaded", "extraction_job_done"]
+    assert [marks[m] for m in order] == sorted(marks[m] for m in order)
+    assert marks["index_job_done"] <= marks["report_written"]
+    steps = clock["steps"]
+    for step in ("tokenised_tasks", "shape_batches", "extraction_outputs", "index:vector_index"):
+        assert steps[step]["start"] <= steps[step]["end"], step
+    assert steps["extraction_outputs"]["end"] <= steps["index:vector_index"]["start"]
     assert "receipt sha256" in run.stdout and "accounting passed" in run.stdout
     status = _fabric(home, "status", "small", "--failures")
     assert status.returncode == 0
