@@ -1,5 +1,6 @@
 """The one file-writing helper under concurrency: no shared staging names, hashes that describe
-the bytes on disk, nothing left behind."""
+the bytes on disk (streamed ones included: FAISS indexes are hashed as they are written, never
+read back), nothing left behind."""
 
 from __future__ import annotations
 
@@ -7,17 +8,23 @@ import multiprocessing
 import threading
 from pathlib import Path
 
+import faiss
 import numpy as np
 import pytest
 
 from fabric_pipelines.lib.files import (
     CorruptFileError,
+    HashingWriter,
     sha256_file,
+    stream_content_addressed,
+    stream_file,
     verify_sha256,
     write_bytes,
     write_content_addressed,
     write_file,
 )
+from fabric_pipelines.lib.index.build import index_sha256, serialize
+from fabric_pipelines.lib.index.publish import store_index
 from fabric_pipelines.lib.store.shards import read_shard, write_shard
 
 CALLS_PER_THREAD = 150
@@ -142,3 +149,131 @@ def test_an_unusable_folder_is_named_with_what_to_do(tmp_path: Path) -> None:
         OSError, match=r"cannot store files in .*shards: .*make it a writable folder"
     ):
         write_bytes(blocked / "x.arrow", b"data")
+
+
+def _pieces(seed: int) -> list[bytes | bytearray | memoryview]:
+    """Chunks of every kind and size a streaming writer hands over: small ones between large
+    ones (hashed beside the write), and buffers their owner may reuse."""
+    rng = np.random.default_rng(seed)
+    out: list[bytes | bytearray | memoryview] = []
+    for i in range(24):
+        size = int(rng.choice([0, 3, 4096, (1 << 20) - 1, 1 << 20, 3 << 20]))
+        data = rng.bytes(size)
+        out.append([data, bytearray(data), memoryview(data)][i % 3])
+    return out
+
+
+def test_a_streamed_file_records_the_sha256_of_the_bytes_on_disk(tmp_path: Path) -> None:
+    import hashlib
+
+    def write_then_reuse(out: HashingWriter, pieces: list[bytes | bytearray | memoryview]) -> None:
+        for piece in pieces:
+            out.write(piece)
+            if isinstance(piece, bytearray):  # its owner reuses it once `write` returns
+                piece[:] = bytes(len(piece))
+
+    for seed in range(3):
+        pieces = _pieces(seed)
+        expected = b"".join(bytes(p) for p in pieces)
+        stored = stream_file(
+            tmp_path / f"{seed}.bin", lambda out, p=pieces: write_then_reuse(out, p)
+        )
+        assert stored.path.read_bytes() == expected
+        assert stored.sha256 == sha256_file(stored.path) == hashlib.sha256(expected).hexdigest()
+        assert stored.bytes == len(expected)
+    small = write_bytes(tmp_path / "small.json", b"{}")
+    assert small.sha256 == sha256_file(small.path) and small.bytes == 2
+    names = {p.name for p in tmp_path.iterdir()}
+    assert names == {"0.bin", "1.bin", "2.bin", "small.json"}  # no staging file left
+
+
+def test_a_stream_failing_half_way_leaves_neither_the_target_nor_a_staging_file(
+    tmp_path: Path,
+) -> None:
+    def half_then_fail(out: HashingWriter) -> None:
+        out.write(b"x" * (3 << 20))  # hashed on the writer's own thread
+        out.write(b"y" * 10)
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        stream_content_addressed(tmp_path / "shards", ".faiss", half_then_fail)
+    with pytest.raises(OSError, match="disk full"):
+        stream_file(tmp_path / "index.faiss", half_then_fail)
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+
+
+def test_a_file_written_around_the_stream_is_refused(tmp_path: Path) -> None:
+    """The hash covers what went through the stream; a writer that bypasses it would get a hash
+    that does not describe the file, so the file is not stored."""
+
+    def around(out: HashingWriter) -> None:
+        out.write(b"s" * 65536)  # larger than the file's buffer: on disk at once
+        for staged in tmp_path.glob(".*staging*"):
+            with open(staged, "ab") as other:
+                other.write(b"around it")
+
+    with pytest.raises(OSError, match="were streamed into it"):
+        stream_file(tmp_path / "out.bin", around)
+    assert list(tmp_path.iterdir()) == []
+
+
+def _ivf(rows: int = 3000, dim: int = 32, nlist: int = 16) -> faiss.Index:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((rows, dim), dtype=np.float32)
+    index = faiss.IndexIVFFlat(faiss.IndexFlatL2(dim), dim, nlist)
+    index.train(x)
+    index.add(x)
+    return index
+
+
+def test_a_stored_index_is_what_faiss_writes_and_hashes_to_its_name(tmp_path: Path) -> None:
+    index = _ivf()
+    sha, path = store_index(tmp_path, index)
+    assert path == tmp_path / f"{sha}.faiss"
+    assert path.read_bytes() == serialize(index)
+    assert sha == sha256_file(path) == index_sha256(index)
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+def test_an_index_write_failing_half_way_leaves_no_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FAISS calls back into the stream; an error there (a full disk) ends its write, and
+    nothing is left in the folder."""
+    real_write = HashingWriter.write
+
+    def fails_after_a_while(self: HashingWriter, chunk: bytes) -> int:
+        if self.bytes_written > 100_000:
+            raise OSError("disk full")
+        return real_write(self, chunk)
+
+    monkeypatch.setattr(HashingWriter, "write", fails_after_a_while)
+    with pytest.raises((OSError, RuntimeError)):
+        store_index(tmp_path / "shards", _ivf())
+    assert list((tmp_path / "shards").iterdir()) == []
+
+
+def test_two_threads_storing_the_same_index_at_once_both_succeed(tmp_path: Path) -> None:
+    index = _ivf(rows=20_000, dim=64)  # 5 MB: large chunks, hashed beside the write
+    expected = index_sha256(index)
+    results: list[tuple[str, Path]] = []
+    errors: list[BaseException] = []
+    start = threading.Barrier(2)
+
+    def writer() -> None:
+        start.wait()
+        for _ in range(5):
+            try:
+                results.append(store_index(tmp_path, index))
+            except BaseException as error:  # every error counts against the test
+                errors.append(error)
+
+    threads = [threading.Thread(target=writer) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert results == [(expected, tmp_path / f"{expected}.faiss")] * 10
+    assert sha256_file(tmp_path / f"{expected}.faiss") == expected
+    assert [p.name for p in tmp_path.iterdir()] == [f"{expected}.faiss"]  # no staging file left

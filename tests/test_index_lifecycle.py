@@ -4,6 +4,8 @@ damaged, and partly rebuilt when the database says some of its shards went stale
 from __future__ import annotations
 
 import json
+import random
+import time
 from typing import Any
 
 import dagster as dg
@@ -14,6 +16,7 @@ from sqlalchemy import Engine, delete, func, insert, select, update
 
 from fabric_pipelines.defs.resources import ArtifactStore, Database
 from fabric_pipelines.defs.sensors import index_staleness_sensor
+from fabric_pipelines.lib.index import publish
 from fabric_pipelines.lib.index.build import (
     IndexSpec,
     deserialize,
@@ -222,6 +225,35 @@ def test_only_the_changed_shard_is_rebuilt_and_search_equals_a_full_rebuild(
     assert np.array_equal(i_full, i_part) and np.array_equal(d_full, d_part)
     # And the partial build's receipt rebuilds bitwise, its quantizer coming from the file.
     assert rebuild_from_receipt(db, second.receipt, paths.indexes).matches
+
+
+def test_shards_filled_beside_the_served_index_make_the_files_of_a_serial_build(
+    db: Engine, paths: FabricPaths, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The served index takes each shard's rows on a thread of its own while the shards' own
+    indexes are filled on the pool: however those threads interleave (here made to by random
+    delays), every list holds its rows in shard order, then id order, as a serial build's."""
+    _seed_rows(db)
+    delays = random.Random(0)
+
+    def delayed(work: Any) -> Any:
+        def run(*args: Any) -> Any:
+            time.sleep(delays.random() / 50)
+            return work(*args)
+
+        return run
+
+    monkeypatch.setattr(publish, "add_rows", delayed(publish.add_rows))
+    monkeypatch.setattr(publish, "fill_assigned", delayed(publish.fill_assigned))
+    published = _publish(db, paths)
+    folder = model_folder(paths.indexes, "m")
+    quantizer = deserialize((folder / published.receipt["training"]["quantizer_file"]).read_bytes())
+    with db.connect() as conn:
+        source = load_vectors(conn, "m")
+    parts = [fill(quantizer, v, i, SPEC) for i, v in split_shards(source, SHARDS)]
+    for entry, part in zip(published.receipt["shards"], parts, strict=True):
+        assert (folder / entry["index_file"]).read_bytes() == serialize(part), entry["shard"]
+    assert published.index_path.read_bytes() == serialize(merge(parts, SPEC))
 
 
 def test_after_an_in_place_update_the_receipt_rebuilds_from_its_stored_quantizer(

@@ -84,6 +84,18 @@ def test_vectors_of_several_dimensions_are_refused_by_name(db: Engine) -> None:
         assert conn.execute(text("select count(*) from embeddings")).scalar_one() == 11  # usable
 
 
+def test_a_sqlite_vector_stored_as_text_is_refused(db: Engine) -> None:
+    """SQLite keeps whatever type it is given: a vector written as text of the right length
+    must not be read as if its characters were float32 bytes."""
+    if db.dialect.name != "sqlite":
+        pytest.skip("PostgreSQL's bytea column holds bytes only")
+    _write(db, "m", [(1, r, np.ones(4, np.float32)) for r in range(3)])
+    with db.begin() as conn:
+        conn.execute(text("update embeddings set vector = 'sixteen chars...' where record_no = 1"))
+    with db.connect() as conn, pytest.raises(BadVectorsError, match="not stored as bytes"):
+        load_vectors(conn, "m")
+
+
 def test_rows_written_since_the_count_are_kept_and_rows_deleted_since_are_not_made_up() -> None:
     more = vectors._RowArrays(3)
     more.add(np.array([1, 2]), np.ones((2, 4), np.float32))
@@ -94,6 +106,21 @@ def test_rows_written_since_the_count_are_kept_and_rows_deleted_since_are_not_ma
     fewer.add(np.array([7, 8]), np.ones((2, 4), np.float32))
     ids, values = fewer.arrays()
     assert ids.tolist() == [7, 8] and values.shape == (2, 4)
+    # SQLite's rows: blobs copied straight into place, the same either way.
+    blobs = [np.full(4, v, "<f4").tobytes() for v in (1, 1, 2, 2, 2)]
+    more = vectors._RowArrays(3)
+    more.add_bytes((1, 2), tuple(blobs[:2]), 4)
+    more.add_bytes((3, 4, 5), tuple(blobs[2:]), 4)
+    ids, values = more.arrays()
+    assert ids.tolist() == [1, 2, 3, 4, 5] and values[:, 0].tolist() == [1, 1, 2, 2, 2]
+    assert ids.dtype == np.int64 and values.dtype == np.float32 and values.shape == (5, 4)
+    fewer = vectors._RowArrays(5)
+    fewer.add_bytes((7, 8), tuple(blobs[:2]), 4)
+    ids, values = fewer.arrays()
+    assert ids.tolist() == [7, 8] and values.shape == (2, 4)
+    zeros_last = vectors._RowArrays(1)  # bytes that end in zeros are kept whole
+    zeros_last.add_bytes((9,), (np.array([0, 3, 0, 0], "<f4").tobytes(),), 4)
+    assert zeros_last.arrays()[1].tolist() == [[0, 3, 0, 0]]
 
 
 def _copy_stream(rows: list[tuple[int, np.ndarray | None, np.ndarray | None]]) -> bytes:

@@ -146,9 +146,9 @@ class Rows:
         return self.device.index_select(0, torch.as_tensor(positions, device=self.device.device))
 
     def on_host(self, positions: np.ndarray) -> np.ndarray:
-        """The rows at `positions`, gathered by torch (in parallel threads)."""
-        out = torch.from_numpy(self.host).index_select(0, torch.as_tensor(positions)).numpy()
-        return np.ascontiguousarray(out)
+        """The rows at `positions`, gathered by NumPy: a copy at memory speed, about 2.5 times as
+        fast as torch's index_select was (which gained nothing from a second thread)."""
+        return np.take(self.host, positions, axis=0)
 
 
 def prepare_rows(

@@ -14,9 +14,11 @@ sha256), then the receipt file, then the receipt row. A failure before the row p
 an index below its recall floor never gets the row.
 
 Hashes of the source rows run in background threads from the start (hashlib lets other threads
-run), files are written straight from FAISS and in parallel (the served index as soon as its
-nprobe is chosen, while the rest of its quality is measured), and `PublishedIndex.seconds` says
-where the time went, phase by phase.
+run). The served index takes each shard's rows on a thread of its own, in shard order, while the
+next shard is gathered and assigned and each shard's own index is filled and stored on the pool.
+Files are streamed from FAISS and hashed on the way, never read back (files.py), and in parallel
+(the served index as soon as its nprobe is chosen, while the rest of its quality is measured).
+`PublishedIndex.seconds` says where the time went, phase by phase.
 """
 
 from __future__ import annotations
@@ -37,10 +39,12 @@ from sqlalchemy import Engine
 
 from fabric_pipelines.lib.charts import bar_table
 from fabric_pipelines.lib.files import (
+    CHUNK_BYTES,
     CorruptFileError,
+    HashingWriter,
+    stream_content_addressed,
     verify_sha256,
     write_bytes,
-    write_content_addressed,
 )
 from fabric_pipelines.lib.index import shards
 from fabric_pipelines.lib.index.build import (
@@ -52,6 +56,7 @@ from fabric_pipelines.lib.index.build import (
     empty_index,
     fill_assigned,
     is_ivf,
+    is_ivf_flat,
     planned_builder,
     prepare_rows,
     recorded_builder,
@@ -74,6 +79,7 @@ from fabric_pipelines.lib.store.keys import model_id
 from fabric_pipelines.lib.store.models import IndexReceipt
 
 WORKERS = 8  # threads for hashing, reading and writing files beside the build
+SERVED_BEHIND = 2  # shards gathered and assigned at most ahead of the served index's appends
 
 
 class EmptySourceError(ValueError):
@@ -117,11 +123,15 @@ def model_folder(index_folder: Path, model_key: str) -> Path:
 
 
 def store_index(folder: Path, index: faiss.Index) -> tuple[str, Path]:
-    """Store `index` as <folder>/<sha256>.faiss, written by FAISS straight to the file (no copy
-    of its bytes in memory); returns (sha256, path)."""
-    stored = write_content_addressed(
-        folder, ".faiss", lambda tmp: faiss.write_index(index, str(tmp))
-    )
+    """Store `index` as <folder>/<sha256>.faiss, streamed by FAISS into the file in large chunks
+    and hashed on the way (no copy of its bytes in memory, no reading the file back); returns
+    (sha256, path)."""
+
+    def write(out: HashingWriter) -> None:
+        writer = faiss.PyCallbackIOWriter(out.write, CHUNK_BYTES)  # type: ignore[attr-defined]
+        faiss.write_index(index, writer)
+
+    stored = stream_content_addressed(folder, ".faiss", write)
     return stored.sha256, stored.path
 
 
@@ -328,25 +338,43 @@ def _build(
                 training["gpu"] = torch.cuda.get_device_name()
     builder = recorded_builder(training)
     # The served index gets each shard's rows as the shard does: the same lists as merging the
-    # shards, while the shards' own indexes stay whole for their files.
+    # shards, while the shards' own indexes stay whole for their files. Its appends run on a
+    # thread of their own, one shard after the other (so each list holds shard 0's rows, then
+    # shard 1's, ...), while the next shard is gathered and assigned here and each shard's own
+    # index is filled and stored on the pool.
     served = faiss.clone_index(trained)
     entries: list[dict[str, Any] | tuple[dict[str, Any], Future[tuple[str, Path]]]] = []
     rebuilt = []
-    with clock.phase("add"):
+    copies_only = is_ivf_flat(trained)  # adding assigned rows copies them: nothing is computed
+    with clock.phase("add"), ThreadPoolExecutor(1, thread_name_prefix="index-serve") as serving:
+        appended: list[Future[None]] = []  # the served index's appends, in shard order
         for shard, rows_of_shard in enumerate(positions):
             if shard in kept:
                 try:
-                    served.merge_from(kept[shard].result(), 0)
-                    entries.append(old[shard])
-                    continue
+                    part = kept[shard].result()
                 except (FileNotFoundError, CorruptFileError):
                     pass  # rebuilt below from the same quantizer
+                else:
+                    appended.append(serving.submit(served.merge_from, part, 0))
+                    entries.append(old[shard])
+                    continue
             if shard not in shard_hashes:  # a kept shard whose file failed its check
                 shard_hashes[shard] = hashes(shard)
+            if len(appended) >= SERVED_BEHIND:  # bounds the gathered rows held for the appends
+                appended[-SERVED_BEHIND].result()
             x, ids = rows.on_host(rows_of_shard), source.ids[rows_of_shard]
             lists = assign(trained, rows, rows_of_shard, builder, spec.metric, gathered=x)
-            part = fill_assigned(trained, x, ids, lists, spec.nprobe)
-            add_rows(served, x, ids, lists)
+            stored: Future[tuple[str, Path]]
+            if lists is not None and copies_only:
+                stored = pool.submit(
+                    _fill_and_store, trained, x, ids, lists, spec.nprobe, folder / "shards"
+                )
+                appended.append(serving.submit(add_rows, served, x, ids, lists))
+            else:  # FAISS encodes or assigns the rows as it adds them: one add at a time
+                _wait(appended)
+                part = fill_assigned(trained, x, ids, lists, spec.nprobe)
+                add_rows(served, x, ids, lists)
+                stored = pool.submit(store_index, folder / "shards", part)
             entry = {
                 "shard": shard,
                 "rows": len(rows_of_shard),
@@ -354,10 +382,28 @@ def _build(
                 "ids_sha256": shard_hashes[shard][0],
                 "vectors_sha256": shard_hashes[shard][1],
             }
-            entries.append((entry, pool.submit(store_index, folder / "shards", part)))
+            entries.append((entry, stored))
             rebuilt.append(shard)
+        _wait(appended)
         set_nprobe(served, spec.nprobe)
     return _Built(folder, served, training, entries, rebuilt)
+
+
+def _fill_and_store(
+    trained: faiss.Index,
+    x: np.ndarray,
+    ids: np.ndarray,
+    lists: np.ndarray,
+    nprobe: int,
+    folder: Path,
+) -> tuple[str, Path]:
+    """A shard's own index, filled from the trained one (fill_assigned) and stored."""
+    return store_index(folder, fill_assigned(trained, x, ids, lists, nprobe))
+
+
+def _wait(futures: list[Future[None]]) -> None:
+    for future in futures:
+        future.result()
 
 
 def _entry(
