@@ -78,7 +78,7 @@ def assert_tokens_as_encoded_one_by_one(
 def both_ways(path: Path, tokenizer: Any, **kwargs: Any) -> TokenisedTasks:
     """`ingest` of a plain Parquet file, after checking that it took the column-wise reader and
     that the record reader agrees."""
-    assert ingest_module._plain_parquet(path) is not None, "the column-wise reader declined"
+    assert ingest_module.plain_parquet(path) is not None, "the column-wise reader declined"
     fast = ingest(path, tokenizer, **kwargs)
     assert_same(fast, ingest_record_by_record(path, tokenizer, **kwargs))
     return fast
@@ -365,7 +365,7 @@ def test_other_shapes_are_read_record_by_record(  # type: ignore[no-untyped-def]
 ) -> None:
     path = tmp_path / "other.parquet"
     pq.write_table(pa.table(columns), path)
-    assert ingest_module._plain_parquet(path) is None, why
+    assert ingest_module.plain_parquet(path) is None, why
 
 
 def test_invalid_utf8_is_left_to_the_record_reader(tmp_path: Path, tokenizer) -> None:  # type: ignore[no-untyped-def]
@@ -375,7 +375,7 @@ def test_invalid_utf8_is_left_to_the_record_reader(tmp_path: Path, tokenizer) ->
     )
     path = tmp_path / "latin.parquet"
     pq.write_table(pa.table({"id": ["a", "b"], "text": text}), path)
-    assert ingest_module._plain_parquet(path) is None
+    assert ingest_module.plain_parquet(path) is None
     tasks = ingest(path, tokenizer, max_seq_len=16)
     assert tasks.task_ids == ["a"]
     assert tasks.failures[0].reason.startswith("row 1: column 'text' (string) holds a value")

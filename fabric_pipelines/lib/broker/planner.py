@@ -48,6 +48,7 @@ class BatchPlan:
 
 
 PREFIX_TOKENS = 16  # items whose first 16 tokens agree are planned side by side
+PREFIX_BLOCK = 1 << 14  # items per block while their prefix keys are computed
 
 
 def prefix_keys(
@@ -57,18 +58,38 @@ def prefix_keys(
     prefix: int = PREFIX_TOKENS,
 ) -> np.ndarray:
     """A 64-bit key per item from its first `prefix` tokens (shorter items: their tokens, then an
-    end mark): equal prefixes give equal keys, so sorting by key puts them next to each other."""
-    rows = np.arange(offsets.size - 1) if rows is None else rows
-    starts = offsets[rows]
-    lengths = offsets[rows + 1] - starts
-    positions = np.arange(prefix)[None, :]
-    inside = positions < lengths[:, None]
-    index = np.minimum(starts[:, None] + positions, max(tokens.size - 1, 0))
-    values = np.where(inside, tokens[index].astype(np.int64) + 1, 0).astype(np.uint64)
+    end mark): equal prefixes give equal keys, so sorting by key puts them next to each other.
+
+    The key is FNV-style over the values token + 1 (0 past the item's end), position by
+    position. It is computed for a block of items at a time, one position at a time over the
+    block: the block's tokens stay in the CPU cache, and no [items, prefix] array is built."""
+    offsets = np.asarray(offsets, dtype=np.int64)
+    rows = np.arange(offsets.size - 1) if rows is None else np.asarray(rows, dtype=np.int64)
     key = np.zeros(rows.size, dtype=np.uint64)
+    block = max(min(rows.size, PREFIX_BLOCK), 1)
+    token = np.empty(block, dtype=tokens.dtype)
+    value = np.empty(block, dtype=np.uint64)
+    past_end = np.empty(block, dtype=bool)
+    prime = np.uint64(0x100000001B3)
     with np.errstate(over="ignore"):  # wrapping arithmetic is the point of a hash
-        for j in range(prefix):
-            key = key * np.uint64(0x100000001B3) + values[:, j]
+        for first in range(0, rows.size, block):
+            chunk = rows[first : first + block]
+            n = chunk.size
+            at = offsets[chunk]  # where each item's j-th token is, j = 0, 1, ...
+            lengths = offsets[chunk + 1] - at
+            shortest = int(lengths.min()) if n else 0
+            out = key[first : first + n]
+            for j in range(prefix):
+                # Past its end an item reads another token (clipped into the array): masked.
+                np.take(tokens, at, mode="clip", out=token[:n])
+                value[:n] = token[:n]  # as int64 then uint64: negative ids wrap alike
+                value[:n] += np.uint64(1)
+                if j >= shortest:
+                    np.less_equal(lengths, j, out=past_end[:n])
+                    np.putmask(value[:n], past_end[:n], 0)
+                out *= prime
+                out += value[:n]
+                at += 1
     return key
 
 

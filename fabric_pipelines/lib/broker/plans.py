@@ -19,8 +19,13 @@ from fabric_pipelines.lib.settings import FabricPaths
 from fabric_pipelines.lib.store.db import insert_ignoring_duplicates
 from fabric_pipelines.lib.store.models import BatchPlan as BatchPlanRow
 from fabric_pipelines.lib.store.models import TaskSet
-from fabric_pipelines.lib.tasks.catalog import get_task_set, task_lengths
-from fabric_pipelines.lib.tasks.store import flat_tokens, read_table, write_table
+from fabric_pipelines.lib.tasks.catalog import get_task_set
+from fabric_pipelines.lib.tasks.store import (
+    checked_meanwhile,
+    flat_tokens,
+    read_table,
+    write_table,
+)
 
 
 class PlanMismatchError(ValueError):
@@ -63,16 +68,18 @@ def plan_task_set(
             f"task set {task_set!r} admits items up to {ts.max_seq_len} tokens but the engine's "
             f"max_seq_len is {manifest.profile.max_seq_len}"
         )
-    table = read_table(Path(ts.path), ts.content_sha256)
-    lengths = task_lengths(table)
-    with db.connect() as conn:
-        rows = outstanding_rows(
-            conn, task_set, manifest.model_key, table.column("record_no").to_numpy()
-        )
     profile = manifest.profile.with_layout(layout)
-    tokens, offsets = flat_tokens(table)
-    # Items sharing their first tokens run together (padded engines; packed keep arrival order).
-    plan = plan_batches(lengths, profile, rows, keys=prefix_keys(tokens, offsets))
+    # The plan is computed while the file's hash is checked; nothing is stored before it passes.
+    with checked_meanwhile(Path(ts.path), ts.content_sha256) as table:
+        tokens, offsets = flat_tokens(table)
+        lengths = np.diff(offsets)
+        with db.connect() as conn:
+            rows = outstanding_rows(
+                conn, task_set, manifest.model_key, table.column("record_no").to_numpy()
+            )
+        # Items sharing their first tokens run together (padded engines; packed keep arrival
+        # order).
+        plan = plan_batches(lengths, profile, rows, keys=prefix_keys(tokens, offsets))
     kept = _finished_current_plan(db, ts, manifest.model_key) if rows.size == 0 else None
     if kept is not None:
         # Nothing is left to do: the plan that did the work stays current (an empty plan made

@@ -101,15 +101,25 @@ def ingest(
     max_seq_len: int,
     truncate: bool = False,
     progress: bool = False,
+    columns: pa.Table | None = None,
+    distinct_ids: bool = False,
 ) -> TokenisedTasks:
-    """Every record of `path` as a task or a failure; over-long ones fail unless truncating."""
-    table = _plain_parquet(path) if path.suffix.lower() == ".parquet" else None
+    """Every record of `path` as a task or a failure; over-long ones fail unless truncating.
+
+    `columns`: what `plain_parquet` gave for the bytes of `path`, when the caller read them
+    already (else the file is read here). `distinct_ids`: the caller found every id of
+    `columns` good and none repeated (`ready_task_ids`), so repeats are not looked for."""
+    table = columns
+    if table is None and path.suffix.lower() == ".parquet":
+        table = plain_parquet(path)
     if table is None:
         return ingest_record_by_record(
             path, tokenizer, max_seq_len=max_seq_len, truncate=truncate, progress=progress
         )
     _check_max_seq_len(max_seq_len)
-    return _ingest_columns(table, tokenizer, max_seq_len, truncate, progress)
+    return _ingest_columns(
+        table, tokenizer, max_seq_len, truncate, progress, distinct_ids and columns is not None
+    )
 
 
 def ingest_record_by_record(
@@ -419,14 +429,16 @@ def _not_blank() -> str:
     return "[^" + "".join(f"\\x{{{ord(c):x}}}" for c in spaces) + "]"
 
 
-def _plain_parquet(path: Path) -> pa.Table | None:
-    """The file's id, text and token_ids columns, one chunk each, if it is a readable Parquet file
-    of the plain shape with valid UTF-8; else None, and the record-by-record reader takes it (and
-    words what is wrong with it)."""
+def plain_parquet(source: Path | pa.Buffer) -> pa.Table | None:
+    """The id, text and token_ids columns of a Parquet file (a path, or the file's bytes), one
+    chunk each, if it is a readable Parquet file of the plain shape with valid UTF-8; else None,
+    and the record-by-record reader takes it (and words what is wrong with it)."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        with pq.ParquetFile(path) as parquet:
+        opened = pa.BufferReader(source) if isinstance(source, pa.Buffer) else source
+        with pq.ParquetFile(opened) as parquet:
             schema = parquet.schema_arrow
             wanted = [c for c in ("id", "text", "token_ids") if c in schema.names]
             if not _plain_schema(schema, wanted):
@@ -440,6 +452,34 @@ def _plain_parquet(path: Path) -> pa.Table | None:
     except Exception:
         return None
     return table
+
+
+def ready_task_ids(source: pa.Buffer, max_rows: int) -> list[str] | None:
+    """Every row's task id, read from the 'id' column alone, for a Parquet file (its bytes) of the
+    plain shape with a 'token_ids' column and no 'text' column, at most `max_rows` rows, whose
+    ids are all good (given, 1..MAX_ID_CHARS characters, no NUL, valid UTF-8) and distinct.
+    Each of its records then either becomes a task with this id or fails. Else None."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        with pq.ParquetFile(pa.BufferReader(source)) as parquet:
+            schema = parquet.schema_arrow
+            if (
+                "text" in schema.names
+                or not _plain_schema(schema, ["id", "token_ids"])
+                or pa.types.is_null(schema.field("token_ids").type)
+                or not 0 < parquet.metadata.num_rows <= max_rows
+            ):
+                return None
+            ids = parquet.read(columns=["id"]).column("id").combine_chunks()
+        ids.validate(full=True)  # UTF-8 included
+    except Exception:
+        return None
+    task_ids, ok = _task_ids(ids)
+    if not ok.all() or len(task_ids.dictionary_encode().dictionary) != len(task_ids):
+        return None
+    return list(task_ids.to_pylist())
 
 
 def _plain_schema(schema: pa.Schema, wanted: list[str]) -> bool:
@@ -482,7 +522,12 @@ class _Lists:
 
 
 def _ingest_columns(
-    table: pa.Table, tokenizer: Tokenizer, max_seq_len: int, truncate: bool, progress: bool
+    table: pa.Table,
+    tokenizer: Tokenizer,
+    max_seq_len: int,
+    truncate: bool,
+    progress: bool,
+    distinct_ids: bool = False,
 ) -> TokenisedTasks:
     import pyarrow.compute as pc
 
@@ -513,7 +558,9 @@ def _ingest_columns(
             records.append(checked)
     valid = text_ok | list_ok
     valid[[r.record_no for r in records]] = True
-    repeated = _fail_repeated(task_ids, valid, failures)
+    repeated = (
+        np.zeros(n, dtype=bool) if distinct_ids else _fail_repeated(task_ids, valid, failures)
+    )
     records = [r for r in records if not repeated[r.record_no]]
 
     parts = []
@@ -539,7 +586,10 @@ def _ingest_columns(
 def _fail_repeated(task_ids: pa.Array, valid: np.ndarray, failures: list[Failure]) -> np.ndarray:
     """Which valid rows repeat the id of an earlier valid row; each joins `failures`."""
     rows = np.flatnonzero(valid)
-    codes = _chosen_array(task_ids, valid).dictionary_encode().indices.to_numpy()
+    encoded = _chosen_array(task_ids, valid).dictionary_encode()
+    if len(encoded.dictionary) == len(rows):  # every id once: the usual case, no sort needed
+        return np.zeros(len(valid), dtype=bool)
+    codes = encoded.indices.to_numpy()
     _, first, inverse = np.unique(codes, return_index=True, return_inverse=True)
     first_of = first[inverse]  # per valid row, the first valid row with its id
     repeat = first_of != np.arange(len(rows))

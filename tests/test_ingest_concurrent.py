@@ -1,0 +1,351 @@
+"""The overlapped ingest of a Parquet file stores exactly what ingest() makes of it.
+
+`ingest_task_set` reads a Parquet file once into memory (hashed in one thread, parsed in
+another), writes the stored file while the rows go into the database and, for ready token ids,
+writes every record's task row early and deletes those of the records that failed once the
+tasks are known. Whatever the mix of good and bad records, the rows, failures, task-set row and
+stored file must be those of `ingest` on the same file, on both databases.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from sqlalchemy import Engine, select
+from sqlalchemy.orm import Session
+
+from fabric_gpu.model import DEFAULT_MODEL_ID, load_tokenizer, resolve_model_dir
+from fabric_pipelines.lib.files import sha256_file
+from fabric_pipelines.lib.settings import FabricPaths
+from fabric_pipelines.lib.store.models import Task, TaskFailure, TaskSet
+from fabric_pipelines.lib.tasks import catalog
+from fabric_pipelines.lib.tasks.catalog import IngestSummary, ingest_task_set, write_task_ids
+from fabric_pipelines.lib.tasks.inbox import submit
+from fabric_pipelines.lib.tasks.ingest import TokenisedTasks, ingest, ready_task_ids
+from fabric_pipelines.lib.tasks.store import read_table, to_table
+
+MAX = 16
+VOCAB = 30522
+
+
+@pytest.fixture(scope="module")
+def tokenizer():  # type: ignore[no-untyped-def]
+    return load_tokenizer(resolve_model_dir(DEFAULT_MODEL_ID))
+
+
+def _token_ids_file(
+    path: Path, lists: list[list[int] | None], ids: list[Any] | None = None
+) -> Path:
+    ids = ids if ids is not None else [f"id-{i}" for i in range(len(lists))]
+    pq.write_table(
+        pa.table({"id": ids, "token_ids": pa.array(lists, type=pa.list_(pa.int32()))}), path
+    )
+    return path
+
+
+def _mixed(n: int, seed: int) -> list[list[int] | None]:
+    """Good lists, and among them empty ones, nulls, ids outside the vocabulary, over-long ones."""
+    rng = np.random.default_rng(seed)
+    lists: list[list[int] | None] = []
+    for _ in range(n):
+        kind = rng.integers(0, 10)
+        if kind == 0:
+            lists.append([])
+        elif kind == 1:
+            lists.append(None)
+        elif kind == 2:
+            lists.append([101, VOCAB + int(rng.integers(0, 5)), 102])
+        elif kind == 3:
+            lists.append([101, *range(1000, 1000 + MAX + int(rng.integers(0, 4))), 102])
+        else:
+            lists.append([101, *rng.integers(1000, 2000, int(rng.integers(0, MAX - 1))), 102])
+    return lists
+
+
+def _ingest(db: Engine, paths: FabricPaths, name: str, **kwargs: Any) -> IngestSummary:
+    return ingest_task_set(db, paths, name, model_id=DEFAULT_MODEL_ID, max_seq_len=MAX, **kwargs)
+
+
+def _assert_stored_as_ingest_makes_it(
+    db: Engine, summary: IngestSummary, expected: TokenisedTasks
+) -> None:
+    with Session(db) as session:
+        row = session.scalars(select(TaskSet).where(TaskSet.name == summary.task_set)).one()
+        tasks = session.execute(
+            select(Task.record_no, Task.task_id)
+            .where(Task.task_set_id == row.id)
+            .order_by(Task.record_no)
+        ).all()
+        failures = session.execute(
+            select(TaskFailure.record_no, TaskFailure.task_id, TaskFailure.reason)
+            .where(TaskFailure.task_set == summary.task_set)
+            .order_by(TaskFailure.record_no)
+        ).all()
+    assert [tuple(t) for t in tasks] == list(
+        zip(expected.record_no.tolist(), expected.task_ids, strict=True)
+    )
+    assert [tuple(f) for f in failures] == [
+        (f.record_no, f.task_id, f.reason) for f in expected.failures
+    ]
+    assert (row.n_records, row.n_tasks, row.truncated) == (
+        expected.n_records,
+        len(expected.task_ids),
+        expected.truncated,
+    )
+    assert (row.content_sha256, Path(row.path)) == (summary.content_sha256, summary.path)
+    assert sha256_file(summary.path) == row.content_sha256
+    stored = read_table(summary.path, row.content_sha256)
+    made = to_table(expected)
+    for name in made.column_names:
+        assert stored.column(name).equals(made.column(name)), name
+    assert np.array_equal(summary.lengths, expected.lengths)
+
+
+@pytest.mark.parametrize("early", [True, False])
+@pytest.mark.parametrize("truncate", [False, True])
+def test_task_rows_end_as_ingest_makes_them(
+    db: Engine,
+    paths: FabricPaths,
+    tmp_path: Path,
+    tokenizer: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    truncate: bool,
+    early: bool,
+) -> None:
+    source = _token_ids_file(tmp_path / "mixed.parquet", _mixed(400, seed=1))
+    assert ready_task_ids(pa.py_buffer(source.read_bytes()), catalog.EARLY_ROWS_MAX) is not None
+    if not early:
+        monkeypatch.setattr(catalog, "EARLY_ROWS_MAX", 0)
+    registered_early: list[str] = []
+    real = catalog._register_early
+
+    def spy(db: Engine, row: Any, *args: Any) -> Any:
+        registered_early.append(row.task_set)
+        return real(db, row, *args)
+
+    monkeypatch.setattr(catalog, "_register_early", spy)
+    expected = ingest(source, tokenizer, max_seq_len=MAX, truncate=truncate)
+    assert 0 < len(expected.task_ids) < expected.n_records  # some records fail
+    submit(source, paths.inbox, "mixed")
+    summary = _ingest(db, paths, "mixed", truncate=truncate)
+    assert registered_early == (["mixed"] if early else [])
+    assert not summary.reused and summary.n_failed == len(expected.failures)
+    _assert_stored_as_ingest_makes_it(db, summary, expected)
+
+
+def test_a_set_whose_records_all_fail_keeps_no_task_rows(
+    db: Engine, paths: FabricPaths, tmp_path: Path, tokenizer: Any
+) -> None:
+    source = _token_ids_file(tmp_path / "bad.parquet", [[], None, [VOCAB], [-1, 5]])
+    expected = ingest(source, tokenizer, max_seq_len=MAX)
+    assert expected.task_ids == []
+    submit(source, paths.inbox, "bad")
+    _assert_stored_as_ingest_makes_it(db, _ingest(db, paths, "bad"), expected)
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [
+        ["a", "b", "a", "c", "d", "e"],  # a repeat: no early rows
+        [5, 6, 7, 8, 9, 10],  # integer ids
+        ["a", "", "c", "d", "e", "f"],  # an empty id: no early rows
+    ],
+)
+def test_ids_that_rule_out_early_rows_or_are_integers(
+    db: Engine, paths: FabricPaths, tmp_path: Path, tokenizer: Any, ids: list[Any]
+) -> None:
+    lists: list[list[int] | None] = [[101, 7592, 102], [], [101, 102], None, [101, 1, 102], [7]]
+    source = _token_ids_file(tmp_path / "ids.parquet", lists, ids)
+    found = ready_task_ids(pa.py_buffer(source.read_bytes()), catalog.EARLY_ROWS_MAX)
+    assert found == ([str(i) for i in ids] if isinstance(ids[0], int) else None)
+    expected = ingest(source, tokenizer, max_seq_len=MAX)
+    submit(source, paths.inbox, "ids")
+    _assert_stored_as_ingest_makes_it(db, _ingest(db, paths, "ids"), expected)
+
+
+def test_text_sets_and_large_sets_get_no_early_rows(tmp_path: Path) -> None:
+    text = tmp_path / "text.parquet"
+    pq.write_table(pa.table({"id": ["a"], "text": ["hello"]}), text)
+    assert ready_task_ids(pa.py_buffer(text.read_bytes()), 10) is None
+    ids = _token_ids_file(tmp_path / "ids.parquet", [[101, 102]] * 3)
+    assert ready_task_ids(pa.py_buffer(ids.read_bytes()), 2) is None
+    assert ready_task_ids(pa.py_buffer(ids.read_bytes()), 3) == ["id-0", "id-1", "id-2"]
+    assert ready_task_ids(pa.py_buffer(b"not parquet"), 3) is None
+
+
+def test_a_failed_ingest_leaves_nothing_and_can_run_again(
+    db: Engine,
+    paths: FabricPaths,
+    tmp_path: Path,
+    tokenizer: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    source = _token_ids_file(tmp_path / "s.parquet", _mixed(50, seed=2))
+    submit(source, paths.inbox, "again")
+    real_ingest = catalog.ingest
+
+    def fails(*args: Any, **kwargs: Any) -> TokenisedTasks:
+        real_ingest(*args, **kwargs)
+        raise RuntimeError("tokenizer fell over")
+
+    monkeypatch.setattr(catalog, "ingest", fails)
+    with pytest.raises(RuntimeError, match="fell over"):
+        _ingest(db, paths, "again")
+    with Session(db) as session:
+        assert session.scalars(select(TaskSet)).all() == []
+        assert session.scalars(select(Task)).all() == []
+        assert session.scalars(select(TaskFailure)).all() == []
+    monkeypatch.undo()
+    expected = ingest(source, tokenizer, max_seq_len=MAX)
+    _assert_stored_as_ingest_makes_it(db, _ingest(db, paths, "again"), expected)
+
+
+def test_two_first_ingests_of_a_parquet_set_register_it_once(
+    db: Engine,
+    paths: FabricPaths,
+    tmp_path: Path,
+    tokenizer: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Both runs write their early rows (one waits for the other's transaction) and tokenise
+    before either registers: one commits, the other meets the unique name and reuses it."""
+    source = _token_ids_file(tmp_path / "race.parquet", _mixed(60, seed=3))
+    submit(source, paths.inbox, "race")
+    barrier = threading.Barrier(2)
+    real_ingest = catalog.ingest
+
+    def ingest_then_wait(*args: Any, **kwargs: Any) -> TokenisedTasks:
+        tasks = real_ingest(*args, **kwargs)
+        barrier.wait(timeout=60)
+        return tasks
+
+    monkeypatch.setattr(catalog, "ingest", ingest_then_wait)
+    results: list[object] = [None, None]
+
+    def run(i: int) -> None:
+        try:
+            results[i] = _ingest(db, paths, "race")
+        except Exception as exc:
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    summaries = [r for r in results if isinstance(r, IngestSummary)]
+    assert len(summaries) == 2, results
+    assert sorted(r.reused for r in summaries) == [False, True]
+    assert len({r.content_sha256 for r in summaries}) == 1
+    assert [p.name for p in (paths.task_sets / "race").glob("*.arrow")] == [summaries[0].path.name]
+    monkeypatch.undo()
+    _assert_stored_as_ingest_makes_it(db, summaries[0], ingest(source, tokenizer, max_seq_len=MAX))
+
+
+def test_a_file_parsed_again_from_disk_is_checked_again(
+    db: Engine,
+    paths: FabricPaths,
+    tmp_path: Path,
+    tokenizer: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """When the bytes read first do not give the columns, ingest reads the file itself: the
+    early rows are kept to what it makes of it, and a file changed meanwhile is refused."""
+    source = _token_ids_file(tmp_path / "s.parquet", _mixed(80, seed=4))
+    expected = ingest(source, tokenizer, max_seq_len=MAX)
+    monkeypatch.setattr(catalog, "plain_parquet", lambda data: None)
+    submit(source, paths.inbox, "disk")
+    _assert_stored_as_ingest_makes_it(db, _ingest(db, paths, "disk"), expected)
+
+    submit(source, paths.inbox, "moved")
+    real_ingest = catalog.ingest
+
+    def changes_the_file(path: Path, *args: Any, **kwargs: Any) -> TokenisedTasks:
+        tasks = real_ingest(path, *args, **kwargs)
+        _token_ids_file(path, [[101, 102]])
+        return tasks
+
+    monkeypatch.setattr(catalog, "ingest", changes_the_file)
+    with pytest.raises(catalog.SubmissionError, match="changed while it was read"):
+        _ingest(db, paths, "moved")
+    with Session(db) as session:
+        assert session.scalars(select(TaskSet.name)).all() == ["disk"]
+        assert not (paths.task_sets / "moved").exists()
+
+
+def test_unexpected_tasks_replace_the_early_rows(db: Engine) -> None:
+    """Should the tasks not be a subset of the early rows, with their ids, all rows are written
+    again (never expected: the safety net of `_keep_only`)."""
+    with db.begin() as conn:
+        set_id = catalog._insert_set_row(conn, catalog._SetRow("net", "0" * 64, "m", "0" * 64, 8))
+        write_task_ids(conn, set_id, np.arange(4, dtype=np.int64), ["a", "b", "c", "d"])
+        tasks = TokenisedTasks(
+            n_records=4,
+            record_no=np.array([1, 3]),
+            task_ids=["b", "other"],
+            tokens=np.zeros(2, dtype=np.int32),
+            offsets=np.array([0, 1, 2]),
+        )
+        catalog._keep_only(conn, set_id, ["a", "b", "c", "d"], tasks)
+        kept = conn.execute(
+            select(Task.record_no, Task.task_id)
+            .where(Task.task_set_id == set_id)
+            .order_by(Task.record_no)
+        ).all()
+    assert [tuple(r) for r in kept] == [(1, "b"), (3, "other")]
+
+
+# ---- task ids in bulk ----------------------------------------------------------------------------
+
+
+def test_task_ids_with_gaps_and_any_characters_are_written_as_given(
+    db: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SQLite takes them as JSON arrays (a few per statement here), gaps as nulls."""
+    monkeypatch.setattr(catalog, "SQLITE_IDS_PER_STATEMENT", 3)
+    task_ids = [
+        "a", "tab\there", "ctrl\x01\x1f", "del\x7f", "sep\u2028\u2029", 'q"uote', "b\\s",
+        "é😀", "\\u0000", "null", "[1]", "x" * 256, "end",
+    ]  # fmt: skip
+    record_no = np.array([0, 1, 5, 6, 7, 20, 21, 22, 40, 41, 42, 43, 100], dtype=np.int64)
+    with db.begin() as conn:
+        set_id = catalog._insert_set_row(conn, catalog._SetRow("ids", "0" * 64, "m", "0" * 64, 8))
+        write_task_ids(conn, set_id, record_no, task_ids)
+        rows = conn.execute(
+            select(Task.record_no, Task.task_id)
+            .where(Task.task_set_id == set_id)
+            .order_by(Task.record_no)
+        ).all()
+    assert [tuple(r) for r in rows] == list(zip(record_no.tolist(), task_ids, strict=True))
+
+
+def test_sqlite_takes_ids_in_any_order_and_with_nul_row_by_row(tmp_path: Path) -> None:
+    from fabric_pipelines.lib.store.db import create_schema, make_engine
+
+    db = make_engine(f"sqlite:///{tmp_path / 'ids.sqlite'}")
+    create_schema(db)
+    try:
+        with db.begin() as conn:
+            raw = conn.connection.driver_connection
+            assert isinstance(raw, sqlite3.Connection)
+            write_task_ids(conn, 1, np.array([5, 2, 9]), ["five", "two", "nine"])
+            write_task_ids(conn, 2, np.array([0, 1]), ["nul\x00in", "plain"])
+            rows = raw.execute(
+                "SELECT task_set_id, record_no, task_id FROM tasks ORDER BY 1, 2"
+            ).fetchall()
+    finally:
+        db.dispose()
+    assert rows == [
+        (1, 2, "two"),
+        (1, 5, "five"),
+        (1, 9, "nine"),
+        (2, 0, "nul\x00in"),
+        (2, 1, "plain"),
+    ]
