@@ -206,9 +206,9 @@ def extraction_outputs(
     def waiting_for_gpus() -> None:
         context.log.info(f"{task_set}: waiting for {engine.workers} free GPU(s)")
 
-    # The index step that follows needs torch, FAISS and a CUDA context: load them while the
-    # workers run (lib/preload.py).
-    preload(INDEX_MODULES, cuda=manifest.backend != "cpu")
+    # The index step that follows needs torch and FAISS: import them while the workers run
+    # (lib/preload.py).
+    preload(INDEX_MODULES)
     try:
         with engine.devices(store.paths(), waiting_for_gpus, task_set) as devices:
             report = extract_task_set(

@@ -217,23 +217,6 @@ def prewarm(engine: Any) -> None:
     engine.capture(engine.shapes_for([(profile.max_batch_tokens, profile.max_batch_items)]))
 
 
-def open_cuda_context_early() -> None:
-    """Create the GPU's primary CUDA context on a thread of its own while this process imports
-    torch and loads the weights. torch uses the primary context, so it finds it made instead
-    of spending that time on the way to the first batch; ctypes lets go of the GIL for each
-    driver call, so the imports go on meanwhile. Best effort: where a call fails, torch makes
-    the context itself later and reports any error then."""
-
-    def open_context() -> None:
-        with contextlib.suppress(OSError, AttributeError):
-            cuda = ctypes.CDLL("libcuda.so.1")
-            device, context = ctypes.c_int(), ctypes.c_void_p()
-            if cuda.cuInit(0) == 0 and cuda.cuDeviceGet(ctypes.byref(device), 0) == 0:
-                cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), device)
-
-    threading.Thread(target=open_context, name="cuda-context", daemon=True).start()
-
-
 def wait_for_file(path: Path, poll_s: float = 0.01) -> None:
     """Block until `path` exists (the supervisor's go); the parent watchdog ends a worker
     whose supervisor dies meanwhile."""
@@ -268,8 +251,6 @@ def main(argv: list[str] | None = None) -> int:
     main_at = time.time()
     if args.parent_pid:
         bind_to_parent(args.parent_pid)
-    if os.environ.get("CUDA_VISIBLE_DEVICES"):  # a GPU worker (launch_workers sets it)
-        open_cuda_context_early()
     heartbeat_interval(args.lease_seconds, args.heartbeat_seconds)  # refuse bad timing early
     if args.threads > 0:
         import torch
