@@ -367,7 +367,8 @@ def stop_past_lease(pid: int, lease_seconds: float) -> bool:
 
 
 def kill(pid: int) -> bool:
-    _signal(pid, signal.SIGCONT)
+    # SIGKILL ends a stopped process too. Continuing it first would let it run for a moment,
+    # and on a loaded machine that moment was long enough to acknowledge the batch it held.
     return _signal(pid, signal.SIGKILL)
 
 
