@@ -1,10 +1,9 @@
 """The overlapped ingest of a Parquet file stores exactly what ingest() makes of it.
 
 `ingest_task_set` reads a Parquet file once into memory (hashed in one thread, parsed in
-another), writes the stored file while the rows go into the database and, for ready token ids,
-writes every record's task row early and deletes those of the records that failed once the
-tasks are known. Whatever the mix of good and bad records, the rows, failures, task-set row and
-stored file must be those of `ingest` on the same file, on both databases.
+another) and writes the stored file while the rows go into the database. Whatever the mix of
+good and bad records, the rows, failures, task-set row and stored file must be those of
+`ingest` on the same file, on both databases.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from fabric_pipelines.lib.store.models import Task, TaskFailure, TaskSet
 from fabric_pipelines.lib.tasks import catalog
 from fabric_pipelines.lib.tasks.catalog import IngestSummary, ingest_task_set, write_task_ids
 from fabric_pipelines.lib.tasks.inbox import submit
-from fabric_pipelines.lib.tasks.ingest import TokenisedTasks, ingest, ready_task_ids
+from fabric_pipelines.lib.tasks.ingest import TokenisedTasks, ingest
 from fabric_pipelines.lib.tasks.store import read_table, to_table
 
 MAX = 16
@@ -108,34 +107,15 @@ def _assert_stored_as_ingest_makes_it(
     assert np.array_equal(summary.lengths, expected.lengths)
 
 
-@pytest.mark.parametrize("early", [True, False])
 @pytest.mark.parametrize("truncate", [False, True])
 def test_task_rows_end_as_ingest_makes_them(
-    db: Engine,
-    paths: FabricPaths,
-    tmp_path: Path,
-    tokenizer: Any,
-    monkeypatch: pytest.MonkeyPatch,
-    truncate: bool,
-    early: bool,
+    db: Engine, paths: FabricPaths, tmp_path: Path, tokenizer: Any, truncate: bool
 ) -> None:
     source = _token_ids_file(tmp_path / "mixed.parquet", _mixed(400, seed=1))
-    assert ready_task_ids(pa.py_buffer(source.read_bytes()), catalog.EARLY_ROWS_MAX) is not None
-    if not early:
-        monkeypatch.setattr(catalog, "EARLY_ROWS_MAX", 0)
-    registered_early: list[str] = []
-    real = catalog._register_early
-
-    def spy(db: Engine, row: Any, *args: Any) -> Any:
-        registered_early.append(row.task_set)
-        return real(db, row, *args)
-
-    monkeypatch.setattr(catalog, "_register_early", spy)
     expected = ingest(source, tokenizer, max_seq_len=MAX, truncate=truncate)
     assert 0 < len(expected.task_ids) < expected.n_records  # some records fail
     submit(source, paths.inbox, "mixed")
     summary = _ingest(db, paths, "mixed", truncate=truncate)
-    assert registered_early == (["mixed"] if early else [])
     assert not summary.reused and summary.n_failed == len(expected.failures)
     _assert_stored_as_ingest_makes_it(db, summary, expected)
 
@@ -153,31 +133,19 @@ def test_a_set_whose_records_all_fail_keeps_no_task_rows(
 @pytest.mark.parametrize(
     "ids",
     [
-        ["a", "b", "a", "c", "d", "e"],  # a repeat: no early rows
+        ["a", "b", "a", "c", "d", "e"],  # a repeat
         [5, 6, 7, 8, 9, 10],  # integer ids
-        ["a", "", "c", "d", "e", "f"],  # an empty id: no early rows
+        ["a", "", "c", "d", "e", "f"],  # an empty id
     ],
 )
-def test_ids_that_rule_out_early_rows_or_are_integers(
+def test_repeated_empty_and_integer_ids(
     db: Engine, paths: FabricPaths, tmp_path: Path, tokenizer: Any, ids: list[Any]
 ) -> None:
     lists: list[list[int] | None] = [[101, 7592, 102], [], [101, 102], None, [101, 1, 102], [7]]
     source = _token_ids_file(tmp_path / "ids.parquet", lists, ids)
-    found = ready_task_ids(pa.py_buffer(source.read_bytes()), catalog.EARLY_ROWS_MAX)
-    assert found == ([str(i) for i in ids] if isinstance(ids[0], int) else None)
     expected = ingest(source, tokenizer, max_seq_len=MAX)
     submit(source, paths.inbox, "ids")
     _assert_stored_as_ingest_makes_it(db, _ingest(db, paths, "ids"), expected)
-
-
-def test_text_sets_and_large_sets_get_no_early_rows(tmp_path: Path) -> None:
-    text = tmp_path / "text.parquet"
-    pq.write_table(pa.table({"id": ["a"], "text": ["hello"]}), text)
-    assert ready_task_ids(pa.py_buffer(text.read_bytes()), 10) is None
-    ids = _token_ids_file(tmp_path / "ids.parquet", [[101, 102]] * 3)
-    assert ready_task_ids(pa.py_buffer(ids.read_bytes()), 2) is None
-    assert ready_task_ids(pa.py_buffer(ids.read_bytes()), 3) == ["id-0", "id-1", "id-2"]
-    assert ready_task_ids(pa.py_buffer(b"not parquet"), 3) is None
 
 
 def test_a_failed_ingest_leaves_nothing_and_can_run_again(
@@ -214,8 +182,8 @@ def test_two_first_ingests_of_a_parquet_set_register_it_once(
     tokenizer: Any,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Both runs write their early rows (one waits for the other's transaction) and tokenise
-    before either registers: one commits, the other meets the unique name and reuses it."""
+    """Both runs tokenise before either registers: one commits, the other meets the unique
+    name and reuses it."""
     source = _token_ids_file(tmp_path / "race.parquet", _mixed(60, seed=3))
     submit(source, paths.inbox, "race")
     barrier = threading.Barrier(2)
@@ -256,8 +224,8 @@ def test_a_file_parsed_again_from_disk_is_checked_again(
     tokenizer: Any,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """When the bytes read first do not give the columns, ingest reads the file itself: the
-    early rows are kept to what it makes of it, and a file changed meanwhile is refused."""
+    """When the bytes read first do not give the columns, ingest reads the file itself, and a
+    file changed meanwhile is refused."""
     source = _token_ids_file(tmp_path / "s.parquet", _mixed(80, seed=4))
     expected = ingest(source, tokenizer, max_seq_len=MAX)
     monkeypatch.setattr(catalog, "plain_parquet", lambda data: None)
@@ -278,28 +246,6 @@ def test_a_file_parsed_again_from_disk_is_checked_again(
     with Session(db) as session:
         assert session.scalars(select(TaskSet.name)).all() == ["disk"]
         assert not (paths.task_sets / "moved").exists()
-
-
-def test_unexpected_tasks_replace_the_early_rows(db: Engine) -> None:
-    """Should the tasks not be a subset of the early rows, with their ids, all rows are written
-    again (never expected: the safety net of `_keep_only`)."""
-    with db.begin() as conn:
-        set_id = catalog._insert_set_row(conn, catalog._SetRow("net", "0" * 64, "m", "0" * 64, 8))
-        write_task_ids(conn, set_id, np.arange(4, dtype=np.int64), ["a", "b", "c", "d"])
-        tasks = TokenisedTasks(
-            n_records=4,
-            record_no=np.array([1, 3]),
-            task_ids=["b", "other"],
-            tokens=np.zeros(2, dtype=np.int32),
-            offsets=np.array([0, 1, 2]),
-        )
-        catalog._keep_only(conn, set_id, ["a", "b", "c", "d"], tasks)
-        kept = conn.execute(
-            select(Task.record_no, Task.task_id)
-            .where(Task.task_set_id == set_id)
-            .order_by(Task.record_no)
-        ).all()
-    assert [tuple(r) for r in kept] == [(1, "b"), (3, "other")]
 
 
 # ---- task ids in bulk ----------------------------------------------------------------------------

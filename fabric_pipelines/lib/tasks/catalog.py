@@ -56,7 +56,6 @@ from fabric_pipelines.lib.tasks.ingest import (
     TokenisedTasks,
     ingest,
     plain_parquet,
-    ready_task_ids,
     storable_failure,
 )
 from fabric_pipelines.lib.tasks.store import read_table, single_chunk, to_table, write_ipc
@@ -65,8 +64,6 @@ from fabric_pipelines.lib.tasks.store import read_table, single_chunk, to_table,
 SQLITE_INSERT_CACHE_KIB = 256 * 1024
 # Task ids per INSERT statement on SQLite (one JSON array each): a few MB of text.
 SQLITE_IDS_PER_STATEMENT = 1 << 18
-# Task rows deleted per statement (by record number).
-DELETE_BATCH = 10_000
 # How often a transaction waiting for a thread's work shows its server it is alive, in seconds.
 KEEPALIVE_S = 10.0
 
@@ -111,9 +108,7 @@ def ingest_task_set(
 
     Independent steps overlap, in threads (hashing, Arrow, SQLite and the PostgreSQL server all
     run without the GIL): a Parquet file is read into memory once, hashed while its columns are
-    parsed; the stored file is written while the rows go into the database; and for a file of
-    ready token ids, the task rows are written while the file is still being parsed and checked
-    (`_register_early`)."""
+    parsed; and the stored file is written while the rows go into the database."""
     source = submission_path(paths.inbox, task_set)
     existing = _find(db, task_set)
     with ThreadPoolExecutor(4, thread_name_prefix="ingest") as pool:
@@ -125,54 +120,41 @@ def ingest_task_set(
         if existing is not None:
             return _reuse(db, paths, existing, source, source_sha, tok_sha, max_seq_len)
         row = _SetRow(task_set, source_sha, model_id, tok_sha, max_seq_len)
-        outcome: Future[_Outcome | None] = Future()
-        early = None
-        if read.ids is not None:
-            early = pool.submit(_register_early, db, row, read.ids, outcome)
+        columns = read.columns()
+        tasks = ingest(
+            source,
+            load_tokenizer(model_dir),
+            max_seq_len=max_seq_len,
+            truncate=truncate,
+            progress=progress,
+            columns=columns,
+        )
+        if columns is None:  # the file was read again after it was hashed: still the same?
+            after = sha256_file(source)
+            if after != source_sha:
+                raise SubmissionError(
+                    f"inbox file {source.name} changed while it was read (sha256 "
+                    f"{source_sha} before, {after} after); nothing was ingested: leave the "
+                    "file alone and run again"
+                )
+        del columns
+        read = _Source(_done(source_sha))  # lets go of the file's bytes and columns
+        # The stored file is written, hashed and synced while the rows go into the database.
+        storing = pool.submit(
+            _store, paths, task_set, tasks, source_sha, model_id, tok_sha, max_seq_len
+        )
         try:
-            columns = read.columns()
-            tasks = ingest(
-                source,
-                load_tokenizer(model_dir),
-                max_seq_len=max_seq_len,
-                truncate=truncate,
-                progress=progress,
-                columns=columns,
-                distinct_ids=read.ids is not None,
-            )
-            if columns is None:  # the file was read again after it was hashed: still the same?
-                after = sha256_file(source)
-                if after != source_sha:
-                    raise SubmissionError(
-                        f"inbox file {source.name} changed while it was read (sha256 "
-                        f"{source_sha} before, {after} after); nothing was ingested: leave the "
-                        "file alone and run again"
-                    )
-            del columns
-            read = _Source(_done(source_sha))  # lets go of the file's bytes and columns
-            # The stored file is written, hashed and synced while the rows go into the database.
-            storing = pool.submit(
-                _store, paths, task_set, tasks, source_sha, model_id, tok_sha, max_seq_len
-            )
-            try:
-                if early is None:
-                    stored = _register(db, row, tasks, storing)
-                else:
-                    outcome.set_result((tasks, storing))
-                    stored = _not_none(early.result())
-            except IntegrityError:
-                # Another run ingested the set first: it counts; this one's file goes unless
-                # identical.
-                stored = storing.result()
-                winner = _find(db, task_set)
-                if winner is None:
-                    raise
-                if Path(winner.path) != stored.path:
-                    stored.path.unlink(missing_ok=True)
-                return _reuse(db, paths, winner, source, source_sha, tok_sha, max_seq_len)
-        finally:
-            if not outcome.done():
-                outcome.set_result(None)  # the early registration rolls back
+            stored = _register(db, row, tasks, storing)
+        except IntegrityError:
+            # Another run ingested the set first: it counts; this one's file goes unless
+            # identical.
+            stored = storing.result()
+            winner = _find(db, task_set)
+            if winner is None:
+                raise
+            if Path(winner.path) != stored.path:
+                stored.path.unlink(missing_ok=True)
+            return _reuse(db, paths, winner, source, source_sha, tok_sha, max_seq_len)
     return IngestSummary(
         task_set,
         tasks.n_records,
@@ -188,20 +170,13 @@ def ingest_task_set(
     )
 
 
-# Ready token-id sets up to this many records have their task rows written early. Their
-# transaction (and SQLite's write lock) is then open while the file is parsed, checked and
-# stored: about as long as writing the rows takes anyway, seconds.
-EARLY_ROWS_MAX = 8_000_000
-
-
 @dataclass
 class _Source:
-    """The inbox file as read: the hashing of its bytes, the parsing of its columns (by
-    `plain_parquet`, from the same bytes), and its task ids if `ready_task_ids` gives them."""
+    """The inbox file as read: the hashing of its bytes, and the parsing of its columns (by
+    `plain_parquet`, from the same bytes)."""
 
     hashing: Future[str]
     parsing: Future[pa.Table | None] | None = None
-    ids: list[str] | None = None
 
     def sha256(self) -> str:
         return self.hashing.result()
@@ -211,9 +186,9 @@ class _Source:
 
 
 def _read_source(pool: ThreadPoolExecutor, source: Path, *, parse: bool) -> _Source:
-    """A Parquet file to ingest is read once, into memory: a thread hashes its bytes, another
-    parses its columns from them (hashlib and Arrow let go of the GIL), while this one reads its
-    ids. Any other file is only hashed here; ingest reads it itself."""
+    """A Parquet file to ingest is read once, into memory: a thread hashes its bytes while
+    another parses its columns from them (hashlib and Arrow let go of the GIL). Any other file
+    is only hashed here; ingest reads it itself."""
     if not parse or source.suffix.lower() != ".parquet":
         return _Source(_done(sha256_file(source)))
     with pa.OSFile(str(source), "rb") as handle:
@@ -221,7 +196,6 @@ def _read_source(pool: ThreadPoolExecutor, source: Path, *, parse: bool) -> _Sou
     return _Source(
         hashing=pool.submit(lambda: hashlib.sha256(memoryview(data)).hexdigest()),
         parsing=pool.submit(plain_parquet, data),
-        ids=ready_task_ids(data, EARLY_ROWS_MAX),
     )
 
 
@@ -229,11 +203,6 @@ def _done(sha: str) -> Future[str]:
     done: Future[str] = Future()
     done.set_result(sha)
     return done
-
-
-def _not_none(stored: StoredFile | None) -> StoredFile:
-    assert stored is not None, "the early registration was withdrawn"
-    return stored
 
 
 def is_ingested(db: Engine, task_set: str) -> bool:
@@ -306,14 +275,6 @@ class _SetRow:
     max_seq_len: int
 
 
-# The tasks, and the storing of their file.
-_Outcome = tuple[TokenisedTasks, Future[StoredFile]]
-
-
-class _Withdrawn(Exception):
-    """The early registration's outcome never came: it rolls back."""
-
-
 def _register(
     db: Engine, row: _SetRow, tasks: TokenisedTasks, storing: Future[StoredFile]
 ) -> StoredFile:
@@ -324,28 +285,6 @@ def _register(
         set_id = _insert_set_row(conn, row)
         write_task_ids(conn, set_id, tasks.record_no, tasks.task_ids)
         return _complete(conn, set_id, row, tasks, storing)
-
-
-def _register_early(
-    db: Engine, row: _SetRow, ids: list[str], outcome: Future[_Outcome | None]
-) -> StoredFile | None:
-    """`_register`, begun before the tasks are known, for a file whose records each become a
-    task with the id `ids` gives it, or fail (`ready_task_ids`): every record is written as a
-    task first, while the file is parsed and checked; once the outcome comes, the rows of the
-    records that failed are deleted, and the rest done as `_register` does, in the same
-    transaction. None, with nothing written, if the outcome is withdrawn."""
-    try:
-        with db.begin() as conn:
-            set_id = _insert_set_row(conn, row)
-            write_task_ids(conn, set_id, np.arange(len(ids), dtype=np.int64), ids)
-            result = _wait(conn, outcome)
-            if result is None:
-                raise _Withdrawn
-            tasks, storing = result
-            _keep_only(conn, set_id, ids, tasks)
-            return _complete(conn, set_id, row, tasks, storing)
-    except _Withdrawn:
-        return None
 
 
 def _insert_set_row(conn: Any, row: _SetRow) -> int:
@@ -411,38 +350,6 @@ def _wait(conn: Any, future: Future[T]) -> T:
             if future.done():  # the result itself is a TimeoutError
                 raise
             conn.execute(select(1))
-
-
-def _keep_only(conn: Any, set_id: int, ids: list[str], tasks: TokenisedTasks) -> None:
-    """Of the task rows written for records 0.. with `ids`, delete those that are no task. Should
-    the tasks not be such a subset (they always are), all rows are written again."""
-    record_no = tasks.record_no
-    n = len(ids)
-    subset = (
-        tasks.n_records == n
-        and bool(np.all(np.diff(record_no) > 0))
-        and (record_no.size == 0 or (record_no[0] >= 0 and record_no[-1] < n))
-    )
-    if subset and record_no.size == n:
-        subset = tasks.task_ids == ids
-        if subset:
-            return
-    elif subset:
-        subset = tasks.task_ids == [ids[i] for i in record_no.tolist()]
-    if not subset:
-        conn.execute(delete(Task).where(Task.task_set_id == set_id))
-        write_task_ids(conn, set_id, record_no, tasks.task_ids)
-        return
-    failed = np.ones(n, dtype=bool)
-    failed[record_no] = False
-    rows = np.flatnonzero(failed).tolist()
-    for start in range(0, len(rows), DELETE_BATCH):
-        conn.execute(
-            delete(Task).where(
-                Task.task_set_id == set_id,
-                Task.record_no.in_(rows[start : start + DELETE_BATCH]),
-            )
-        )
 
 
 def _reuse(

@@ -102,13 +102,11 @@ def ingest(
     truncate: bool = False,
     progress: bool = False,
     columns: pa.Table | None = None,
-    distinct_ids: bool = False,
 ) -> TokenisedTasks:
     """Every record of `path` as a task or a failure; over-long ones fail unless truncating.
 
     `columns`: what `plain_parquet` gave for the bytes of `path`, when the caller read them
-    already (else the file is read here). `distinct_ids`: the caller found every id of
-    `columns` good and none repeated (`ready_task_ids`), so repeats are not looked for."""
+    already (else the file is read here)."""
     table = columns
     if table is None and path.suffix.lower() == ".parquet":
         table = plain_parquet(path)
@@ -117,9 +115,7 @@ def ingest(
             path, tokenizer, max_seq_len=max_seq_len, truncate=truncate, progress=progress
         )
     _check_max_seq_len(max_seq_len)
-    return _ingest_columns(
-        table, tokenizer, max_seq_len, truncate, progress, distinct_ids and columns is not None
-    )
+    return _ingest_columns(table, tokenizer, max_seq_len, truncate, progress)
 
 
 def ingest_record_by_record(
@@ -454,34 +450,6 @@ def plain_parquet(source: Path | pa.Buffer) -> pa.Table | None:
     return table
 
 
-def ready_task_ids(source: pa.Buffer, max_rows: int) -> list[str] | None:
-    """Every row's task id, read from the 'id' column alone, for a Parquet file (its bytes) of the
-    plain shape with a 'token_ids' column and no 'text' column, at most `max_rows` rows, whose
-    ids are all good (given, 1..MAX_ID_CHARS characters, no NUL, valid UTF-8) and distinct.
-    Each of its records then either becomes a task with this id or fails. Else None."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        with pq.ParquetFile(pa.BufferReader(source)) as parquet:
-            schema = parquet.schema_arrow
-            if (
-                "text" in schema.names
-                or not _plain_schema(schema, ["id", "token_ids"])
-                or pa.types.is_null(schema.field("token_ids").type)
-                or not 0 < parquet.metadata.num_rows <= max_rows
-            ):
-                return None
-            ids = parquet.read(columns=["id"]).column("id").combine_chunks()
-        ids.validate(full=True)  # UTF-8 included
-    except Exception:
-        return None
-    task_ids, ok = _task_ids(ids)
-    if not ok.all() or len(task_ids.dictionary_encode().dictionary) != len(task_ids):
-        return None
-    return list(task_ids.to_pylist())
-
-
 def _plain_schema(schema: pa.Schema, wanted: list[str]) -> bool:
     import pyarrow as pa
 
@@ -522,12 +490,7 @@ class _Lists:
 
 
 def _ingest_columns(
-    table: pa.Table,
-    tokenizer: Tokenizer,
-    max_seq_len: int,
-    truncate: bool,
-    progress: bool,
-    distinct_ids: bool = False,
+    table: pa.Table, tokenizer: Tokenizer, max_seq_len: int, truncate: bool, progress: bool
 ) -> TokenisedTasks:
     import pyarrow.compute as pc
 
@@ -558,9 +521,7 @@ def _ingest_columns(
             records.append(checked)
     valid = text_ok | list_ok
     valid[[r.record_no for r in records]] = True
-    repeated = (
-        np.zeros(n, dtype=bool) if distinct_ids else _fail_repeated(task_ids, valid, failures)
-    )
+    repeated = _fail_repeated(task_ids, valid, failures)
     records = [r for r in records if not repeated[r.record_no]]
 
     parts = []
