@@ -327,14 +327,18 @@ def test_an_inbox_file_changed_after_submit_is_refused(
         _ingest(db, paths, "dropped")
 
 
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])  # Parquet: read once, from memory
 def test_two_first_ingests_at_once_register_the_set_once(
-    db: Engine, paths: FabricPaths, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    db: Engine, paths: FabricPaths, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
     """Both runs tokenise before either registers (a barrier holds them): one inserts the row,
     the other meets the unique name and reuses it (same settings) or is refused (other ones)."""
-    source = tmp_path / "s.jsonl"
-    rows = [{"id": i, "text": f"item {i}"} for i in range(40)] + [{"id": "bad", "text": ""}]
-    _jsonl(source, rows)
+    rows = [{"id": str(i), "text": f"item {i}"} for i in range(40)] + [{"id": "bad", "text": ""}]
+    source = tmp_path / f"s.{kind}"
+    if kind == "jsonl":
+        _jsonl(source, rows)
+    else:
+        pq.write_table(pa.Table.from_pylist(rows), source)
     barrier = threading.Barrier(2)
     real_ingest = catalog.ingest
 
@@ -369,6 +373,8 @@ def test_two_first_ingests_at_once_register_the_set_once(
     assert len(same) == 2, results
     assert sorted(r.reused for r in same) == [False, True]
     assert len({r.content_sha256 for r in same}) == 1
+    # The loser's stored file is gone: only the winner's is left.
+    assert [p.name for p in (paths.task_sets / "race").glob("*.arrow")] == [same[0].path.name]
     assert_every_record_once(db, "race", 41)
 
     other = at_once("race2", (MAX, MAX + 8))

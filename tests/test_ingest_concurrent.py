@@ -9,7 +9,6 @@ good and bad records, the rows, failures, task-set row and stored file must be t
 from __future__ import annotations
 
 import sqlite3
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -173,48 +172,6 @@ def test_a_failed_ingest_leaves_nothing_and_can_run_again(
     monkeypatch.undo()
     expected = ingest(source, tokenizer, max_seq_len=MAX)
     _assert_stored_as_ingest_makes_it(db, _ingest(db, paths, "again"), expected)
-
-
-def test_two_first_ingests_of_a_parquet_set_register_it_once(
-    db: Engine,
-    paths: FabricPaths,
-    tmp_path: Path,
-    tokenizer: Any,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Both runs tokenise before either registers: one commits, the other meets the unique
-    name and reuses it."""
-    source = _token_ids_file(tmp_path / "race.parquet", _mixed(60, seed=3))
-    submit(source, paths.inbox, "race")
-    barrier = threading.Barrier(2)
-    real_ingest = catalog.ingest
-
-    def ingest_then_wait(*args: Any, **kwargs: Any) -> TokenisedTasks:
-        tasks = real_ingest(*args, **kwargs)
-        barrier.wait(timeout=60)
-        return tasks
-
-    monkeypatch.setattr(catalog, "ingest", ingest_then_wait)
-    results: list[object] = [None, None]
-
-    def run(i: int) -> None:
-        try:
-            results[i] = _ingest(db, paths, "race")
-        except Exception as exc:
-            results[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    summaries = [r for r in results if isinstance(r, IngestSummary)]
-    assert len(summaries) == 2, results
-    assert sorted(r.reused for r in summaries) == [False, True]
-    assert len({r.content_sha256 for r in summaries}) == 1
-    assert [p.name for p in (paths.task_sets / "race").glob("*.arrow")] == [summaries[0].path.name]
-    monkeypatch.undo()
-    _assert_stored_as_ingest_makes_it(db, summaries[0], ingest(source, tokenizer, max_seq_len=MAX))
 
 
 def test_a_file_parsed_again_from_disk_is_checked_again(

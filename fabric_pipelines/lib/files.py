@@ -89,9 +89,14 @@ class HashingWriter:
         self._small = bytearray()  # small chunks gathered while large ones are hashed behind
         self._written_back = 0  # the file's first bytes, up to here, are being written to disk
 
+    closed = False  # a writable file to those that ask (pyarrow.PythonFile)
+
     @property
     def bytes_written(self) -> int:
         return self._size
+
+    def flush(self) -> None:
+        """Nothing to do: every chunk went to the file's own handle, flushed before fsync."""
 
     def write(self, chunk: Chunk) -> int:
         size = memoryview(chunk).nbytes

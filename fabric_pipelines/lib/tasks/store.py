@@ -9,7 +9,6 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -58,23 +57,8 @@ def write_table(path: Path, table: pa.Table, metadata: dict[str, str] | None = N
 def write_ipc(out: HashingWriter, table: pa.Table) -> None:
     """`table` as an Arrow IPC file into `out`, each buffer handed over as it is (not copied),
     so that it is hashed while it is written."""
-    with pa.ipc.new_file(pa.PythonFile(_Sink(out), mode="w"), table.schema) as writer:
+    with pa.ipc.new_file(pa.PythonFile(out, mode="w"), table.schema) as writer:
         writer.write_table(table)
-
-
-class _Sink:
-    """What pyarrow.PythonFile asks of a writable file, passed on to a HashingWriter."""
-
-    closed = False
-
-    def __init__(self, out: HashingWriter) -> None:
-        self._out = out
-
-    def write(self, chunk: Any) -> int:
-        return self._out.write(chunk)
-
-    def flush(self) -> None:
-        pass
 
 
 REMEDY = "re-materialise the asset that wrote it"
