@@ -805,9 +805,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["worker"]:  # its own parser (fabric_pipelines.lib.workers), options and all
         return _worker(argv[1:])
-    from fabric_pipelines.lib.run_clock import mark
+    from fabric_pipelines.lib.run_clock import begin
 
-    mark("cli_started")
+    begin("cli_started")
     args = build_parser().parse_args(argv)
     _quiet_dagster()
     from fabric_pipelines.lib.names import InvalidNameError

@@ -12,6 +12,12 @@ from typing import Any
 _MARKS: dict[str, float] = {}
 
 
+def begin(name: str) -> None:
+    """A new command starts: forget the marks of any earlier one in this process, note `name`."""
+    _MARKS.clear()
+    mark(name)
+
+
 def mark(name: str) -> None:
     """Note that `name` happened now (the first time only: a mark is a milestone)."""
     _MARKS.setdefault(name, time.time())
