@@ -4,7 +4,12 @@ and the TensorRT backend's profiles and its error where TensorRT is missing."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import json
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +18,7 @@ import pytest
 import torch
 
 from fabric_gpu.engines import EngineError, input_layout
+from fabric_gpu.engines.bert_checkpoint import read_bert_checkpoint
 from fabric_gpu.engines.packed_bert import PackedBert, UnsupportedModelError, packed_inputs
 from fabric_gpu.engines.torch_engine import TorchEngine, packed_capacity
 from fabric_gpu.manifest import EngineManifest, HookSpec, manifest_for_model
@@ -34,7 +40,7 @@ def _reference(model: Any, ids: torch.Tensor) -> Any:
 
 @pytest.mark.parametrize("pooling", ["mean", "cls", "last"])
 def test_packed_forward_matches_hugging_face_item_by_item(hf_model: Any, pooling: str) -> None:
-    packed = PackedBert(hf_model)
+    packed = PackedBert.from_model(hf_model)
     lengths = [7, 31, 2, 64, 19]
     capacity, max_items = packed_capacity(sum(lengths)), 8
     inputs = packed_inputs(lengths, capacity, max_items)
@@ -61,7 +67,86 @@ def test_packed_forward_refuses_other_architectures() -> None:
     from transformers import GPT2Config, GPT2Model
 
     with pytest.raises(UnsupportedModelError, match="BERT-architecture"):
-        PackedBert(GPT2Model(GPT2Config(n_layer=1, n_embd=32, n_head=2)))
+        PackedBert.from_model(GPT2Model(GPT2Config(n_layer=1, n_embd=32, n_head=2)))
+
+
+def _packed_tensors(packed: PackedBert) -> list[torch.Tensor]:
+    tensors = [packed.word, packed.position, packed.token_type, *packed.emb_ln]
+    for layer in packed.layers:
+        tensors += [getattr(layer, f.name) for f in dataclasses.fields(layer)]
+    return tensors
+
+
+def _copy_model_dir(tmp_path: Path, weights: dict[str, torch.Tensor], name: str) -> Path:
+    """The default model's config beside `weights` saved as `name` (safetensors or .bin)."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    shutil.copy(resolve_model_dir(DEFAULT_MODEL_ID) / "config.json", folder)
+    weights = {k: v.detach().contiguous() for k, v in weights.items()}
+    if name.endswith(".safetensors"):
+        save_file(weights, str(folder / name))
+    else:
+        torch.save(weights, folder / name)
+    return folder
+
+
+@pytest.mark.parametrize(
+    "layout",
+    ["as saved", "task model (bert. prefix, gamma/beta)", "pytorch_model.bin"],
+)
+def test_bert_checkpoint_reads_the_same_weights_as_transformers(
+    hf_model: Any, tmp_path: Path, layout: str
+) -> None:
+    state = dict(hf_model.state_dict())
+    name = "model.safetensors"
+    if layout.startswith("task"):
+        state = {
+            "bert."
+            + k.replace("LayerNorm.weight", "LayerNorm.gamma").replace(
+                "LayerNorm.bias", "LayerNorm.beta"
+            ): v
+            for k, v in state.items()
+        }
+        state["cls.predictions.bias"] = torch.zeros(3)  # a task head: ignored
+    elif layout == "pytorch_model.bin":
+        name = "pytorch_model.bin"
+    folder = _copy_model_dir(tmp_path, state, name)
+    checkpoint = read_bert_checkpoint(folder, torch.device("cpu"), torch.float32)
+    assert checkpoint is not None
+    shape, tensors = checkpoint
+    assert (shape.hidden_size, shape.num_hidden_layers) == (384, 6)
+    ours, theirs = PackedBert(shape, tensors), PackedBert.from_model(hf_model)
+    for mine, reference in zip(_packed_tensors(ours), _packed_tensors(theirs), strict=True):
+        assert torch.equal(mine, reference)
+
+
+def test_bert_checkpoint_leaves_what_it_cannot_read_to_transformers(
+    hf_model: Any, tmp_path: Path
+) -> None:
+    state = dict(hf_model.state_dict())
+    del state["encoder.layer.5.output.dense.bias"]
+    folder = _copy_model_dir(tmp_path, state, "model.safetensors")
+    assert read_bert_checkpoint(folder, torch.device("cpu"), torch.float32) is None
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "roberta"}))
+    assert read_bert_checkpoint(folder, torch.device("cpu"), torch.float32) is None
+
+
+def test_torch_engine_loads_a_bert_checkpoint_without_importing_transformers() -> None:
+    # Importing transformers costs seconds of every worker's start; BERT models do without it.
+    code = (
+        "import sys; from tests.test_engines import _torch_manifest; "
+        "from fabric_gpu.engines.torch_engine import TorchEngine; "
+        "engine = TorchEngine(_torch_manifest(), device='cpu'); "
+        "print(engine.layout, sorted(m for m in sys.modules if m.startswith('transformers')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True,
+        cwd=Path(__file__).resolve().parents[1],
+    ).stdout  # fmt: skip
+    assert out.split() == ["packed", "[]"]
 
 
 def _torch_manifest(dtype: str = "float32") -> EngineManifest:

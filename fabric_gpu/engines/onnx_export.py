@@ -73,7 +73,7 @@ def export_onnx(
     model: Any, hook_indices: tuple[int, ...], pooling: str, path: Path, opset: int = 17
 ) -> Path:
     """Export `model` (a transformers BertModel) to `path`; returns the path."""
-    module = PaddedBertModule(PackedBert(model), hook_indices, pooling).eval()
+    module = PaddedBertModule(PackedBert.from_model(model), hook_indices, pooling).eval()
     device = next(model.parameters()).device
     ids = torch.full((2, 16), 1000, dtype=torch.int64, device=device)
     mask = torch.ones_like(ids)

@@ -1,31 +1,36 @@
 """A BERT-family encoder over packed input: every token of a batch in one [tokens, hidden] axis.
 
-No padding is computed: attention is variable-length (FlashAttention through
-`torch.nn.attention.varlen.varlen_attn` on the GPU) over `cu_seqlens`. Q, K and V come from one
+No padding is computed: attention is variable-length (FlashAttention's varlen kernel, PyTorch's
+`aten._flash_attention_forward`, on the GPU) over `cu_seqlens`. Q, K and V come from one
 fused GEMM; the first FFN GEMM carries bias and GELU in cuBLASLt's epilogue; residual adds are
 fused into LayerNorm (fused.py); mean pooling is one `index_add_` over the token -> item map.
 On the CPU (tests) the attention runs sequence by sequence with SDPA and GELU is exact.
 
-Weights come from a Hugging Face `BertModel` (BERT, MiniLM and other BERT-architecture models).
+Weights come from a BERT-architecture checkpoint read without transformers (bert_checkpoint.py)
+or from a Hugging Face `BertModel` already loaded (BERT, MiniLM and other BERT-architecture
+models).
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 
+from fabric_gpu.engines.bert_checkpoint import BertShape, UnsupportedModelError
 from fabric_gpu.engines.fused import add_layer_norm, embed_layer_norm
 
-try:
-    from torch.nn.attention.varlen import varlen_attn
+# The op `torch.nn.attention.varlen.varlen_attn` wraps, called directly: that wrapper is a Python
+# custom op whose first call imports torch._dynamo and all it needs (5 s of a worker's start on the
+# H200 machine, where packages carry no compiled bytecode), for no difference in the kernel.
+HAVE_FLASH_VARLEN = hasattr(torch.ops.aten, "_flash_attention_forward")
 
-    HAVE_VARLEN = True
-except ImportError:  # pragma: no cover - older PyTorch
-    HAVE_VARLEN = False
+QKV = ("query", "key", "value")
+__all__ = ["PackedBert", "PackedLayer", "UnsupportedModelError", "packed_inputs"]
 
 
 @dataclass(frozen=True)
@@ -44,57 +49,48 @@ class PackedLayer:
     ln2_b: torch.Tensor
 
 
-class UnsupportedModelError(TypeError):
-    pass
-
-
 class PackedBert:
-    """The packed forward of a BertModel's weights (shared with the model, not copied)."""
+    """The packed forward of a BERT-architecture model's weights (shared, not copied, but for the
+    fused Q/K/V projection)."""
 
-    def __init__(self, model: Any) -> None:  # a transformers BertModel
-        config = model.config
-        if getattr(config, "model_type", "") not in ("bert",) or not hasattr(model, "embeddings"):
-            raise UnsupportedModelError(
-                f"packed forward supports BERT-architecture models, not {config.model_type!r}"
-            )
-        if getattr(config, "position_embedding_type", "absolute") != "absolute":
-            raise UnsupportedModelError("packed forward needs absolute position embeddings")
-        if config.hidden_act not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
-            raise UnsupportedModelError(f"unsupported activation {config.hidden_act!r}")
-        emb = model.embeddings
-        d = torch.Tensor.detach  # views of the model's weights, outside autograd
-        self.hidden = int(config.hidden_size)
-        self.heads = int(config.num_attention_heads)
+    def __init__(self, shape: BertShape, tensors: Mapping[str, torch.Tensor]) -> None:
+        """`tensors` by BertModel state-dict name (bert_checkpoint.bert_tensor_names)."""
+        self.hidden = shape.hidden_size
+        self.heads = shape.num_attention_heads
         self.head_dim = self.hidden // self.heads
-        self.eps = float(config.layer_norm_eps)
-        self.word = d(emb.word_embeddings.weight)
-        self.position = d(emb.position_embeddings.weight)
-        self.token_type = d(emb.token_type_embeddings.weight[0]).contiguous()
-        self.emb_ln = (d(emb.LayerNorm.weight), d(emb.LayerNorm.bias))
+        self.eps = shape.layer_norm_eps
+        t = {name: tensor.detach() for name, tensor in tensors.items()}  # outside autograd
+        self.word = t["embeddings.word_embeddings.weight"]
+        self.position = t["embeddings.position_embeddings.weight"]
+        self.token_type = t["embeddings.token_type_embeddings.weight"][0].contiguous()
+        self.emb_ln = (t["embeddings.LayerNorm.weight"], t["embeddings.LayerNorm.bias"])
         self.layers: list[PackedLayer] = []
-        with torch.no_grad():
-            for layer in model.encoder.layer:
-                att = layer.attention
-                self.layers.append(
-                    PackedLayer(
-                        wqkv=torch.cat(
-                            [att.self.query.weight, att.self.key.weight, att.self.value.weight]
-                        ).detach(),
-                        bqkv=torch.cat(
-                            [att.self.query.bias, att.self.key.bias, att.self.value.bias]
-                        ).detach(),
-                        wo=d(att.output.dense.weight),
-                        bo=d(att.output.dense.bias),
-                        ln1_w=d(att.output.LayerNorm.weight),
-                        ln1_b=d(att.output.LayerNorm.bias),
-                        w1=d(layer.intermediate.dense.weight),
-                        b1=d(layer.intermediate.dense.bias),
-                        w2=d(layer.output.dense.weight),
-                        b2=d(layer.output.dense.bias),
-                        ln2_w=d(layer.output.LayerNorm.weight),
-                        ln2_b=d(layer.output.LayerNorm.bias),
-                    )
+        for i in range(shape.num_hidden_layers):
+            p = f"encoder.layer.{i}."
+            self.layers.append(
+                PackedLayer(
+                    wqkv=torch.cat([t[f"{p}attention.self.{x}.weight"] for x in QKV]),
+                    bqkv=torch.cat([t[f"{p}attention.self.{x}.bias"] for x in QKV]),
+                    wo=t[f"{p}attention.output.dense.weight"],
+                    bo=t[f"{p}attention.output.dense.bias"],
+                    ln1_w=t[f"{p}attention.output.LayerNorm.weight"],
+                    ln1_b=t[f"{p}attention.output.LayerNorm.bias"],
+                    w1=t[f"{p}intermediate.dense.weight"],
+                    b1=t[f"{p}intermediate.dense.bias"],
+                    w2=t[f"{p}output.dense.weight"],
+                    b2=t[f"{p}output.dense.bias"],
+                    ln2_w=t[f"{p}output.LayerNorm.weight"],
+                    ln2_b=t[f"{p}output.LayerNorm.bias"],
                 )
+            )
+
+    @classmethod
+    def from_model(cls, model: Any) -> PackedBert:
+        """Over a transformers BertModel's own parameters."""
+        shape = BertShape.of(model.config)
+        if not hasattr(model, "embeddings"):
+            raise UnsupportedModelError("packed forward needs a bare BertModel (embeddings)")
+        return cls(shape, dict(model.named_parameters()))
 
     @property
     def num_layers(self) -> int:
@@ -103,8 +99,12 @@ class PackedBert:
     def _attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int
     ) -> torch.Tensor:
-        if q.is_cuda and HAVE_VARLEN:
-            return cast(torch.Tensor, varlen_attn(q, k, v, cu, cu, max_len, max_len))
+        if q.is_cuda and HAVE_FLASH_VARLEN:
+            # (output, logsumexp, philox seed, philox offset, debug mask); no dropout, no mask.
+            out = torch.ops.aten._flash_attention_forward(
+                q, k, v, cu, cu, max_len, max_len, 0.0, False, False
+            )
+            return cast(torch.Tensor, out[0])
         out = torch.zeros_like(q)
         bounds = cu.tolist()
         for start, end in itertools.pairwise(bounds):

@@ -26,8 +26,13 @@ from fabric_gpu.engines.base import (
     PaddedBatch,
     normalise_layers,
 )
+from fabric_gpu.engines.bert_checkpoint import (
+    BertShape,
+    UnsupportedModelError,
+    read_bert_checkpoint,
+)
 from fabric_gpu.engines.onnx_export import PaddedBertModule
-from fabric_gpu.engines.packed_bert import PackedBert, UnsupportedModelError
+from fabric_gpu.engines.packed_bert import PackedBert
 from fabric_gpu.manifest import EngineManifest
 from fabric_gpu.model import offline_environment, resolve_model_dir, weights_sha256
 from fabric_gpu.profile import PACKED_GRANULARITY, ConsumerProfile
@@ -68,25 +73,37 @@ class TorchEngine:
         self.manifest = manifest
         self.dtype = DTYPES[manifest.dtype]
         self.device = torch.device(device)
+        bert: PackedBert | None = None
+        shape: BertShape | None = None
         if model is None:
             offline_environment()
-            from transformers import AutoModel
-
             model_dir = resolve_model_dir(manifest.model_id)
             manifest.verify_weights(weights_sha256(model_dir))
-            model = AutoModel.from_pretrained(str(model_dir))
-        self.model: Any = model.to(self.device, self.dtype).eval()
-        config = self.model.config
+            # BERT checkpoints load straight onto the device; transformers (seconds to import)
+            # only for the others.
+            checkpoint = read_bert_checkpoint(model_dir, self.device, self.dtype)
+            if checkpoint is not None:
+                shape, tensors = checkpoint
+                bert = PackedBert(shape, tensors)
+            else:
+                from transformers import AutoModel
+
+                model = AutoModel.from_pretrained(str(model_dir))
+        # The Hugging Face module, where one was loaded (the padded forward of other encoders).
+        self.model: Any = None
+        config: Any = shape  # BertShape names its numbers as Hugging Face configs do
+        if model is not None:
+            self.model = model.to(self.device, self.dtype).eval()
+            config = self.model.config
+            try:
+                bert = PackedBert.from_model(self.model)
+            except UnsupportedModelError:
+                if layout == "packed":
+                    raise
         self.hidden_size = int(config.hidden_size)
         self.num_layers = int(config.num_hidden_layers)
         self.pad_token_id = int(getattr(config, "pad_token_id", 0) or 0)
         self.hook_indices = normalise_layers(manifest.hooks.layers, self.num_layers)
-        try:
-            bert: PackedBert | None = PackedBert(self.model)
-        except UnsupportedModelError:
-            if layout == "packed":
-                raise
-            bert = None
         self.packed = bert if layout in ("auto", "packed") else None
         self.layout = "packed" if self.packed is not None else "padded"
         # Padded BERT runs this module's own forward: no data-dependent Python, so it captures
@@ -282,4 +299,4 @@ class TorchEngine:
 
     def close(self) -> None:
         self.captured.clear()
-        del self.model
+        self.model = self.packed = self._padded_bert = None
