@@ -382,8 +382,13 @@ def cmd_submit(args: argparse.Namespace) -> int:
     except InvalidNameError as exc:
         print(f"fabric submit: {exc}", file=sys.stderr)
         return 2
-    # With --run, the engine's workers start loading first, while the rest of this runs.
+    # With --run, the engine's workers start loading first, while the rest of this runs; then
+    # Dagster and the definitions import on a thread while the file is submitted.
     with _warm_workers(args.task_set, args) if args.run else contextlib.nullcontext():
+        if args.run:
+            from fabric_pipelines.lib.preload import pipeline_modules, preload
+
+            preload(pipeline_modules())
         return _submit(args)
 
 
@@ -430,6 +435,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"fabric run: {exc}", file=sys.stderr)
         return 2
     with _warm_workers(args.task_set, args):
+        from fabric_pipelines.lib.preload import pipeline_modules, preload
+
+        preload(pipeline_modules())  # Dagster imports while the database opens
         _open_database()[1].dispose()  # the schema first, before two runs' steps race to make it
         summary = run_pipeline(args.task_set, args)
     _write_report(args, summary)

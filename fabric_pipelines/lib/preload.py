@@ -4,6 +4,10 @@ The index build needs torch and FAISS (seconds to import). The extraction step s
 waiting for worker processes, so it imports them then, on a daemon thread, and the index step
 that follows in the same process (`fabric run`, `fabric submit --run`) finds them loaded.
 
+Likewise `fabric submit --run` imports Dagster and the project's definitions (about 2 s on the
+GPU machine) while it launches the workers, opens the database and copies the submitted file
+(work that mostly waits on the disk and the kernel, not on the interpreter).
+
 The CUDA context is left to the index step. Made here, it is made while the workers make
 theirs: on an H200 (with the workers also opening theirs early) their engines came up about 4 s
 later. In a process that never builds an index, preloading costs only idle CPU time; a failure
@@ -17,6 +21,21 @@ import importlib
 import threading
 
 INDEX_MODULES = ("fabric_pipelines.lib.index.publish",)
+
+
+def pipeline_modules() -> tuple[str, ...]:
+    """Dagster, the definitions and every module under defs/ (what `defs()` loads)."""
+    import pkgutil
+
+    from fabric_pipelines import defs
+
+    folder = [name.name for name in pkgutil.iter_modules(defs.__path__)]
+    return (
+        "dagster",
+        "fabric_pipelines.definitions",
+        *(f"fabric_pipelines.defs.{name}" for name in sorted(folder)),
+        "fabric_pipelines.lib.progress",
+    )
 
 
 def preload(modules: tuple[str, ...]) -> threading.Thread:
