@@ -356,6 +356,7 @@ def main() -> None:
         ConsumerProfile(8192, 256, 512, 8) if args.cpu else ConsumerProfile(32768, 1024, 512, 8)
     )
     gpu_counts = [1] if args.cpu or args.gpus == 1 else [1, args.gpus]
+    print(f"python bytecode: {bytecode_state()}", flush=True)
     print(
         f"{n_tasks:,} tasks, {int(lengths.sum()):,} tokens (reference_lengths), models {models}, "
         f"modes {modes}, databases {dbs}, {'CPU engine' if args.cpu else f'GPUs {gpu_counts}'}",
@@ -429,6 +430,20 @@ def main() -> None:
     print(json.dumps(results))
 
 
+def bytecode_state() -> str:
+    """Whether processes here reuse compiled bytecode. Start-up is mostly imports; where packages
+    were installed without .pyc files and writing them is off (PYTHONDONTWRITEBYTECODE, as on
+    the GPU machine's image), every process compiles torch's and Dagster's sources again
+    (seconds each), which a normal `pip install` does once. Printed so that each figure says
+    which it measured."""
+    if sys.dont_write_bytecode:
+        return (
+            "not written (PYTHONDONTWRITEBYTECODE): modules without .pyc compile in every process"
+        )
+    where = f" under {sys.pycache_prefix}" if sys.pycache_prefix else " beside the sources"
+    return f"cached{where}"
+
+
 def summarise(run: dict[str, Any], engine: dict[str, Any], submitted_tokens: int) -> dict[str, Any]:
     report = run["report"]
     extraction = report["extract"].get("extraction_outputs", {})
@@ -459,6 +474,7 @@ def summarise(run: dict[str, Any], engine: dict[str, Any], submitted_tokens: int
         "recall_at_10": index.get("recall_at_10"),
         "index_factory": index.get("factory"),
         "stage_seconds": stages,
+        "bytecode": bytecode_state(),
         "clock": run["clock"],
         "worker_timelines": report["extract"]
         .get("extraction_outputs", {})
