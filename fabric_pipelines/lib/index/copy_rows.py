@@ -88,7 +88,7 @@ def _after_header(data: bytes) -> bytes:
 
 
 def vector_rows(
-    messages: Iterable[bytes | memoryview], with_pgvector: bool
+    messages: Iterable[bytes | bytearray | memoryview], with_pgvector: bool
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """(ids int64-like, vectors float32-like [m, dim]) for each run of rows of the stream
     `messages` (as a COPY ... TO STDOUT (FORMAT BINARY) hands it out), in stream order. The arrays
@@ -96,7 +96,7 @@ def vector_rows(
     dimension or without a vector."""
     layout: _Layout | None = None
     rest = b""  # what the previous piece ended with: the start of a row (or of the stream)
-    parts: list[bytes | memoryview] = []
+    parts: list[bytes | bytearray | memoryview] = []
     size = 0
     started = False
     messages = iter(messages)

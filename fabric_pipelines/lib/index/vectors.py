@@ -5,22 +5,33 @@ database, SQLite's rows come in batches whose blobs NumPy copies straight into p
 copy in between), and PostgreSQL's come as a binary COPY decoded by NumPy
 (index/copy_rows.py). The arrays are sized by a count taken first, so the vectors are written
 once, where they stay.
+
+Large sets are read by several connections at once, each one range of ids, all in one
+committed state (index/parallel_read.py); the caller's connection reads serially where that
+cannot be had or is given up.
 """
 
 from __future__ import annotations
 
+import sqlite3
 import sys
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import closing
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import psycopg
+from psycopg import sql
 from psycopg.pq import TransactionStatus
-from sqlalchemy import Connection, func, select, text
+from sqlalchemy import Connection, select, text
 
+from fabric_pipelines.lib.index import parallel_read
 from fabric_pipelines.lib.index.copy_rows import RowLayoutError, vector_rows
-from fabric_pipelines.lib.store.models import Embedding, Model, TaskSet
+from fabric_pipelines.lib.index.parallel_read import KeyRange, ReadStopped
+from fabric_pipelines.lib.store.db import SQLITE_BUSY_TIMEOUT_MS
+from fabric_pipelines.lib.store.models import Model, TaskSet
 from fabric_pipelines.lib.store.schema import has_pgvector_column
 
 # An index id packs the task set and the task: task_set_id * 2**40 + record_no.
@@ -28,6 +39,11 @@ ID_STRIDE = 1 << 40
 # Rows per fetch: their blobs (1.5 MB at 768-d) are still in the CPU's cache when NumPy copies
 # them into place; batches of 4096 rows (12 MB) read about a fifth slower.
 SQLITE_BATCH = 512
+# Rows per statement of a parallel SQLite reader: each comes back as one joined blob (see
+# _SqliteRange), so the GIL is taken once per chunk rather than once per row.
+SQLITE_CHUNK = 512
+# How long a parallel PostgreSQL reader waits for a lock before it gives up (_PostgresRange).
+READER_LOCK_TIMEOUT_MS = 1000
 
 
 class BadVectorsError(ValueError):
@@ -53,23 +69,25 @@ def load_vectors(conn: Connection, model_key: str) -> VectorSet:
     model = conn.execute(select(Model.id).where(Model.model_key == model_key)).scalar()
     if model is None:
         return empty
-    expected = conn.execute(
-        select(func.count()).select_from(Embedding).where(Embedding.model_id == model)
-    ).scalar_one()
+    # Rows per task set: their total sizes the arrays, their spread cuts a parallel read.
+    extents = [
+        (int(task_set), int(rows), int(first), int(last))
+        for task_set, rows, first, last in conn.execute(
+            text(
+                "SELECT task_set_id, count(*), min(record_no), max(record_no) FROM embeddings "
+                "WHERE model_id = :model GROUP BY task_set_id ORDER BY task_set_id"
+            ),
+            {"model": model},
+        )
+    ]
+    expected = sum(rows for _, rows, _, _ in extents)
     if not expected:
         return empty
     pgvector = has_pgvector_column(conn)
-    rows = _RowArrays(int(expected))
-    try:
-        if _is_postgres(conn):
-            for ids, vectors in _postgres_rows(conn, model, pgvector):
-                rows.add(ids, vectors)
-        else:
-            for row_ids, blobs, dim in _sqlite_rows(conn, model):
-                rows.add_bytes(row_ids, blobs, dim)
-    except RowLayoutError as exc:
-        raise _unreadable(conn, model, model_key, pgvector, exc) from exc
-    ids, vectors = rows.arrays()
+    read = _read_in_parallel(conn, model, pgvector, extents)
+    if read is None:
+        read = _read_serially(conn, model, model_key, pgvector, expected)
+    ids, vectors = read
     if len(ids) == 0:
         return empty
     in_use = [int(t) for t in np.unique(ids // ID_STRIDE)]
@@ -79,13 +97,36 @@ def load_vectors(conn: Connection, model_key: str) -> VectorSet:
     return VectorSet(model_key, ids, vectors, tuple(task_sets))
 
 
+def _read_serially(
+    conn: Connection, model: int, model_key: str, pgvector: bool, expected: int
+) -> tuple[np.ndarray, np.ndarray]:
+    rows = _RowArrays(expected)
+    try:
+        if _is_postgres(conn):
+            for ids, vectors in _postgres_rows(conn, model, pgvector):
+                rows.add(ids, vectors)
+        else:
+            for row_ids, blobs, dim in _sqlite_rows(conn, model):
+                rows.add_bytes(row_ids, blobs, dim)
+    except RowLayoutError as exc:
+        raise _unreadable(conn, model, model_key, pgvector, exc) from exc
+    return rows.arrays()
+
+
 class _RowArrays:
     """ids and vectors written batch by batch into arrays allocated once for the rows counted
     beforehand. Rows beyond that count (written since) are appended at the end with one copy;
-    fewer rows (deleted since) leave the arrays shorter."""
+    fewer rows (deleted since) leave the arrays shorter. `allocate`, given the dimension, hands
+    out arrays for `expected` rows (by default new ones; a parallel reader's slice of shared
+    ones)."""
 
-    def __init__(self, expected: int) -> None:
+    def __init__(
+        self, expected: int, allocate: Callable[[int], tuple[np.ndarray, np.ndarray]] | None = None
+    ) -> None:
         self.expected = expected
+        self.allocate = allocate or (
+            lambda dim: (np.empty(expected, np.int64), np.empty((expected, dim), np.float32))
+        )
         self.filled = 0
         self.ids = np.zeros(0, np.int64)
         self.vectors = np.zeros((0, 0), np.float32)
@@ -119,8 +160,12 @@ class _RowArrays:
 
     def _allocate(self, dim: int) -> None:
         if self.filled == 0 and not self.beyond:
-            self.ids = np.empty(self.expected, np.int64)
-            self.vectors = np.empty((self.expected, dim), np.float32)
+            self.ids, self.vectors = self.allocate(dim)
+
+    @property
+    def in_place(self) -> bool:
+        """Whether the rows are exactly the allocated arrays, which they fill."""
+        return self.filled == self.expected and not self.beyond
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         ids, vectors = self.ids[: self.filled], self.vectors[: self.filled]
@@ -174,22 +219,12 @@ def _postgres_rows(
     primary key's index gives the order, where the planner would otherwise sort the whole
     table's vectors (on disk, at a million rows)."""
     raw: Any = conn.connection.driver_connection
-    from_pgvector = (
-        ", CASE WHEN vector IS NULL THEN substring(vector_send(embedding) from 5) END"
-        if pgvector
-        else ""
-    )
     with raw.cursor() as cursor:
         cursor.execute("SELECT current_setting('enable_sort')")
         before = cursor.fetchone()[0]
         cursor.execute("SELECT set_config('enable_sort', 'off', true)")
         try:
-            with cursor.copy(
-                f"COPY (SELECT task_set_id::int8 * {ID_STRIDE} + record_no, vector{from_pgvector} "
-                "FROM embeddings WHERE model_id = %s ORDER BY task_set_id, record_no) "
-                "TO STDOUT (FORMAT BINARY)",
-                (model,),
-            ) as copy:
+            with cursor.copy(_copy_sql(pgvector), (model,)) as copy:
                 try:
                     yield from vector_rows(copy, pgvector)
                 except RowLayoutError:
@@ -199,6 +234,21 @@ def _postgres_rows(
         finally:
             if raw.info.transaction_status != TransactionStatus.INERROR:  # else nothing to undo
                 cursor.execute("SELECT set_config('enable_sort', %s, true)", (before,))
+
+
+def _copy_sql(pgvector: bool, where: str = "") -> str:
+    """The binary COPY of a model's rows (the model its first parameter; `where` more conditions
+    and their parameters after it), as _postgres_rows describes."""
+    from_pgvector = (
+        ", CASE WHEN vector IS NULL THEN substring(vector_send(embedding) from 5) END"
+        if pgvector
+        else ""
+    )
+    return (
+        f"COPY (SELECT task_set_id::int8 * {ID_STRIDE} + record_no, vector{from_pgvector} "
+        f"FROM embeddings WHERE model_id = %s{where} ORDER BY task_set_id, record_no) "
+        "TO STDOUT (FORMAT BINARY)"
+    )
 
 
 def _unreadable(
@@ -218,6 +268,175 @@ def _unreadable(
     if None in found:
         return BadVectorsError(f"model {model_key}: embeddings without a vector (NULL)")
     return BadVectorsError(f"model {model_key}: embeddings that cannot be read: {exc}")
+
+
+# Reading in parallel (index/parallel_read.py): what each database needs for it.
+
+
+def _read_in_parallel(
+    conn: Connection, model: int, pgvector: bool, extents: list[parallel_read.Extent]
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """The rows, read by several connections at once, each one range of ids cut from the task
+    sets' `extents`; None where the set is small, other connections cannot share the caller's
+    view of it, or the read was given up: the caller then reads serially."""
+    # A PostgreSQL reader keeps two cores busy, its server process's and its own (on two cores,
+    # two readers were no faster than the serial read); a SQLite reader keeps one.
+    cores_per_reader = 2 if _is_postgres(conn) else 1
+    readers = parallel_read.reader_count(sum(rows for _, rows, _, _ in extents), cores_per_reader)
+    ranges = parallel_read.key_ranges(extents, readers)
+    if len(ranges) < 2:
+        return None
+    if _is_postgres(conn):
+        return _postgres_in_parallel(conn, model, pgvector, ranges)
+    return _sqlite_in_parallel(conn, model, ranges)
+
+
+def _sqlite_in_parallel(
+    conn: Connection, model: int, ranges: list[KeyRange]
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """SQLite shares no snapshot between connections: the read is kept only if no connection
+    committed from before the readers began to after they ended, as a connection watching
+    PRAGMA data_version sees (its value changes with every commit of another connection). The
+    product's caller holds SQLite's write lock (store/db.py), so none can."""
+    files = {name: file for _, name, file in conn.execute(text("PRAGMA database_list"))}
+    encoding = conn.execute(text("PRAGMA encoding")).scalar_one()
+    # No file: an in-memory or temporary database, this connection's alone. A UTF-16 database
+    # would transcode the blobs that group_concat hands back as text (see _SqliteRange).
+    if not files.get("main") or encoding != "UTF-8":
+        return None
+    path = files["main"]
+    with closing(_sqlite_connect(path)) as watcher:
+        before = _data_version(watcher)
+        return parallel_read.read_ranges(
+            [_SqliteRange(path, model, key_range) for key_range in ranges],
+            one_state=lambda: _data_version(watcher) == before,
+            keepalive=lambda: None,  # SQLite ends no idle transaction
+        )
+
+
+def _sqlite_connect(path: str) -> sqlite3.Connection:
+    """A connection of its own that begins no transaction by itself."""
+    return sqlite3.connect(path, timeout=SQLITE_BUSY_TIMEOUT_MS / 1000, isolation_level=None)
+
+
+def _data_version(db: sqlite3.Connection) -> int:
+    return int(db.execute("PRAGMA data_version").fetchone()[0])
+
+
+class _SqliteRange(parallel_read.RangeReader):
+    """One range of a parallel SQLite read, in one read transaction. Its rows come
+    SQLITE_CHUNK at a time, each chunk one row that SQLite builds: the ids as text and the
+    vectors joined into one blob (group_concat, in the subquery's order; the ids are checked to
+    ascend). So the GIL, which SQLite releases while it works, is taken once per chunk rather
+    than once per row, and NumPy copies the blob into place in one go."""
+
+    def __init__(self, path: str, model: int, key_range: KeyRange) -> None:
+        self.path, self.model, self.range = path, model, key_range
+
+    def read(
+        self, slot: Callable[[int], parallel_read.Arrays], stop: threading.Event
+    ) -> tuple[parallel_read.Arrays, bool]:
+        rows = _RowArrays(self.range.rows, slot)
+        size, lo = None, self.range.lo
+        with closing(_sqlite_connect(self.path)) as db:
+            db.execute("BEGIN")
+            while True:
+                if stop.is_set():
+                    raise ReadStopped()
+                where, params = KeyRange(lo, self.range.hi).condition("?")
+                n, id_text, blob, blobs, shortest, longest = db.execute(
+                    "SELECT count(*), group_concat(id), CAST(group_concat(vector, '') AS BLOB), "
+                    "sum(typeof(vector) = 'blob'), min(length(vector)), max(length(vector)) "
+                    f"FROM (SELECT task_set_id * ? + record_no AS id, vector FROM embeddings "
+                    f"WHERE model_id = ?{where} ORDER BY task_set_id, record_no LIMIT ?)",
+                    (ID_STRIDE, self.model, *params, SQLITE_CHUNK),
+                ).fetchone()
+                if not n:
+                    return rows.arrays(), rows.in_place
+                size = shortest if size is None else size
+                if blobs != n or not shortest == longest == size or size % 4:
+                    raise RowLayoutError("a row without a vector of the first one's size")
+                ids = np.fromstring(id_text, np.int64, sep=",")
+                after = -1 if lo is None else lo[0] * ID_STRIDE + lo[1] - 1
+                if len(ids) != n or ids[0] <= after or np.any(ids[1:] <= ids[:-1]):
+                    raise RuntimeError("a chunk of rows came back out of order")
+                rows.add(ids, np.frombuffer(blob, "<f4").reshape(n, size // 4))
+                last = int(ids[-1])
+                lo = (last // ID_STRIDE, last % ID_STRIDE + 1)  # the key after the last one read
+
+
+def _postgres_in_parallel(
+    conn: Connection, model: int, pgvector: bool, ranges: list[KeyRange]
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """The caller's transaction exports its snapshot and every reader's transaction imports it
+    (as pg_dump's workers do): they all see one committed state. Not where the caller is
+    outside a transaction (the snapshot would end with the statement) or has written in it
+    (the readers would not see what it wrote)."""
+    raw: Any = conn.connection.driver_connection
+    if raw.info.transaction_status != TransactionStatus.INTRANS:
+        return None
+    written = conn.execute(text("SELECT pg_current_xact_id_if_assigned() IS NOT NULL"))
+    if written.scalar_one():
+        return None
+    snapshot, search_path = conn.execute(
+        text("SELECT pg_export_snapshot(), current_setting('search_path')")
+    ).one()
+    # The readers connect as the engine does, to the schema the caller sees.
+    connect = conn.engine.dialect.create_connect_args(conn.engine.url)
+    return parallel_read.read_ranges(
+        [
+            _PostgresRange(connect, snapshot, search_path, model, pgvector, key_range)
+            for key_range in ranges
+        ],
+        one_state=lambda: True,  # one snapshot, imported by all
+        keepalive=lambda: conn.execute(text("SELECT 1")),
+    )
+
+
+class _PostgresRange(parallel_read.RangeReader):
+    """One range of a parallel PostgreSQL read: a REPEATABLE READ transaction on the exported
+    snapshot, then the serial read's binary COPY (index/copy_rows.py) limited to the range."""
+
+    def __init__(
+        self,
+        connect: Any,
+        snapshot: str,
+        search_path: str,
+        model: int,
+        pgvector: bool,
+        key_range: KeyRange,
+    ) -> None:
+        self.connect, self.snapshot, self.search_path = connect, snapshot, search_path
+        self.model, self.pgvector, self.range = model, pgvector, key_range
+
+    def read(
+        self, slot: Callable[[int], parallel_read.Arrays], stop: threading.Event
+    ) -> tuple[parallel_read.Arrays, bool]:
+        rows = _RowArrays(self.range.rows, slot)
+        args, kwargs = self.connect
+        with psycopg.connect(*args, **kwargs) as db:
+            db.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+            db.read_only = True
+            # Before any query of the transaction, as PostgreSQL requires.
+            db.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(self.snapshot)))
+            # The caller already holds a lock on the table: a reader that has to wait for one
+            # waits behind a request (DDL) that waits for the caller, which waits for the
+            # reader. It gives up instead, and the caller reads serially.
+            db.execute(
+                "SELECT set_config('search_path', %s, true), set_config('enable_sort', 'off', true),"
+                " set_config('lock_timeout', %s, true)",
+                (self.search_path, str(READER_LOCK_TIMEOUT_MS)),
+            )
+            where, params = self.range.condition("%s")
+            with (
+                db.cursor() as cursor,
+                cursor.copy(_copy_sql(self.pgvector, where), (self.model, *params)) as copy,
+            ):
+                for ids, vectors in vector_rows(copy, self.pgvector):
+                    if stop.is_set():
+                        raise ReadStopped()
+                    rows.add(ids, vectors)
+        return rows.arrays(), rows.in_place
 
 
 @dataclass(frozen=True)
