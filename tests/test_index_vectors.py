@@ -8,23 +8,28 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from itertools import pairwise
 from typing import Any
 
 import numpy as np
 import pytest
-from sqlalchemy import Connection, Engine, create_engine, insert, text
+from sqlalchemy import Connection, Engine, insert, text
 
 from fabric_pipelines.lib.index import copy_rows, parallel_read, vectors
 from fabric_pipelines.lib.index.copy_rows import SIGNATURE, TRAILER, RowLayoutError, vector_rows
 from fabric_pipelines.lib.index.parallel_read import KeyRange, Slices, key_ranges
 from fabric_pipelines.lib.index.vectors import ID_STRIDE, BadVectorsError, VectorSet, load_vectors
-from fabric_pipelines.lib.store.db import create_schema, make_engine
+from fabric_pipelines.lib.store.db import make_engine
 from fabric_pipelines.lib.store.keys import model_id
 from fabric_pipelines.lib.store.models import Embedding, TaskSet
 from fabric_pipelines.lib.store.schema import stores_pgvector, upgrade
 from fabric_pipelines.lib.store.scratch import empty_public_schema
+
+# The `db` fixture runs a test on both databases; these run it on one.
+SQLITE_ONLY = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+POSTGRES_ONLY = pytest.mark.parametrize(
+    "db_url", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
+)
 
 
 def _task_set(db: Engine, name: str) -> int:
@@ -97,11 +102,10 @@ def test_vectors_of_several_dimensions_are_refused_by_name(db: Engine) -> None:
         assert conn.execute(text("select count(*) from embeddings")).scalar_one() == 11  # usable
 
 
+@SQLITE_ONLY  # PostgreSQL's bytea column holds bytes only
 def test_a_sqlite_vector_stored_as_text_is_refused(db: Engine) -> None:
     """SQLite keeps whatever type it is given: a vector written as text of the right length
     must not be read as if its characters were float32 bytes."""
-    if db.dialect.name != "sqlite":
-        pytest.skip("PostgreSQL's bytea column holds bytes only")
     _write(db, "m", [(1, r, np.ones(4, np.float32)) for r in range(3)])
     with db.begin() as conn:
         conn.execute(text("update embeddings set vector = 'sixteen chars...' where record_no = 1"))
@@ -195,14 +199,14 @@ def test_a_row_off_the_first_rows_layout_is_refused(
 def _load(conn: Connection, readers: int) -> VectorSet:
     """load_vectors of model "m" with `readers` readers (1: the serial read)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(parallel_read, "reader_count", lambda rows, cores_per_reader=1: readers)
+        patch.setattr(parallel_read, "reader_count", lambda rows: readers)
         return load_vectors(conn, "m")
 
 
 @pytest.fixture
 def parallel_reads(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     """Whether each parallel read was kept (True) or given up for the serial one (False). Small
-    chunks and COPY pieces, so that every range crosses many of them."""
+    COPY pieces, so that every range crosses many of them."""
     outcomes: list[bool] = []
     read_ranges = parallel_read.read_ranges
 
@@ -212,7 +216,6 @@ def parallel_reads(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
         return read
 
     monkeypatch.setattr(parallel_read, "read_ranges", recorded)
-    monkeypatch.setattr(vectors, "SQLITE_CHUNK", 7)
     monkeypatch.setattr(copy_rows, "PIECE_BYTES", 100)
     return outcomes
 
@@ -254,6 +257,7 @@ def _same(a: VectorSet, b: VectorSet) -> bool:
     )
 
 
+@POSTGRES_ONLY
 @pytest.mark.parametrize("sets", [_dense_sets, _uneven_sets])
 def test_a_parallel_read_is_the_serial_read_byte_for_byte(
     db: Engine, parallel_reads: list[bool], monkeypatch: pytest.MonkeyPatch, sets: Any
@@ -280,16 +284,17 @@ def test_a_parallel_read_is_the_serial_read_byte_for_byte(
     assert all(in_place) if sets is _dense_sets else not all(in_place)
 
 
-def test_one_reader_per_core_for_large_sets_and_the_serial_read_for_small_ones(
+@POSTGRES_ONLY
+def test_one_reader_per_two_cores_for_large_sets_and_the_serial_read_for_small_ones(
     db: Engine, parallel_reads: list[bool], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     reader_count, least = parallel_read.reader_count, parallel_read.PARALLEL_MIN_ROWS
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     assert reader_count(least - 1) == 1 and reader_count(least) == parallel_read.MAX_READERS == 8
-    assert reader_count(least, cores_per_reader=2) == 8
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
-    assert reader_count(10**6) == 3 and reader_count(10**6, cores_per_reader=2) == 1
+    assert reader_count(10**6) == 1
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    assert reader_count(10**6) == 2
     written = _uneven_sets(db)
     with db.connect() as conn:
         serial = _load(conn, 1)
@@ -298,11 +303,10 @@ def test_one_reader_per_core_for_large_sets_and_the_serial_read_for_small_ones(
         assert _same(load_vectors(conn, "m"), serial) and parallel_reads == [True]
 
 
-def test_an_in_memory_sqlite_database_is_read_serially(parallel_reads: list[bool]) -> None:
-    memory = make_engine("sqlite://")  # one connection's alone: no reader could open it
-    create_schema(memory)
-    _uneven_sets(memory)
-    with memory.connect() as conn:
+@SQLITE_ONLY
+def test_sqlite_is_read_serially_however_large(db: Engine, parallel_reads: list[bool]) -> None:
+    _uneven_sets(db)
+    with db.connect() as conn:
         assert _same(_load(conn, 4), _load(conn, 1))
     assert parallel_reads == []
 
@@ -325,39 +329,10 @@ def _commit_before_the_first_range(
     return task_set * ID_STRIDE + 5 * 10**9
 
 
-@contextmanager
-def _outside_a_transaction(db: Engine) -> Iterator[Connection]:
-    """A connection that reads outside any transaction (SQLAlchemy's plain SQLite engine opens
-    none for reads): unlike the product's, which holds SQLite's write lock from its first
-    statement, it lets another connection commit while it reads."""
-    engine = create_engine(db.url)
-    try:
-        with engine.connect() as conn:
-            yield conn
-    finally:
-        engine.dispose()
-
-
-def test_a_sqlite_commit_during_the_read_makes_it_serial(
-    db: Engine, parallel_reads: list[bool], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    if db.dialect.name != "sqlite":
-        pytest.skip("SQLite's check that its readers saw one state")
-    written = _uneven_sets(db)
-    new = _commit_before_the_first_range(monkeypatch, db, vectors._SqliteRange)
-    with _outside_a_transaction(db) as conn:
-        loaded = _load(conn, 4)
-    assert parallel_reads == [False]  # given up; the serial read came after the commit
-    assert len(loaded.ids) == len(written) + 1 and new in loaded.ids
-    with db.connect() as conn:
-        assert _same(loaded, _load(conn, 1))
-
-
+@POSTGRES_ONLY
 def test_postgres_readers_read_the_callers_snapshot_not_a_later_commit(
     db: Engine, parallel_reads: list[bool], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if db.dialect.name != "postgresql":
-        pytest.skip("PostgreSQL's shared snapshot")
     _uneven_sets(db)
     with db.connect() as conn:
         before = _load(conn, 1)
@@ -370,11 +345,10 @@ def test_postgres_readers_read_the_callers_snapshot_not_a_later_commit(
         assert new in _load(conn, 1).ids
 
 
+@POSTGRES_ONLY
 def test_postgres_rows_the_caller_wrote_but_did_not_commit_are_read_serially(
     db: Engine, parallel_reads: list[bool]
 ) -> None:
-    if db.dialect.name != "postgresql":
-        pytest.skip("PostgreSQL's shared snapshot")
     written = _uneven_sets(db)
     task_set = max(t for t, _ in written)
     with db.connect() as conn:
@@ -390,14 +364,13 @@ def test_postgres_rows_the_caller_wrote_but_did_not_commit_are_read_serially(
     assert len(loaded.ids) == len(written) + 1
 
 
+@POSTGRES_ONLY
 def test_postgres_readers_queued_behind_ddl_that_waits_for_the_caller_give_up(
     db: Engine, parallel_reads: list[bool], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """DDL waits for the caller's lock on the table, the readers' locks wait behind the DDL and
     the caller waits for the readers: they give up after a lock timeout and the caller, which
     holds its lock already, reads serially."""
-    if db.dialect.name != "postgresql":
-        pytest.skip("PostgreSQL's locks")
     monkeypatch.setattr(vectors, "READER_LOCK_TIMEOUT_MS", 100)
     _dense_sets(db)
     read_ranges = parallel_read.read_ranges
@@ -427,11 +400,12 @@ def test_postgres_readers_queued_behind_ddl_that_waits_for_the_caller_give_up(
         assert _same(loaded, _load(conn, 1))
 
 
+@POSTGRES_ONLY
 def test_a_reader_that_cannot_connect_leaves_the_read_to_the_callers_connection(
     db: Engine, parallel_reads: list[bool], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _dense_sets(db)
-    reader = vectors._PostgresRange if db.dialect.name == "postgresql" else vectors._SqliteRange
+    reader = vectors._PostgresRange
     real = reader.read
 
     def refused(self: Any, *args: Any) -> Any:
@@ -446,17 +420,15 @@ def test_a_reader_that_cannot_connect_leaves_the_read_to_the_callers_connection(
     assert parallel_reads == [False]
 
 
-@pytest.mark.parametrize("bad", ["another dimension", "odd bytes", "text"])
+@POSTGRES_ONLY
+@pytest.mark.parametrize("bad", ["another dimension", "odd bytes"])
 def test_a_bad_row_in_the_middle_range_gives_the_serial_error(
     db: Engine, parallel_reads: list[bool], bad: str
 ) -> None:
-    if bad == "text" and db.dialect.name != "sqlite":
-        pytest.skip("PostgreSQL's bytea column holds bytes only")
     _write(db, "m", [(1, r, np.ones(4, np.float32)) for r in range(300)])
     value = {
         "another dimension": np.ones(6, "<f4").tobytes(),
         "odd bytes": b"123456",
-        "text": "sixteen chars...",
     }[bad]
     with db.begin() as conn:  # record 150: in the middle one of three ranges
         conn.execute(text("update embeddings set vector = :v where record_no = 150"), {"v": value})

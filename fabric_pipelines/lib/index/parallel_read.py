@@ -9,12 +9,12 @@ straight into its own slice, so they come out in key order with nothing copied t
 range holds other than the rows it was given (gaps in the record numbers, rows written or
 deleted since they were counted), its rows are put together with one more copy at the end.
 
-The readers are threads: the database's own work (SQLite's steps, the PostgreSQL server's scan
-in a process of its own) runs outside Python's GIL, and the readers (index/vectors.py) keep
-what must hold it small per row.
+The readers are threads: the database's own work (the PostgreSQL server's scan, in a process of
+its own) runs outside Python's GIL, and the readers (index/vectors.py) keep what must hold it
+small per row.
 
-Anything that stops a reader (a bad row, a connection refused, a commit that broke SQLite's
-one-state check) gives the read up: `read_ranges` returns None and the caller reads serially,
+Anything that stops a reader (a bad row, a connection refused, a lock it would wait for) gives
+the read up: `read_ranges` returns None and the caller reads serially,
 which also raises the error that a bad row deserves.
 """
 
@@ -46,13 +46,14 @@ Key = tuple[int, int]  # (task_set_id, record_no)
 Extent = tuple[int, int, int, int]  # task_set_id, rows, first record_no, last record_no
 
 
-def reader_count(rows: int, cores_per_reader: int = 1) -> int:
-    """How many readers `rows` rows are read with: one per `cores_per_reader` cores (what one
-    reader keeps busy) up to MAX_READERS, and one (the caller's serial read) for small sets."""
+def reader_count(rows: int) -> int:
+    """How many readers `rows` rows are read with: one per two cores (a reader keeps two busy,
+    its own and its server process's; on two cores, two readers were no faster than one) up to
+    MAX_READERS, and one (the caller's serial read) for small sets."""
     if rows < PARALLEL_MIN_ROWS:
         return 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, min(MAX_READERS, (cores or 1) // cores_per_reader))
+    return max(1, min(MAX_READERS, (cores or 1) // 2))
 
 
 @dataclass(frozen=True)
@@ -142,12 +143,11 @@ class ReadStopped(Exception):
 
 def read_ranges(
     readers: Sequence[RangeReader],
-    one_state: Callable[[], bool],
     keepalive: Callable[[], Any],
 ) -> Arrays | None:
     """(ids, vectors) of all `readers`' ranges in order, each reader on a thread of its own;
-    None where the read was given up (see the module's note). `one_state`, asked when all are
-    done, says whether they all read one committed state. `keepalive` is called every
+    None where the read was given up (see the module's note); the readers see one committed
+    state by themselves (a shared snapshot). `keepalive` is called every
     KEEPALIVE_S while they read."""
     slices = Slices([reader.range.rows for reader in readers])
     stop = threading.Event()
@@ -170,9 +170,6 @@ def read_ranges(
         level = logging.INFO if isinstance(causes[0], RowLayoutError) else logging.WARNING
         log.log(level, "reading vectors in parallel gave up (%r): reading serially", causes[0])
     if failed:
-        return None
-    if not one_state():
-        log.info("a commit came while vectors were read in parallel: reading serially")
         return None
     read = [f.result() for f in futures]
     if slices.whole is not None and all(in_place for _, in_place in read):
