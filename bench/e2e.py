@@ -306,6 +306,7 @@ def stage_seconds(report: dict[str, Any]) -> dict[str, float]:
         "extraction": out.get("seconds", 0.0),
         "extraction_workers": out.get("extract_seconds", 0.0),
         "extraction_pulling": out.get("pulling_seconds", 0.0),
+        "extraction_settle": out.get("settle_seconds", 0.0),
         "extraction_verify": out.get("verify_seconds", 0.0),
         "index": built.get("seconds", 0.0),
     }

@@ -18,6 +18,7 @@ from fabric_pipelines.lib.charts import bar_table, length_histogram
 from fabric_pipelines.lib.index.staleness import latest_receipt
 from fabric_pipelines.lib.preload import INDEX_MODULES, preload
 from fabric_pipelines.lib.progress import TaskProgress, stage
+from fabric_pipelines.lib.store.settle import settle_embeddings
 from fabric_pipelines.lib.tasks.catalog import ingest_task_set
 from fabric_pipelines.lib.tasks.ingest import SubmissionError
 from fabric_pipelines.lib.verify import verify_extraction
@@ -225,6 +226,11 @@ def extraction_outputs(
             )
     finally:
         bar.close()
+    # PostgreSQL: make the fresh rows countable from the primary key alone (lib/store/settle.py).
+    settle_started = time.perf_counter()
+    if report.rows_inserted:
+        settle_embeddings(db)
+    settle_seconds = time.perf_counter() - settle_started
     with db.connect() as conn:
         counts = accounting(conn, task_set, manifest.model_key)
     # This run's engine promised its hook layers for what it extracted; batches of earlier runs
@@ -260,6 +266,7 @@ def extraction_outputs(
             "seconds": round(time.perf_counter() - started, 3),
             "extract_seconds": round(report.seconds, 3),
             "pulling_seconds": round(report.pulling_seconds, 3),
+            "settle_seconds": round(settle_seconds, 3),
             "verify_seconds": round(verify_seconds, 3),
             "worker_timelines": dg.MetadataValue.json(list(report.timelines)),
             "pulling_tokens_per_s": round(

@@ -1,0 +1,89 @@
+"""Settling the embeddings table after a run's writes (lib/store/settle.py)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from sqlalchemy import Engine, insert, text
+
+from fabric_pipelines.lib.store import settle
+from fabric_pipelines.lib.store.keys import model_id
+from fabric_pipelines.lib.store.models import Embedding
+
+POSTGRES_ONLY = pytest.mark.parametrize(
+    "db_url", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
+)
+SQLITE_ONLY = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+
+
+def _write(db: Engine, n: int) -> None:
+    vector = np.ones(8, "<f4").tobytes()
+    with db.begin() as conn:
+        key = model_id(conn, "m")
+        conn.execute(
+            insert(Embedding),
+            [
+                {"model_id": key, "task_set_id": 1, "record_no": r, "n_tokens": 3, "vector": vector}
+                for r in range(n)
+            ],
+        )
+
+
+def _all_visible_pages(db: Engine) -> int:
+    with db.connect() as conn:
+        return int(
+            conn.execute(
+                text("SELECT relallvisible FROM pg_class WHERE relname = 'embeddings'")
+            ).scalar_one()
+        )
+
+
+@POSTGRES_ONLY
+def test_settling_marks_the_pages_visible_and_counts_the_rows(db: Engine) -> None:
+    _write(db, 2000)
+    assert _all_visible_pages(db) == 0  # fresh rows: the heap must be read to count them
+    assert settle.settle_embeddings(db)
+    assert _all_visible_pages(db) > 0
+    with db.connect() as conn:
+        estimate = conn.execute(
+            text("SELECT reltuples FROM pg_class WHERE relname = 'embeddings'")
+        ).scalar_one()
+    assert estimate == 2000  # ANALYZE refreshed the planner's estimate
+
+
+@POSTGRES_ONLY
+def test_a_settle_that_meets_another_sessions_vacuum_lock_gives_up_in_time(
+    db: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another session holds the table's maintenance lock (as a concurrent VACUUM would): the
+    settle waits LOCK_WAIT_MS, then returns False, leaving rows and session as they were."""
+    monkeypatch.setattr(settle, "LOCK_WAIT_MS", 200)
+    _write(db, 10)
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with db.begin() as conn:
+            conn.execute(text("LOCK TABLE embeddings IN SHARE UPDATE EXCLUSIVE MODE"))
+            holding.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert holding.wait(10)
+        assert settle.settle_embeddings(db) is False
+    finally:
+        release.set()
+        holder.join()
+    with db.connect() as conn:
+        assert conn.execute(text("SHOW lock_timeout")).scalar_one() == "0"
+        assert conn.execute(text("SELECT count(*) FROM embeddings")).scalar_one() == 10
+    assert settle.settle_embeddings(db)  # once the lock is free
+
+
+@SQLITE_ONLY
+def test_sqlite_needs_no_settling(db: Engine) -> None:
+    _write(db, 3)
+    assert settle.settle_embeddings(db) is False
