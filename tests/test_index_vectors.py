@@ -82,12 +82,12 @@ def test_vectors_come_back_in_id_order_with_their_ids_and_task_sets(
 
 
 @SQLITE_ONLY
-def test_a_sqlite_read_places_each_vector_by_its_id_and_leaves_the_connection_as_it_was(
+def test_a_sqlite_read_comes_back_in_id_order_and_leaves_the_connection_as_it_was(
     db: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """SQLite's vectors are read in the table's order and put in id order: rows written in
-    reverse, with gaps, in batches smaller than the rows, come back in id order; vectors that
-    end in zero bytes stay whole; the connection's memory map is set back afterwards."""
+    """Rows written in reverse, with gaps, read in batches smaller than the rows, come back in
+    id order; vectors that end in zero bytes stay whole; the connection's memory map (set for
+    the read) is set back afterwards."""
     monkeypatch.setattr(vectors, "SQLITE_BATCH", 3)
     ts = _task_set(db, "gaps")
     written = {r: np.array([0, r, 0, 0], np.float32) for r in range(40, 0, -3)}
@@ -145,6 +145,21 @@ def test_rows_written_since_the_count_are_kept_and_rows_deleted_since_are_not_ma
     fewer.add(np.array([7, 8]), np.ones((2, 4), np.float32))
     ids, values = fewer.arrays()
     assert ids.tolist() == [7, 8] and values.shape == (2, 4)
+    # SQLite's rows: blobs copied straight into place, the same either way.
+    blobs = [np.full(4, v, "<f4").tobytes() for v in (1, 1, 2, 2, 2)]
+    more = vectors._RowArrays(3)
+    more.add_bytes((1, 2), tuple(blobs[:2]), 4)
+    more.add_bytes((3, 4, 5), tuple(blobs[2:]), 4)
+    ids, values = more.arrays()
+    assert ids.tolist() == [1, 2, 3, 4, 5] and values[:, 0].tolist() == [1, 1, 2, 2, 2]
+    assert ids.dtype == np.int64 and values.dtype == np.float32 and values.shape == (5, 4)
+    fewer = vectors._RowArrays(5)
+    fewer.add_bytes((7, 8), tuple(blobs[:2]), 4)
+    ids, values = fewer.arrays()
+    assert ids.tolist() == [7, 8] and values.shape == (2, 4)
+    zeros_last = vectors._RowArrays(1)  # bytes that end in zeros are kept whole
+    zeros_last.add_bytes((9,), (np.array([0, 3, 0, 0], "<f4").tobytes(),), 4)
+    assert zeros_last.arrays()[1].tolist() == [[0, 3, 0, 0]]
 
 
 def _copy_stream(rows: list[tuple[int, np.ndarray | None, np.ndarray | None]]) -> bytes:
