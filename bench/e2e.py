@@ -474,6 +474,8 @@ def summarise(run: dict[str, Any], engine: dict[str, Any], submitted_tokens: int
         "wall_seconds": round(run["wall_seconds"], 2),
         "recall_at_10": index.get("recall_at_10"),
         "index_factory": index.get("factory"),
+        # The index step took the vectors a tail followed during extraction (SQLite).
+        "vectors_followed": index.get("vectors_followed"),
         "stage_seconds": stages,
         "bytecode": bytecode_state(),
         "clock": run["clock"],
@@ -494,7 +496,8 @@ def show(key: str, r: dict[str, Any]) -> None:
         f"  stages: {', '.join(f'{k} {v:.2f}' for k, v in s.items())}\n"
         f"  rows {r['rows']:,} = completed {r['completed']:,} of {r['tasks']:,} "
         f"(failed {r['failed']}); exactly once: {r['exactly_once']}; "
-        f"index {r['index_factory']} recall@10 {r['recall_at_10']}\n"
+        f"index {r['index_factory']} recall@10 {r['recall_at_10']}, vectors followed during "
+        f"extraction: {r.get('vectors_followed')}\n"
         f"  clock (s from launch): {', '.join(f'{k} {v}' for k, v in r.get('clock', {}).items())}",
         flush=True,
     )

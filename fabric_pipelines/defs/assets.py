@@ -15,6 +15,7 @@ from fabric_pipelines.defs.resources import ArtifactStore, Database, EngineConfi
 from fabric_pipelines.lib.broker.ledger import Accounting, accounting
 from fabric_pipelines.lib.broker.plans import current_plan, plan_task_set
 from fabric_pipelines.lib.charts import bar_table, length_histogram
+from fabric_pipelines.lib.index import vector_tail
 from fabric_pipelines.lib.index.staleness import latest_receipt
 from fabric_pipelines.lib.preload import INDEX_MODULES, preload
 from fabric_pipelines.lib.progress import TaskProgress, stage
@@ -211,7 +212,11 @@ def extraction_outputs(
     # (lib/preload.py).
     preload(INDEX_MODULES)
     try:
-        with engine.devices(store.paths(), waiting_for_gpus, task_set) as devices:
+        # SQLite: the index step's vectors are read while the workers write them (vector_tail).
+        with (
+            vector_tail.following(db, manifest.model_key, task_set),
+            engine.devices(store.paths(), waiting_for_gpus, task_set) as devices,
+        ):
             report = extract_task_set(
                 db,
                 store.paths(),
@@ -428,6 +433,7 @@ def vector_index(
             ),
             "shortfall": published.shortfall or "none",
             "seconds": round(time.perf_counter() - started, 3),
+            "vectors_followed": published.vectors_followed,
             "phase_seconds": dg.MetadataValue.json(
                 {k: round(v, 3) for k, v in published.seconds.items()}
             ),

@@ -46,7 +46,7 @@ from fabric_pipelines.lib.files import (
     verify_sha256,
     write_bytes,
 )
-from fabric_pipelines.lib.index import shards
+from fabric_pipelines.lib.index import shards, vector_tail
 from fabric_pipelines.lib.index.build import (
     IndexSpec,
     Rows,
@@ -97,6 +97,8 @@ class PublishedIndex:
     shortfall: str = ""  # when not accepted: what fell short and what to change
     # Wall seconds per phase: load, prepare, train, add, quality, write.
     seconds: dict[str, float] = field(default_factory=dict)
+    # The vectors came from a tail that followed them during extraction, not from a read after.
+    vectors_followed: bool = False
 
     @property
     def recall_at_k(self) -> float:
@@ -174,7 +176,9 @@ def build_and_publish(
         with db.connect() as conn:
             # Versions before rows: a change that lands after this read shows up as stale next time.
             versions = shards.versions(conn, mid, spec.shards)
-            source = load_vectors(conn, model_key)
+            # Followed during extraction where this process ran it (vector_tail), else read.
+            followed = vector_tail.claim(conn, model_key)
+            source = followed or load_vectors(conn, model_key)
         if len(source.ids) == 0:
             raise EmptySourceError(
                 f"no embeddings for model {model_key}: materialise extraction_outputs first"
@@ -272,6 +276,7 @@ def build_and_publish(
         accepted=not missed,
         shortfall=missed,
         seconds=dict(clock.seconds),
+        vectors_followed=followed is not None,
     )
 
 

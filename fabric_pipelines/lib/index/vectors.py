@@ -89,6 +89,11 @@ def load_vectors(conn: Connection, model_key: str) -> VectorSet:
     ids, vectors = read
     if len(ids) == 0:
         return empty
+    return vector_set(conn, model_key, ids, vectors)
+
+
+def vector_set(conn: Connection, model_key: str, ids: np.ndarray, vectors: np.ndarray) -> VectorSet:
+    """A VectorSet of rows read (ids ascending), with the names of the task sets they are of."""
     in_use = [int(t) for t in np.unique(ids // ID_STRIDE)]
     task_sets = conn.execute(
         select(TaskSet.name).where(TaskSet.id.in_(in_use)).order_by(TaskSet.name)
@@ -185,7 +190,7 @@ def _sqlite_rows(
     vector holds 4 * dimension bytes."""
     raw: Any = conn.connection.driver_connection
     dim = None
-    with closing(raw.cursor()) as cursor, _memory_mapped(cursor):
+    with closing(raw.cursor()) as cursor, memory_mapped(cursor):
         cursor.execute(
             "SELECT task_set_id * ? + record_no, vector FROM embeddings WHERE model_id = ? "
             "ORDER BY task_set_id, record_no",
@@ -210,7 +215,7 @@ def _sqlite_rows(
 
 
 @contextmanager
-def _memory_mapped(cursor: Any) -> Iterator[None]:
+def memory_mapped(cursor: Any) -> Iterator[None]:
     """The connection reads its file through a memory map while inside (SQLITE_MMAP_BYTES), and
     as before afterwards: the setting belongs to a pooled connection."""
     (before,) = cursor.execute("PRAGMA mmap_size").fetchone()

@@ -1,0 +1,245 @@
+"""Following a model's vectors during extraction (lib/index/vector_tail.py): what the index step
+takes is exactly what the table holds, or nothing (it reads the table then)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from sqlalchemy import Engine, insert, text
+
+from fabric_pipelines.lib.index import vector_tail
+from fabric_pipelines.lib.index.vectors import ID_STRIDE, VectorSet, load_vectors
+from fabric_pipelines.lib.store.keys import model_id
+from fabric_pipelines.lib.store.models import Embedding, Task, TaskSet
+
+SQLITE_ONLY = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+POSTGRES_ONLY = pytest.mark.parametrize(
+    "db_url", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
+)
+TASKS = 300
+
+
+@pytest.fixture(autouse=True)
+def quick_polls(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(vector_tail, "POLL_SECONDS", 0.01)
+    monkeypatch.setattr(vector_tail, "FETCH_ROWS", 7)  # rows cross many fetch boundaries
+
+
+def _task_set(db: Engine, name: str, tasks: int) -> int:
+    with db.begin() as conn:
+        set_id = int(
+            conn.execute(
+                insert(TaskSet).returning(TaskSet.id),
+                {"name": name, "source_sha256": "s", "content_sha256": "c", "path": "p",
+                 "model_id": "m", "tokenizer_sha256": "t", "max_seq_len": 8, "n_records": tasks,
+                 "n_tasks": tasks},
+            ).scalar_one()
+        )  # fmt: skip
+        conn.execute(
+            insert(Task),
+            [{"task_set_id": set_id, "record_no": r, "task_id": f"t{r}"} for r in range(tasks)],
+        )
+    return set_id
+
+
+def _vector(set_id: int, record_no: int, dim: int = 6) -> np.ndarray:
+    return np.random.default_rng(set_id * 100_000 + record_no).standard_normal(dim).astype("<f4")
+
+
+def _write(db: Engine, model: str, set_id: int, records: list[int], dim: int = 6) -> None:
+    with db.begin() as conn:
+        key = model_id(conn, model)
+        conn.execute(
+            insert(Embedding),
+            [{"model_id": key, "task_set_id": set_id, "record_no": r, "n_tokens": 3,
+              "vector": _vector(set_id, r, dim).tobytes()} for r in records],
+        )  # fmt: skip
+
+
+def _writer(db: Engine, set_id: int, records: list[int], groups: int = 12) -> threading.Thread:
+    """Rows written in groups, out of order, each its own transaction, a little apart: as the
+    extraction's writer commits them."""
+
+    def write() -> None:
+        for group in np.array_split(np.array(records), groups):
+            _write(db, "m", set_id, [int(r) for r in group])
+            time.sleep(0.02)
+
+    return threading.Thread(target=write)
+
+
+def _followed(db: Engine, set_id: int, written: list[int], during: Callable[[], None]) -> None:
+    """Follow set `set_id` while `written` rows arrive from another thread, then `during`."""
+    with vector_tail.following(db, "m", "s"):
+        writer = _writer(db, set_id, written)
+        writer.start()
+        writer.join()
+        during()
+
+
+def _claim_and_read(db: Engine) -> tuple[VectorSet | None, VectorSet]:
+    with db.connect() as conn:
+        conn.execute(text("SELECT 1"))  # the caller's transaction, as the index step's
+        return vector_tail.claim(conn, "m"), load_vectors(conn, "m")
+
+
+def _same(a: VectorSet, b: VectorSet) -> None:
+    assert a.ids.tolist() == b.ids.tolist()
+    assert a.vectors.dtype == np.float32 and np.array_equal(a.vectors, b.vectors)
+    assert a.task_sets == b.task_sets
+
+
+@SQLITE_ONLY
+def test_rows_written_while_followed_are_handed_over_exactly_as_the_table_holds_them(
+    db: Engine,
+) -> None:
+    earlier = _task_set(db, "earlier", 40)
+    _write(db, "m", earlier, list(range(40)))  # the model's rows of an earlier set
+    _write(db, "other", earlier, list(range(5)), dim=3)  # another model's
+    set_id = _task_set(db, "s", TASKS)
+    rng = np.random.default_rng(1)
+    failed = set(rng.choice(TASKS, 9, replace=False).tolist())  # tasks without a row
+    written = [int(r) for r in rng.permutation(TASKS) if r not in failed]
+    with vector_tail.following(db, "m", "s"):
+        writer = _writer(db, set_id, written)
+        writer.start()
+        writer.join()
+        time.sleep(0.2)
+    tail = vector_tail._tails[(str(db.url.database), "m")]
+    assert tail._arrived_since == len(written)  # followed, not read at the hand-over
+    _write(db, "other", set_id, [0], dim=3)  # another model's rows do not count
+    claimed, read = _claim_and_read(db)
+    assert claimed is not None
+    _same(claimed, read)
+    assert len(claimed.ids) == 40 + len(written)
+    assert set(claimed.ids.tolist()).isdisjoint({set_id * ID_STRIDE + r for r in failed})
+    assert vector_tail._tails == {}  # claimed once
+    with db.connect() as conn:
+        conn.execute(text("SELECT 1"))
+        assert vector_tail.claim(conn, "m") is None
+
+
+@SQLITE_ONLY
+@pytest.mark.parametrize(
+    "change",
+    [
+        "DELETE FROM embeddings WHERE record_no = 7",
+        "UPDATE embeddings SET vector = zeroblob(24) WHERE record_no = 8",
+    ],
+    ids=["delete", "update"],
+)
+def test_a_row_deleted_or_changed_after_it_was_followed_makes_the_index_read_the_table(
+    db: Engine, change: str
+) -> None:
+    set_id = _task_set(db, "s", TASKS)
+    _followed(db, set_id, list(range(TASKS)), lambda: time.sleep(0.1))
+    with db.begin() as conn:
+        conn.execute(text(change))
+    claimed, read = _claim_and_read(db)
+    assert claimed is None
+    assert len(read.ids) == TASKS - (1 if change.startswith("DELETE") else 0)
+
+
+@SQLITE_ONLY
+def test_a_row_that_takes_a_deleted_rows_rowid_is_not_missed(db: Engine) -> None:
+    """SQLite gives a new row the largest rowid + 1: after the last row is deleted, the next one
+    takes its rowid, below the last one the tail saw. The counts notice."""
+    set_id = _task_set(db, "s", TASKS)
+    written = list(range(TASKS - 1))
+
+    def delete_last_then_write_another() -> None:
+        time.sleep(0.1)
+        with db.begin() as conn:
+            conn.execute(
+                text("DELETE FROM embeddings WHERE rowid = (SELECT max(rowid) FROM embeddings)")
+            )
+        _write(db, "m", set_id, [TASKS - 1])
+
+    _followed(db, set_id, written, delete_last_then_write_another)
+    claimed, read = _claim_and_read(db)
+    assert claimed is None
+    assert len(read.ids) == TASKS - 1
+
+
+@SQLITE_ONLY
+def test_a_row_of_another_task_set_arriving_makes_the_index_read_the_table(db: Engine) -> None:
+    set_id = _task_set(db, "s", TASKS)
+    other = _task_set(db, "concurrent", 10)
+    _followed(db, set_id, list(range(TASKS)), lambda: _write(db, "m", other, [3]))
+    claimed, read = _claim_and_read(db)
+    assert claimed is None
+    assert len(read.ids) == TASKS + 1
+
+
+@SQLITE_ONLY
+def test_rows_committed_after_the_last_poll_are_read_at_the_hand_over(
+    db: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(vector_tail, "POLL_SECONDS", 3600)  # the tail reads only once at start
+    set_id = _task_set(db, "s", TASKS)
+    _followed(db, set_id, list(range(TASKS)), lambda: None)
+    claimed, read = _claim_and_read(db)
+    assert claimed is not None
+    _same(claimed, read)
+
+
+@SQLITE_ONLY
+def test_a_failed_extraction_leaves_no_tail(db: Engine) -> None:
+    set_id = _task_set(db, "s", TASKS)
+    with pytest.raises(RuntimeError, match="worker died"), vector_tail.following(db, "m", "s"):
+        _write(db, "m", set_id, [1, 2])
+        raise RuntimeError("worker died")
+    assert vector_tail._tails == {}
+    claimed, read = _claim_and_read(db)
+    assert claimed is None and len(read.ids) == 2
+
+
+@SQLITE_ONLY
+def test_a_tail_that_cannot_start_gives_way_to_the_read(db: Engine) -> None:
+    """No task set of that name: the tail's thread stops, the extraction is not disturbed."""
+    _task_set(db, "s", 3)
+    with vector_tail.following(db, "m", "no-such-set"):
+        pass
+    with db.connect() as conn:
+        conn.execute(text("SELECT 1"))
+        assert vector_tail.claim(conn, "m") is None
+
+
+@POSTGRES_ONLY
+def test_postgres_is_read_as_before(db: Engine) -> None:
+    set_id = _task_set(db, "s", 5)
+    with vector_tail.following(db, "m", "s"):
+        _write(db, "m", set_id, [0, 1])
+    assert vector_tail._tails == {}
+    claimed, read = _claim_and_read(db)
+    assert claimed is None and len(read.ids) == 2
+
+
+@SQLITE_ONLY
+def test_a_tail_still_on_its_first_read_is_not_waited_for(
+    db: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The index step claims while holding SQLite's write lock; a tail whose first read (which
+    registers watermarks, a write) has not finished is given up, not joined: no deadlock."""
+    release = threading.Event()
+    first_read = vector_tail.VectorTail._first_read
+
+    def slow_first_read(self: vector_tail.VectorTail, cursor: object) -> None:
+        release.wait(30)
+        first_read(self, cursor)
+
+    monkeypatch.setattr(vector_tail.VectorTail, "_first_read", slow_first_read)
+    set_id = _task_set(db, "s", 3)
+    with vector_tail.following(db, "m", "s"):
+        _write(db, "m", set_id, [0])
+    started = time.monotonic()
+    try:
+        claimed, read = _claim_and_read(db)
+    finally:
+        release.set()
+    assert claimed is None and len(read.ids) == 1
+    assert time.monotonic() - started < 20  # far below SQLite's 60 s busy timeout
