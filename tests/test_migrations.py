@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import Engine, create_engine, inspect, text
+from sqlalchemy import Engine, create_engine, insert, inspect, text
 from sqlalchemy.exc import IntegrityError
 
 from fabric_pipelines.lib.store.db import create_schema, make_engine
-from fabric_pipelines.lib.store.models import Base
+from fabric_pipelines.lib.store.models import Base, Embedding
 from fabric_pipelines.lib.store.schema import current_revision, downgrade, stores_pgvector, upgrade
 
 TABLES = {
@@ -23,7 +23,7 @@ TABLES = {
 }  # fmt: skip
 
 
-HEAD = "0004"
+HEAD = "0005"
 
 
 def test_upgrade_from_empty_then_downgrade_one_step(db_url: str) -> None:
@@ -33,7 +33,7 @@ def test_upgrade_from_empty_then_downgrade_one_step(db_url: str) -> None:
     assert current_revision(engine) == HEAD
     assert set(inspect(engine).get_table_names()) >= TABLES
     downgrade(engine, "-1")
-    assert current_revision(engine) == "0003"
+    assert current_revision(engine) == "0004"
     assert set(inspect(engine).get_table_names()) >= TABLES
     upgrade(engine)
     assert current_revision(engine) == HEAD
@@ -153,3 +153,35 @@ def test_processes_upgrading_a_fresh_database_at_once_all_succeed(db_url: str) -
     check = make_engine(db_url)
     assert set(inspect(check).get_table_names()) >= TABLES
     check.dispose()
+
+
+def test_watermarks_move_by_the_rows_changed_on_both_databases(db_url: str) -> None:
+    """0005: a statement adds, per shard, the rows it inserted or deleted (an update counts its
+    old and new row), on PostgreSQL (statement triggers) as on SQLite (row triggers)."""
+    from fabric_pipelines.lib.index import shards
+
+    engine = make_engine(db_url)
+    upgrade(engine)
+
+    def total() -> int:
+        with engine.connect() as conn:
+            return sum(shards.versions(conn, 1, 4))
+
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO models (id, model_key) VALUES (1, 'm'), (2, 'other')"))
+        shards.register(conn, 1, 4)
+    rows = [
+        {"model_id": 1, "task_set_id": 1, "record_no": r, "n_tokens": 3, "vector": b"\0" * 4}
+        for r in range(50)
+    ]
+    other = {"model_id": 2, "task_set_id": 1, "record_no": 0, "n_tokens": 3, "vector": b"\0" * 4}
+    with engine.begin() as conn:  # one statement of 50 rows, and another model's row
+        conn.execute(insert(Embedding).values([*rows, other]))
+    assert total() == 50
+    with engine.begin() as conn:
+        conn.execute(text("DELETE FROM embeddings WHERE model_id = 1 AND record_no < 5"))
+        conn.execute(
+            text("UPDATE embeddings SET n_tokens = 4 WHERE model_id = 1 AND record_no < 8")
+        )
+    assert total() == 50 + 5 + 2 * 3
+    engine.dispose()
