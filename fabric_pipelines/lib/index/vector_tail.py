@@ -1,26 +1,28 @@
 """Reading a model's vectors while extraction writes them, so the index step need not afterwards.
 
-The index step reads every vector of its model back from the database (1 M x 768: 3 GB, about
-4 s from SQLite on the GPU host) after extraction ends, while the GPU sits idle. A VectorTail,
-started by the extraction step, reads them during extraction instead, on a thread of its own:
-the rows already there once, then every few hundred milliseconds the rows committed since
-(SQLite's rowids grow with each insert, so "since" is a range of rowids). Each row goes straight
-to its place in id order among the ids to expect (the model's rows already there and every task
-of the set), so nothing is sorted afterwards. The index step, in the same process, takes the
-arrays instead of reading the table (`claim`).
+The index step reads every vector of its model back from the database (1 M x 768: 3 GB, 4-6 s
+from SQLite and about 10 s from PostgreSQL on the GPU host) after extraction ends, while the GPU
+sits idle. A VectorTail, started by the extraction step, reads them during extraction instead,
+on a thread of its own: the model's rows already there once, then every few hundred milliseconds
+the rows committed since. SQLite's rowids grow with each insert, so there "since" is a range of
+rowids; on PostgreSQL a batch's rows land in the transaction that acknowledges it, so "since" is
+the batches of the set's plan acknowledged since, whose tasks the plan names. Each row goes
+straight to its place in id order among the ids to expect (the model's rows already there and
+every task of the set), so nothing is sorted afterwards. The index step, in the same process,
+takes the arrays instead of reading the table (`claim`).
 
 That the tail holds exactly what the table holds is proved, not assumed, with the shard
-watermarks (store migration 0003), which the tail registers before it reads: SQLite's triggers
-raise one shard version for every row inserted or deleted and two for every row updated. In the
-index step's snapshot, the versions' sum must have moved by exactly the number of rows the tail
-saw arrive, and the model's row count must equal the rows it holds. A row inserted unseen (a
-rowid reused after a delete), deleted, or changed breaks one of the two, and the index step
-reads the table as before; so do a row of another task set arriving, a vector of another size
-and any error. The tail is a head start, never a second source of truth.
+watermarks, which the tail registers before it reads: every row inserted or deleted moves the
+versions of one shard count by one, every row updated by two (store migrations 0003 and 0005).
+In one snapshot taken at the hand-over, the versions' sum must have moved by exactly the number
+of rows the tail saw arrive, and the model's row count must equal the rows it holds. A row
+inserted unseen (a rowid reused after a delete; a row written by another run), deleted, or
+changed breaks one of the two, and the index step reads the table as before; so do a row of
+another task set arriving, a vector of another size, and any error. The tail is a head start,
+never a second source of truth.
 
-Only SQLite (PostgreSQL's triggers count statements, not rows, and its rows have no order of
-arrival), and only in a process that runs both steps (`fabric submit --run`, `fabric run`): a
-tail not claimed within UNCLAIMED_SECONDS lets its arrays go.
+Only in a process that runs both steps (`fabric submit --run`, `fabric run`): a tail not claimed
+within UNCLAIMED_SECONDS lets its arrays go.
 """
 
 from __future__ import annotations
@@ -30,14 +32,28 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import closing, contextmanager
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psycopg
 from sqlalchemy import Connection, Engine
 
+from fabric_pipelines.lib.broker.ledger import COMPLETED
+from fabric_pipelines.lib.broker.plans import current_plan, load_plan_order
 from fabric_pipelines.lib.index import shards
-from fabric_pipelines.lib.index.vectors import ID_STRIDE, VectorSet, memory_mapped, vector_set
+from fabric_pipelines.lib.index.copy_rows import vector_rows
+from fabric_pipelines.lib.index.vectors import (
+    ID_STRIDE,
+    VectorSet,
+    copy_sql,
+    memory_mapped,
+    vector_set,
+)
 from fabric_pipelines.lib.store.keys import model_id, task_set_id
+from fabric_pipelines.lib.store.schema import has_pgvector_column
+from fabric_pipelines.lib.tasks.catalog import get_task_set
+from fabric_pipelines.lib.tasks.store import read_table
 
 # The shard count the tail registers watermarks for: the versions of any one count move once
 # for every row inserted or deleted.
@@ -60,21 +76,36 @@ class _Arrivals:
         self.arrived = np.zeros(len(ids), bool)
         self.vectors: np.ndarray | None = None
 
-    def place(self, ids: np.ndarray, blobs: list[Any]) -> None:
+    def _places(self, ids: np.ndarray, dim: int) -> np.ndarray:
         at = np.searchsorted(self.ids, ids)
         if (at >= len(self.ids)).any() or not np.array_equal(self.ids[at], ids):
             raise TailGaveUp("a row of a task set other than the one extracted arrived")
         if self.arrived[at].any():
             raise TailGaveUp("a row arrived twice")
+        if self.vectors is None and dim > 0:
+            self.vectors = np.empty((len(self.ids), dim), "<f4")  # the stored layout
+        if self.vectors is None or self.vectors.shape[1] != dim:
+            raise TailGaveUp("vectors of several sizes")
+        self.arrived[at] = True
+        return at
+
+    def place_blobs(self, ids: np.ndarray, blobs: list[Any]) -> None:
+        """SQLite's rows: each vector 4 * dim bytes of little-endian float32."""
         if set(map(type, blobs)) != {bytes}:
             raise TailGaveUp("a vector not stored as bytes")
         sizes = set(map(len, blobs))
-        if self.vectors is None and len(sizes) == 1 and min(sizes) % 4 == 0 and min(sizes):
-            self.vectors = np.empty((len(self.ids), min(sizes) // 4), "<f4")  # the blobs' layout
-        if self.vectors is None or sizes != {4 * self.vectors.shape[1]}:
+        size = min(sizes)
+        if len(sizes) != 1 or size % 4:
             raise TailGaveUp("vectors of several sizes")
-        self.vectors.view(f"S{4 * self.vectors.shape[1]}")[at, 0] = blobs
-        self.arrived[at] = True
+        at = self._places(ids, size // 4)
+        assert self.vectors is not None
+        self.vectors.view(f"S{size}")[at, 0] = blobs
+
+    def place(self, ids: np.ndarray, vectors: np.ndarray) -> None:
+        """PostgreSQL's rows, decoded from a binary COPY (index/copy_rows.py)."""
+        at = self._places(ids, vectors.shape[1])
+        assert self.vectors is not None
+        self.vectors[at] = vectors
 
     @property
     def held(self) -> int:
@@ -82,77 +113,91 @@ class _Arrivals:
 
 
 class VectorTail:
-    """The vectors of `model_key` followed while task set `task_set` is extracted (module doc)."""
+    """The vectors of `model_key` followed while task set `task_set` is extracted (module doc).
+    Subclasses say how to read a snapshot, and what arrived since the last one."""
 
     def __init__(self, db: Engine, model_key: str, task_set: str) -> None:
-        self.key = (str(db.url.database), model_key)
+        self.key = (db.url.render_as_string(hide_password=False), model_key)
         self._engine, self._task_set = db, task_set
         self._stop = threading.Event()
         self._lock = threading.Lock()  # the thread's reads and the hand-over take turns
+        self._ready = threading.Event()  # the first read is done: only snapshot reads follow
         self._error: BaseException | None = None
         self._started = time.monotonic()
         self._arrivals: _Arrivals | None = None
-        self._ready = threading.Event()  # the first read is done: only snapshot reads follow
-        self._model = self._versions = self._last_rowid = self._arrived_since = 0
+        self._model = self._set = self._versions = self._arrived_since = 0
         self._thread = threading.Thread(target=self._follow, name="fabric-vector-tail", daemon=True)
         self._thread.start()
+
+    # -- what each database says ------------------------------------------------------------------
+
+    def _connect(self) -> Any:
+        raise NotImplementedError
+
+    def _snapshot(self, db: Any) -> Any:
+        """A context: one consistent snapshot of the database; yields a cursor."""
+        raise NotImplementedError
+
+    def _mark(self, cursor: Any) -> None:
+        """Note, in the first snapshot, where arrivals start."""
+        raise NotImplementedError
+
+    def _read_model_rows(self, cursor: Any) -> None:
+        raise NotImplementedError
+
+    def _catch_up(self, cursor: Any) -> None:
+        """Place the model's rows committed since the last snapshot; count them."""
+        raise NotImplementedError
+
+    def _query(self, cursor: Any, sql: str, params: tuple[Any, ...]) -> Any:
+        raise NotImplementedError
+
+    def _prepare(self) -> None:
+        """Anything read once, before the first snapshot."""
 
     # -- on the tail's thread ---------------------------------------------------------------------
 
     def _follow(self) -> None:
         try:
-            with closing(sqlite3.connect(self.key[0], isolation_level=None)) as db:
-                self._first_read(db.cursor())
+            with closing(self._connect()) as db:
+                self._first_read(db)
                 while not self._stop.wait(POLL_SECONDS):
                     if time.monotonic() - self._started > UNCLAIMED_SECONDS:
                         raise TailGaveUp(f"not claimed within {UNCLAIMED_SECONDS:.0f} s")
-                    with self._lock, _snapshot(db.cursor()) as cursor:
+                    with self._lock, self._snapshot(db) as cursor:
                         self._catch_up(cursor)
         except BaseException as exc:
             self._give_up(exc)
 
-    def _first_read(self, cursor: Any) -> None:
+    def _first_read(self, db: Any) -> None:
         """Watermarks registered (committed before the snapshot), then in one snapshot: their
-        sum, the last rowid, the ids to expect and the model's rows already there."""
+        sum, where arrivals start, the ids to expect and the model's rows already there."""
         with self._engine.begin() as conn:
             self._model = model_id(conn, self.key[1])
-            set_id = task_set_id(conn, self._task_set)
+            self._set = task_set_id(conn, self._task_set)
             shards.register(conn, self._model, TAIL_SHARDS)
-        with self._lock, _snapshot(cursor):
-            self._versions = _version_sum(cursor, self._model)
-            self._last_rowid = _last_rowid(cursor)
-            cursor.execute(
-                "SELECT task_set_id * ? + record_no FROM embeddings WHERE model_id = ? "
-                "UNION SELECT task_set_id * ? + record_no FROM tasks WHERE task_set_id = ?",
-                (ID_STRIDE, self._model, ID_STRIDE, set_id),
+        self._prepare()
+        with self._lock, self._snapshot(db) as cursor:
+            self._versions = self._version_sum(cursor)
+            self._mark(cursor)
+            ids = self._query(
+                cursor,
+                "SELECT task_set_id * {s} + record_no FROM embeddings WHERE model_id = {p} "
+                "UNION SELECT task_set_id * {s} + record_no FROM tasks WHERE task_set_id = {p}",
+                (self._model, self._set),
             )
-            ids = np.fromiter((row[0] for row in cursor), np.int64)
-            self._arrivals = _Arrivals(np.sort(ids))
-            with memory_mapped(cursor):
-                self._read(cursor, "model_id = ?", (self._model,))
+            self._arrivals = _Arrivals(np.sort(np.fromiter((row[0] for row in ids), np.int64)))
+            self._read_model_rows(cursor)
         self._ready.set()
 
-    def _read(self, cursor: Any, where: str, params: tuple[Any, ...]) -> int:
-        assert self._arrivals is not None
-        cursor.execute(
-            f"SELECT task_set_id * ? + record_no, vector FROM embeddings WHERE {where}",
-            (ID_STRIDE, *params),
+    def _version_sum(self, cursor: Any) -> int:
+        rows = self._query(
+            cursor,
+            "SELECT coalesce(sum(version), 0) FROM shard_watermarks "
+            "WHERE model_id = {p} AND n_shards = {p}",
+            (self._model, TAIL_SHARDS),
         )
-        count = 0
-        while batch := cursor.fetchmany(FETCH_ROWS):
-            ids, blobs = zip(*batch, strict=True)
-            self._arrivals.place(np.array(ids, np.int64), list(blobs))
-            count += len(batch)
-        return count
-
-    def _catch_up(self, cursor: Any) -> None:
-        """The model's rows committed since the last read: rowids above the last one seen, up
-        to the last one now (read first: a row committed meanwhile waits for the next read)."""
-        now = _last_rowid(cursor)
-        if now > self._last_rowid:
-            where = "rowid > ? AND rowid <= ? AND model_id = ?"
-            self._arrived_since += self._read(cursor, where, (self._last_rowid, now, self._model))
-            self._last_rowid = now
+        return int(next(iter(rows))[0])
 
     def _give_up(self, exc: BaseException) -> None:
         self._error = exc
@@ -161,25 +206,25 @@ class VectorTail:
     # -- handing over -----------------------------------------------------------------------------
 
     def take(self, conn: Connection) -> VectorSet | None:
-        """The model's vectors as of `conn`'s transaction (the caller's snapshot, which holds
-        SQLite's write lock), or None where the tail cannot stand for the table."""
+        """The model's vectors as of one snapshot taken now (`conn`: the index step's own
+        connection, in its transaction), or None where the tail cannot stand for the table."""
         self._stop.set()
         if not self._ready.is_set():
-            # Its first read may wait for the write lock the caller holds (it registers the
-            # watermarks): not waited for, and not used.
+            # Its first read may wait for a lock the caller holds (it registers watermarks,
+            # a write): not waited for, and not used.
             self._give_up(TailGaveUp("its first read had not finished"))
             return None
-        self.close()  # from here on it only reads snapshots, which wait for no lock
+        self._thread.join()  # from here on it only read snapshots, which wait for no lock
         try:
             if self._error is not None or self._arrivals is None:
                 raise TailGaveUp(f"the tail stopped: {self._error}")
-            raw: Any = conn.connection.driver_connection
-            with closing(raw.cursor()) as cursor:
+            with self._hand_over_snapshot(conn) as cursor:
                 self._catch_up(cursor)
-                moved = _version_sum(cursor, self._model) - self._versions
-                rows = cursor.execute(
-                    "SELECT count(*) FROM embeddings WHERE model_id = ?", (self._model,)
-                ).fetchone()[0]
+                moved = self._version_sum(cursor) - self._versions
+                count = self._query(
+                    cursor, "SELECT count(*) FROM embeddings WHERE model_id = {p}", (self._model,)
+                )
+                rows = int(next(iter(count))[0])
             arrivals = self._arrivals
             if moved != self._arrived_since or rows != arrivals.held:
                 raise TailGaveUp(
@@ -192,67 +237,184 @@ class VectorTail:
             if arrivals.held < len(ids):  # tasks that failed have no row: close the gaps
                 ids, vectors = ids[arrivals.arrived], vectors[arrivals.arrived]
             return vector_set(conn, self.key[1], ids, vectors.astype(np.float32, copy=False))
-        except (TailGaveUp, sqlite3.Error):
+        except (TailGaveUp, sqlite3.Error, psycopg.Error):
             return None
         finally:
             self._give_up(self._error or TailGaveUp("handed over"))
 
+    def _hand_over_snapshot(self, conn: Connection) -> Any:
+        raise NotImplementedError
+
     def close(self) -> None:
-        """Stop following (the arrays stay for `take`)."""
+        """Stop following and let the arrays go."""
         self._stop.set()
-        if threading.current_thread() is not self._thread:
+        if self._ready.is_set() and threading.current_thread() is not self._thread:
             self._thread.join()
+        self._give_up(self._error or TailGaveUp("closed"))
 
 
-@contextmanager
-def _snapshot(cursor: Any) -> Iterator[Any]:
-    """A deferred read transaction: one snapshot of the file, no lock that writers wait on."""
-    cursor.execute("BEGIN")
-    try:
-        yield cursor
-    finally:
-        cursor.execute("COMMIT")
+class _SqliteTail(VectorTail):
+    """SQLite: the rows committed since are those above the last rowid seen."""
 
+    _last_rowid = 0
 
-def _version_sum(cursor: Any, model: int) -> int:
-    return int(
+    def _connect(self) -> Any:
+        return sqlite3.connect(str(self._engine.url.database), isolation_level=None)
+
+    @contextmanager
+    def _snapshot(self, db: Any) -> Iterator[Any]:
+        """A deferred read transaction: one snapshot of the file, no lock writers wait on."""
+        cursor = db.cursor()
+        cursor.execute("BEGIN")
+        try:
+            yield cursor
+        finally:
+            cursor.execute("COMMIT")
+            cursor.close()
+
+    @contextmanager
+    def _hand_over_snapshot(self, conn: Connection) -> Iterator[Any]:
+        # The index step's transaction holds SQLite's write lock: its view is the file's latest.
+        raw: Any = conn.connection.driver_connection
+        with closing(raw.cursor()) as cursor:
+            yield cursor
+
+    def _query(self, cursor: Any, sql: str, params: tuple[Any, ...]) -> Any:
+        return cursor.execute(sql.format(s=ID_STRIDE, p="?"), params)
+
+    def _mark(self, cursor: Any) -> None:
+        self._last_rowid = _last_rowid(cursor)
+
+    def _read_model_rows(self, cursor: Any) -> None:
+        with memory_mapped(cursor):
+            self._read(cursor, "model_id = ?", (self._model,))
+
+    def _read(self, cursor: Any, where: str, params: tuple[Any, ...]) -> int:
+        assert self._arrivals is not None
         cursor.execute(
-            "SELECT coalesce(sum(version), 0) FROM shard_watermarks "
-            "WHERE model_id = ? AND n_shards = ?",
-            (model, TAIL_SHARDS),
-        ).fetchone()[0]
-    )
+            f"SELECT task_set_id * ? + record_no, vector FROM embeddings WHERE {where}",
+            (ID_STRIDE, *params),
+        )
+        count = 0
+        while batch := cursor.fetchmany(FETCH_ROWS):
+            ids, blobs = zip(*batch, strict=True)
+            self._arrivals.place_blobs(np.array(ids, np.int64), list(blobs))
+            count += len(batch)
+        return count
+
+    def _catch_up(self, cursor: Any) -> None:
+        # Up to the last rowid now, read first: a row committed meanwhile waits for next time.
+        now = _last_rowid(cursor)
+        if now > self._last_rowid:
+            where = "rowid > ? AND rowid <= ? AND model_id = ?"
+            self._arrived_since += self._read(cursor, where, (self._last_rowid, now, self._model))
+            self._last_rowid = now
 
 
 def _last_rowid(cursor: Any) -> int:
     return int(cursor.execute("SELECT coalesce(max(rowid), 0) FROM embeddings").fetchone()[0])
 
 
+class _PostgresTail(VectorTail):
+    """PostgreSQL: a batch's rows commit with its acknowledgement, so the rows committed since
+    are those of the plan's batches acknowledged since, whose tasks the plan file names."""
+
+    def _prepare(self) -> None:
+        plan = current_plan(self._engine, self._task_set)
+        stored = get_task_set(self._engine, self._task_set)
+        record_no = read_table(Path(stored.path), stored.content_sha256).column("record_no")
+        # The record number of each plan item, in plan order (a batch is a run of items).
+        self._plan_id = plan.plan_id
+        self._records = record_no.to_numpy()[load_plan_order(Path(plan.path), plan.sha256)]
+        self._acked: set[int] = set()
+        with self._engine.connect() as conn:
+            self._pgvector = has_pgvector_column(conn)
+
+    def _connect(self) -> Any:
+        args, kwargs = self._engine.dialect.create_connect_args(self._engine.url)
+        db = psycopg.connect(*args, **kwargs)
+        db.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        db.read_only = True
+        return db
+
+    @contextmanager
+    def _snapshot(self, db: Any) -> Iterator[Any]:
+        with db.transaction(), db.cursor() as cursor:
+            yield cursor
+
+    @contextmanager
+    def _hand_over_snapshot(self, conn: Connection) -> Iterator[Any]:
+        # A snapshot of its own: the index step's READ COMMITTED statements would each see a
+        # later state than the one before.
+        with closing(self._connect()) as db, self._snapshot(db) as cursor:
+            yield cursor
+
+    def _query(self, cursor: Any, sql: str, params: tuple[Any, ...]) -> Any:
+        return cursor.execute(sql.format(s=f"{ID_STRIDE}::int8", p="%s"), params)
+
+    def _mark(self, cursor: Any) -> None:
+        self._acked = self._acked_batches(cursor)
+
+    def _acked_batches(self, cursor: Any) -> set[int]:
+        cursor.execute(
+            "SELECT batch_no FROM batches WHERE plan_id = %s AND state = %s",
+            (self._plan_id, COMPLETED),
+        )
+        return {int(row[0]) for row in cursor}
+
+    def _read_model_rows(self, cursor: Any) -> None:
+        self._copy(cursor, "", ())
+
+    def _copy(self, cursor: Any, where: str, params: tuple[Any, ...]) -> int:
+        assert self._arrivals is not None
+        count = 0
+        with cursor.copy(copy_sql(self._pgvector, where), (self._model, *params)) as copy:
+            for ids, vectors in vector_rows(copy, self._pgvector):
+                self._arrivals.place(ids, vectors)
+                count += len(ids)
+        return count
+
+    def _catch_up(self, cursor: Any) -> None:
+        cursor.execute(
+            "SELECT batch_no, item_start, item_count FROM batches "
+            "WHERE plan_id = %s AND state = %s",
+            (self._plan_id, COMPLETED),
+        )
+        new = [(int(b), int(s), int(n)) for b, s, n in cursor if int(b) not in self._acked]
+        if not new:
+            return
+        records = np.concatenate([self._records[s : s + n] for _, s, n in new])
+        where = " AND task_set_id = %s AND record_no = ANY(%s)"
+        self._arrived_since += self._copy(cursor, where, (self._set, records.tolist()))
+        self._acked.update(b for b, _, _ in new)
+
+
 # -- this process's tails --------------------------------------------------------------------------
 
 _tails: dict[tuple[str, str], VectorTail] = {}
 _tails_lock = threading.Lock()
+_KINDS: dict[str, type[VectorTail]] = {"sqlite": _SqliteTail, "postgresql": _PostgresTail}
 
 
 @contextmanager
 def following(db: Engine, model_key: str, task_set: str) -> Iterator[None]:
-    """Follow `model_key`'s vectors while the block extracts `task_set` (SQLite files only), and
-    keep them for the index step when the block succeeds; drop them when it raises. A tail
-    replaces an unclaimed one of the same database and model."""
-    tail = None
-    if db.dialect.name == "sqlite" and db.url.database not in (None, "", ":memory:"):
-        tail = VectorTail(db, model_key, task_set)
+    """Follow `model_key`'s vectors while the block extracts `task_set`, and keep them for the
+    index step when the block succeeds; drop them when it raises. A tail replaces an unclaimed
+    one of the same database and model."""
+    kind = _KINDS.get(db.dialect.name)
+    if db.dialect.name == "sqlite" and db.url.database in (None, "", ":memory:"):
+        kind = None  # another connection would open another database
+    tail = kind(db, model_key, task_set) if kind is not None else None
+    if tail is not None:
         with _tails_lock:
             before = _tails.pop(tail.key, None)
         if before is not None:
             before.close()
-            before._give_up(TailGaveUp("replaced"))
     try:
         yield
     except BaseException:
         if tail is not None:
             tail.close()
-            tail._give_up(TailGaveUp("the extraction failed"))
         raise
     if tail is not None:
         with _tails_lock:
@@ -260,10 +422,9 @@ def following(db: Engine, model_key: str, task_set: str) -> Iterator[None]:
 
 
 def claim(conn: Connection, model_key: str) -> VectorSet | None:
-    """The vectors a tail of this database and model followed, as of `conn`'s transaction; None
+    """The vectors a tail of this database and model followed, as of a snapshot taken now; None
     where there is none or it cannot stand for the table (the caller reads the table then)."""
-    if conn.dialect.name != "sqlite":
-        return None
+    key = (conn.engine.url.render_as_string(hide_password=False), model_key)
     with _tails_lock:
-        tail = _tails.pop((str(conn.engine.url.database), model_key), None)
+        tail = _tails.pop(key, None)
     return None if tail is None else tail.take(conn)

@@ -240,7 +240,7 @@ def _postgres_rows(
         before = cursor.fetchone()[0]
         cursor.execute("SELECT set_config('enable_sort', 'off', true)")
         try:
-            with cursor.copy(_copy_sql(pgvector), (model,)) as copy:
+            with cursor.copy(copy_sql(pgvector), (model,)) as copy:
                 try:
                     yield from vector_rows(copy, pgvector)
                 except RowLayoutError:
@@ -252,7 +252,7 @@ def _postgres_rows(
                 cursor.execute("SELECT set_config('enable_sort', %s, true)", (before,))
 
 
-def _copy_sql(pgvector: bool, where: str = "") -> str:
+def copy_sql(pgvector: bool, where: str = "") -> str:
     """The binary COPY of a model's rows (the model its first parameter; `where` more conditions
     and their parameters after it), as _postgres_rows describes."""
     from_pgvector = (
@@ -371,7 +371,7 @@ class _PostgresRange(parallel_read.RangeReader):
             where, params = self.range.condition("%s")
             with (
                 db.cursor() as cursor,
-                cursor.copy(_copy_sql(self.pgvector, where), (self.model, *params)) as copy,
+                cursor.copy(copy_sql(self.pgvector, where), (self.model, *params)) as copy,
             ):
                 for ids, vectors in vector_rows(copy, self.pgvector):
                     if stop.is_set():
