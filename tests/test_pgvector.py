@@ -28,7 +28,7 @@ def pgvector_db(pgvector_server_url: str) -> Engine:
 def test_the_migration_chooses_pgvector_and_downgrade_refuses_to_lose_vectors(
     pgvector_db: Engine,
 ) -> None:
-    assert current_revision(pgvector_db) == "0004"
+    assert current_revision(pgvector_db) == "0005"
     assert stores_pgvector(pgvector_db)
     batches = _ledger(pgvector_db, 2)
     _write_all(pgvector_db, batches)

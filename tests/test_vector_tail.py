@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +31,20 @@ TASKS = 300
 
 
 @pytest.fixture(autouse=True)
-def quick_polls(monkeypatch: pytest.MonkeyPatch) -> None:
+def quick_polls_and_no_tails_of_other_tests(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(vector_tail, "POLL_SECONDS", 0.01)
     monkeypatch.setattr(vector_tail, "FETCH_ROWS", 7)  # rows cross many fetch boundaries
+    _drop_tails()  # extractions of earlier tests in this process keep theirs
+    yield
+    _drop_tails()
+
+
+def _drop_tails() -> None:
+    with vector_tail._tails_lock:
+        tails = list(vector_tail._tails.values())
+        vector_tail._tails.clear()
+    for tail in tails:
+        tail.close()
 
 
 def _task_set(db: Engine, name: str, tasks: int) -> int:
@@ -88,6 +99,15 @@ def _followed(db: Engine, set_id: int, written: list[int], during: Callable[[], 
         during()
 
 
+def _caught_up(tail: vector_tail.VectorTail | None, rows: int) -> None:
+    """The tail has seen `rows` rows arrive (waiting out a busy machine's late looks)."""
+    assert tail is not None
+    deadline = time.monotonic() + 30
+    while tail._arrived_since < rows and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert tail._arrived_since == rows
+
+
 def _claim_and_read(db: Engine) -> tuple[VectorSet | None, VectorSet]:
     with db.connect() as conn:
         conn.execute(text("SELECT 1"))  # the caller's transaction, as the index step's
@@ -116,8 +136,7 @@ def test_rows_written_while_followed_are_handed_over_exactly_as_the_table_holds_
         writer.start()
         writer.join()
         time.sleep(0.2)
-    tail = next(iter(vector_tail._tails.values()))
-    assert tail._arrived_since == len(written)  # followed, not read at the hand-over
+    _caught_up(next(iter(vector_tail._tails.values())), len(written))
     _write(db, "other", set_id, [0], dim=3)  # another model's rows do not count
     claimed, read = _claim_and_read(db)
     assert claimed is not None
@@ -271,12 +290,10 @@ def test_a_real_extraction_is_followed_on_both_databases(
         tasks=read_table(stored.path, stored.content_sha256),
         order=load_plan_order(plan.path, plan.sha256), shard_folder=paths.shards,
     )  # fmt: skip
-    with vector_tail.following(db, manifest.model_key, "s"):
-        time.sleep(0.5)  # the tail's first read (of nothing yet) is done before rows arrive
+    with vector_tail.following(db, manifest.model_key, "s") as tail:
+        assert tail is not None and tail.wait_until_following(30)  # before any row arrives
         run_worker(db, cpu_engine, job, owner="test")
-        time.sleep(0.3)
-    tail = next(iter(vector_tail._tails.values()))
-    assert tail._arrived_since > 0  # followed during the extraction
+    _caught_up(tail, 150)  # followed during the extraction, not read at the hand-over
     if deleted_after:
         with db.begin() as conn:
             conn.execute(text("DELETE FROM embeddings WHERE record_no = 3"))
@@ -289,3 +306,24 @@ def test_a_real_extraction_is_followed_on_both_databases(
         return
     assert claimed is not None and len(read.ids) == 150
     _same(claimed, read)
+
+
+@SQLITE_ONLY
+def test_an_unclaimed_tail_lets_its_arrays_go_after_the_extraction_ended(
+    db: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long extraction keeps its tail (the wait counts from its end); a tail nobody claims
+    within UNCLAIMED_SECONDS of it stops and lets go of its arrays."""
+    monkeypatch.setattr(vector_tail, "UNCLAIMED_SECONDS", 1.0)
+    set_id = _task_set(db, "s", 3)
+    with vector_tail.following(db, "m", "s") as tail:
+        assert tail is not None and tail.wait_until_following(30)
+        time.sleep(1.5)  # longer than UNCLAIMED_SECONDS: still followed
+        _write(db, "m", set_id, [0, 1])
+        assert vector_tail._tails == {}  # kept only once the block ends
+    assert next(iter(vector_tail._tails.values())) is tail
+    _caught_up(tail, 2)  # rows written after UNCLAIMED_SECONDS were still seen arriving
+    time.sleep(3.0)
+    assert isinstance(tail._error, vector_tail.TailGaveUp) and tail._arrivals is None
+    claimed, read = _claim_and_read(db)
+    assert claimed is None and len(read.ids) == 2

@@ -22,7 +22,7 @@ another task set arriving, a vector of another size, and any error. The tail is 
 never a second source of truth.
 
 Only in a process that runs both steps (`fabric submit --run`, `fabric run`): a tail not claimed
-within UNCLAIMED_SECONDS lets its arrays go.
+within UNCLAIMED_SECONDS of the extraction's end lets its arrays go.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ from fabric_pipelines.lib.tasks.store import read_table
 # for every row inserted or deleted.
 TAIL_SHARDS = 8
 POLL_SECONDS = 0.3
-UNCLAIMED_SECONDS = 600.0
+UNCLAIMED_SECONDS = 120.0
 FETCH_ROWS = 512  # as the index's own SQLite read: blobs copied while still in the CPU's cache
 
 
@@ -123,7 +123,7 @@ class VectorTail:
         self._lock = threading.Lock()  # the thread's reads and the hand-over take turns
         self._ready = threading.Event()  # the first read is done: only snapshot reads follow
         self._error: BaseException | None = None
-        self._started = time.monotonic()
+        self.kept_at: float | None = None  # monotonic time the extraction ended and kept it
         self._arrivals: _Arrivals | None = None
         self._model = self._set = self._versions = self._arrived_since = 0
         self._thread = threading.Thread(target=self._follow, name="fabric-vector-tail", daemon=True)
@@ -162,7 +162,8 @@ class VectorTail:
             with closing(self._connect()) as db:
                 self._first_read(db)
                 while not self._stop.wait(POLL_SECONDS):
-                    if time.monotonic() - self._started > UNCLAIMED_SECONDS:
+                    kept_at = self.kept_at
+                    if kept_at is not None and time.monotonic() - kept_at > UNCLAIMED_SECONDS:
                         raise TailGaveUp(f"not claimed within {UNCLAIMED_SECONDS:.0f} s")
                     with self._lock, self._snapshot(db) as cursor:
                         self._catch_up(cursor)
@@ -198,6 +199,11 @@ class VectorTail:
             (self._model, TAIL_SHARDS),
         )
         return int(next(iter(rows))[0])
+
+    def wait_until_following(self, timeout: float) -> bool:
+        """Whether the first read finished within `timeout` seconds (from then on every row
+        committed is seen arriving)."""
+        return self._ready.wait(timeout)
 
     def _give_up(self, exc: BaseException) -> None:
         self._error = exc
@@ -397,10 +403,10 @@ _KINDS: dict[str, type[VectorTail]] = {"sqlite": _SqliteTail, "postgresql": _Pos
 
 
 @contextmanager
-def following(db: Engine, model_key: str, task_set: str) -> Iterator[None]:
+def following(db: Engine, model_key: str, task_set: str) -> Iterator[VectorTail | None]:
     """Follow `model_key`'s vectors while the block extracts `task_set`, and keep them for the
     index step when the block succeeds; drop them when it raises. A tail replaces an unclaimed
-    one of the same database and model."""
+    one of the same database and model. Yields the tail (None where there is none)."""
     kind = _KINDS.get(db.dialect.name)
     if db.dialect.name == "sqlite" and db.url.database in (None, "", ":memory:"):
         kind = None  # another connection would open another database
@@ -411,12 +417,13 @@ def following(db: Engine, model_key: str, task_set: str) -> Iterator[None]:
         if before is not None:
             before.close()
     try:
-        yield
+        yield tail
     except BaseException:
         if tail is not None:
             tail.close()
         raise
     if tail is not None:
+        tail.kept_at = time.monotonic()
         with _tails_lock:
             _tails[tail.key] = tail
 
