@@ -99,11 +99,13 @@ def run_pipeline(task_set: str, args: argparse.Namespace) -> dict[str, Any]:
 
     from fabric_pipelines.definitions import defs
     from fabric_pipelines.defs.partitions import TASK_SET_PARTITIONS
+    from fabric_pipelines.lib.index import vector_tail
     from fabric_pipelines.lib.names import validate_task_set_name
     from fabric_pipelines.lib.progress import run_progress
     from fabric_pipelines.lib.run_clock import mark, marks, steps_of
 
     validate_task_set_name(task_set)  # InvalidNameError: main() prints it, exit 2
+    vector_tail.follow_in_this_process()  # both jobs run here, the index right after extraction
     mark("dagster_imported")
     definitions = defs()
     instance = dg.DagsterInstance.get()

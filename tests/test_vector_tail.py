@@ -27,6 +27,9 @@ from fabric_pipelines.lib.tasks.inbox import submit
 from fabric_pipelines.lib.tasks.store import read_table
 
 SQLITE_ONLY = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+POSTGRES_ONLY = pytest.mark.parametrize(
+    "db_url", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
+)
 TASKS = 300
 
 
@@ -34,6 +37,7 @@ TASKS = 300
 def quick_polls_and_no_tails_of_other_tests(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(vector_tail, "POLL_SECONDS", 0.01)
     monkeypatch.setattr(vector_tail, "FETCH_ROWS", 7)  # rows cross many fetch boundaries
+    monkeypatch.setattr(vector_tail, "_in_this_process", True)  # as `fabric run` says
     _drop_tails()  # extractions of earlier tests in this process keep theirs
     yield
     _drop_tails()
@@ -261,6 +265,76 @@ def test_a_tail_still_on_its_first_read_is_not_waited_for(
     assert time.monotonic() - started < 20  # far below SQLite's 60 s busy timeout
 
 
+def _planned(
+    db: Engine, paths: FabricPaths, tmp_path: Path, manifest: EngineManifest, texts: list[str]
+) -> ExtractionJob:
+    """A task set "s" submitted, ingested and planned by the product's own functions (one more
+    record, empty, fails at ingest); the job a worker would run."""
+    source = tmp_path / "set.jsonl"
+    rows = [{"id": f"t{i}", "text": t} for i, t in enumerate(texts)] + [{"id": "e", "text": ""}]
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    submit(source, paths.inbox, "s")
+    stored = ingest_task_set(
+        db, paths, "s", model_id=manifest.model_id, max_seq_len=manifest.profile.max_seq_len
+    )
+    plan = plan_task_set(db, paths, "s", manifest)
+    return ExtractionJob(
+        task_set="s", plan_id=plan.plan_id, model_key=manifest.model_key,
+        tasks=read_table(stored.path, stored.content_sha256),
+        order=load_plan_order(plan.path, plan.sha256), shard_folder=paths.shards,
+    )  # fmt: skip
+
+
+@POSTGRES_ONLY
+def test_a_write_under_way_when_the_tail_starts_is_counted_or_waited_for(
+    db: Engine, paths: FabricPaths, tmp_path: Path, manifest: EngineManifest
+) -> None:
+    """PostgreSQL: a write whose watermark update ran before the tail registered its watermarks
+    would not count its rows. The registration waits for writes under way, so that row is one
+    the tail finds already there, and the hand-over holds."""
+    job = _planned(db, paths, tmp_path, manifest, ["one", "two", "three"])
+    with db.begin() as conn:  # the model is known: only the write itself is under way
+        model_id(conn, manifest.model_key)
+    inserted, commit = threading.Event(), threading.Event()
+
+    def write_slowly() -> None:
+        with db.begin() as conn:
+            key = model_id(conn, manifest.model_key)
+            conn.execute(
+                insert(Embedding),
+                {"model_id": key, "task_set_id": _set_id(db, "s"), "record_no": 0,
+                 "n_tokens": 3, "vector": np.ones(4, "<f4").tobytes()},
+            )  # fmt: skip
+            inserted.set()
+            commit.wait(30)
+
+    writer = threading.Thread(target=write_slowly)
+    writer.start()
+    try:
+        assert inserted.wait(30)
+        with vector_tail.following(db, manifest.model_key, job.task_set) as tail:
+            time.sleep(0.5)  # the tail's registration is now waiting for the write
+            assert tail is not None and not tail.wait_until_following(0.01)
+            commit.set()
+            assert tail.wait_until_following(30)
+    finally:
+        commit.set()
+        writer.join()
+    with db.connect() as conn:
+        conn.execute(text("SELECT 1"))
+        claimed = vector_tail.claim(conn, manifest.model_key)
+        read = load_vectors(conn, manifest.model_key)
+    assert claimed is not None and len(read.ids) == 1
+    _same(claimed, read)
+
+
+def _set_id(db: Engine, name: str) -> int:
+    with db.connect() as conn:
+        return int(
+            conn.execute(text("SELECT id FROM task_sets WHERE name = :n"), {"n": name}).scalar_one()
+        )
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("deleted_after", [False, True], ids=["as-written", "row-deleted"])
 def test_a_real_extraction_is_followed_on_both_databases(
@@ -276,20 +350,8 @@ def test_a_real_extraction_is_followed_on_both_databases(
     the table's rows, some of them seen arriving batch by batch, one failed task without a row;
     or, when a row was deleted after the tail saw it, nothing (it reads the table)."""
     texts = [f"sentence number {i} about {' '.join(['things'] * (i % 17))}" for i in range(150)]
-    source = tmp_path / "set.jsonl"
-    rows = [{"id": f"t{i}", "text": t} for i, t in enumerate(texts)] + [{"id": "e", "text": ""}]
-    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    submit(source, paths.inbox, "s")
-    stored = ingest_task_set(
-        db, paths, "s", model_id=manifest.model_id, max_seq_len=manifest.profile.max_seq_len
-    )
-    plan = plan_task_set(db, paths, "s", manifest)
-    assert plan.new_batches > 2  # rows arrive in several acknowledged groups
-    job = ExtractionJob(
-        task_set="s", plan_id=plan.plan_id, model_key=manifest.model_key,
-        tasks=read_table(stored.path, stored.content_sha256),
-        order=load_plan_order(plan.path, plan.sha256), shard_folder=paths.shards,
-    )  # fmt: skip
+    job = _planned(db, paths, tmp_path, manifest, texts)
+    assert len(np.unique(job.order)) == 150  # the failed record is not planned
     with vector_tail.following(db, manifest.model_key, "s") as tail:
         assert tail is not None and tail.wait_until_following(30)  # before any row arrives
         run_worker(db, cpu_engine, job, owner="test")
@@ -327,3 +389,28 @@ def test_an_unclaimed_tail_lets_its_arrays_go_after_the_extraction_ended(
     assert isinstance(tail._error, vector_tail.TailGaveUp) and tail._arrivals is None
     claimed, read = _claim_and_read(db)
     assert claimed is None and len(read.ids) == 2
+
+
+@SQLITE_ONLY
+def test_a_process_that_does_not_run_the_index_step_follows_nothing(
+    db: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under Dagster's multiprocess or Kubernetes executors the extraction step's process never
+    runs the index step: no tail there (no arrays nobody takes, no watermarks registered)."""
+    monkeypatch.setattr(vector_tail, "_in_this_process", False)
+    set_id = _task_set(db, "s", 3)
+    with vector_tail.following(db, "m", "s") as tail:
+        _write(db, "m", set_id, [0])
+    assert tail is None and vector_tail._tails == {}
+    with db.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM shard_watermarks")).scalar_one() == 0
+
+
+@SQLITE_ONLY
+def test_failed_tasks_leave_no_gap_in_the_handed_over_arrays(db: Engine) -> None:
+    """Every other task fails (no row): the rows that came move up over the gaps, in place."""
+    set_id = _task_set(db, "s", TASKS)
+    _followed(db, set_id, list(range(0, TASKS, 2)), lambda: None)
+    claimed, read = _claim_and_read(db)
+    assert claimed is not None and len(claimed.ids) == TASKS // 2
+    _same(claimed, read)

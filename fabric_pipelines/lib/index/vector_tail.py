@@ -21,8 +21,10 @@ changed breaks one of the two, and the index step reads the table as before; so 
 another task set arriving, a vector of another size, and any error. The tail is a head start,
 never a second source of truth.
 
-Only in a process that runs both steps (`fabric submit --run`, `fabric run`): a tail not claimed
-within UNCLAIMED_SECONDS of the extraction's end lets its arrays go.
+Only in a process that runs both steps, one after the other (`fabric submit --run`, `fabric run`
+say so with `follow_in_this_process()`): under Dagster's multiprocess or Kubernetes executors
+each step has a process of its own and nothing would claim the arrays. A tail not claimed within
+UNCLAIMED_SECONDS of the extraction's end lets them go.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from typing import Any
 
 import numpy as np
 import psycopg
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Connection, Engine, text
 
 from fabric_pipelines.lib.broker.ledger import COMPLETED
 from fabric_pipelines.lib.broker.plans import current_plan, load_plan_order
@@ -61,6 +63,7 @@ TAIL_SHARDS = 8
 POLL_SECONDS = 0.3
 UNCLAIMED_SECONDS = 120.0
 FETCH_ROWS = 512  # as the index's own SQLite read: blobs copied while still in the CPU's cache
+LOCK_WAIT_MS = 5000  # PostgreSQL: the longest the registration waits for writes under way
 
 
 class TailGaveUp(Exception):
@@ -111,6 +114,21 @@ class _Arrivals:
     def held(self) -> int:
         return int(self.arrived.sum())
 
+    def compacted(self) -> tuple[np.ndarray, np.ndarray]:
+        """The ids and vectors that arrived, in id order: tasks that failed have no row, so
+        later rows move up over their places, in the same array (a copy would double the
+        memory). Row j moves to i <= j, and chunks go in order, so no row is overwritten before
+        it has moved."""
+        assert self.vectors is not None
+        held = self.held
+        if held == len(self.ids):
+            return self.ids, self.vectors
+        rows = np.flatnonzero(self.arrived)
+        for start in range(0, held, 65536):
+            chunk = rows[start : start + 65536]
+            self.vectors[start : start + len(chunk)] = self.vectors[chunk]
+        return self.ids[rows], self.vectors[:held]
+
 
 class VectorTail:
     """The vectors of `model_key` followed while task set `task_set` is extracted (module doc).
@@ -155,6 +173,12 @@ class VectorTail:
     def _prepare(self) -> None:
         """Anything read once, before the first snapshot."""
 
+    def _hold_writers(self, conn: Connection) -> None:
+        """Inside the registration's transaction: no write may be under way whose watermark
+        update ran before the new watermark rows were there (it would not count its rows).
+        SQLite needs nothing: every transaction here, the writers' too, holds its one write
+        lock from its first statement."""
+
     # -- on the tail's thread ---------------------------------------------------------------------
 
     def _follow(self) -> None:
@@ -176,8 +200,10 @@ class VectorTail:
         with self._engine.begin() as conn:
             self._model = model_id(conn, self.key[1])
             self._set = task_set_id(conn, self._task_set)
+            self._hold_writers(conn)
             shards.register(conn, self._model, TAIL_SHARDS)
         self._prepare()
+        self._check_stopped()
         with self._lock, self._snapshot(db) as cursor:
             self._versions = self._version_sum(cursor)
             self._mark(cursor)
@@ -204,6 +230,11 @@ class VectorTail:
         """Whether the first read finished within `timeout` seconds (from then on every row
         committed is seen arriving)."""
         return self._ready.wait(timeout)
+
+    def _check_stopped(self) -> None:
+        """On the tail's thread: a tail given up while on its first read stops reading."""
+        if self._stop.is_set() and threading.current_thread() is self._thread:
+            raise TailGaveUp("stopped")
 
     def _give_up(self, exc: BaseException) -> None:
         self._error = exc
@@ -239,11 +270,9 @@ class VectorTail:
                 )
             if arrivals.vectors is None:
                 return None  # no rows: the table's own read says so at no cost
-            ids, vectors = arrivals.ids, arrivals.vectors
-            if arrivals.held < len(ids):  # tasks that failed have no row: close the gaps
-                ids, vectors = ids[arrivals.arrived], vectors[arrivals.arrived]
+            ids, vectors = arrivals.compacted()
             return vector_set(conn, self.key[1], ids, vectors.astype(np.float32, copy=False))
-        except (TailGaveUp, sqlite3.Error, psycopg.Error):
+        except Exception:
             return None
         finally:
             self._give_up(self._error or TailGaveUp("handed over"))
@@ -303,6 +332,7 @@ class _SqliteTail(VectorTail):
         )
         count = 0
         while batch := cursor.fetchmany(FETCH_ROWS):
+            self._check_stopped()
             ids, blobs = zip(*batch, strict=True)
             self._arrivals.place_blobs(np.array(ids, np.int64), list(blobs))
             count += len(batch)
@@ -335,6 +365,12 @@ class _PostgresTail(VectorTail):
         self._acked: set[int] = set()
         with self._engine.connect() as conn:
             self._pgvector = has_pgvector_column(conn)
+
+    def _hold_writers(self, conn: Connection) -> None:
+        # SHARE waits for the writes under way (ROW EXCLUSIVE) and holds new ones until the
+        # registration commits; a writer that would hold it longer makes the tail give up.
+        conn.execute(text(f"SET LOCAL lock_timeout = {LOCK_WAIT_MS}"))
+        conn.execute(text("LOCK TABLE embeddings IN SHARE MODE"))
 
     def _connect(self) -> Any:
         args, kwargs = self._engine.dialect.create_connect_args(self._engine.url)
@@ -376,6 +412,7 @@ class _PostgresTail(VectorTail):
         count = 0
         with cursor.copy(copy_sql(self._pgvector, where), (self._model, *params)) as copy:
             for ids, vectors in vector_rows(copy, self._pgvector):
+                self._check_stopped()
                 self._arrivals.place(ids, vectors)
                 count += len(ids)
         return count
@@ -399,6 +436,15 @@ class _PostgresTail(VectorTail):
 
 _tails: dict[tuple[str, str], VectorTail] = {}
 _tails_lock = threading.Lock()
+_in_this_process = False  # whether this process's index step follows its extraction
+
+
+def follow_in_this_process() -> None:
+    """This process runs the index step right after the extraction: follow the vectors."""
+    global _in_this_process
+    _in_this_process = True
+
+
 _KINDS: dict[str, type[VectorTail]] = {"sqlite": _SqliteTail, "postgresql": _PostgresTail}
 
 
@@ -407,7 +453,7 @@ def following(db: Engine, model_key: str, task_set: str) -> Iterator[VectorTail 
     """Follow `model_key`'s vectors while the block extracts `task_set`, and keep them for the
     index step when the block succeeds; drop them when it raises. A tail replaces an unclaimed
     one of the same database and model. Yields the tail (None where there is none)."""
-    kind = _KINDS.get(db.dialect.name)
+    kind = _KINDS.get(db.dialect.name) if _in_this_process else None
     if db.dialect.name == "sqlite" and db.url.database in (None, "", ":memory:"):
         kind = None  # another connection would open another database
     tail = kind(db, model_key, task_set) if kind is not None else None
@@ -425,7 +471,10 @@ def following(db: Engine, model_key: str, task_set: str) -> Iterator[VectorTail 
     if tail is not None:
         tail.kept_at = time.monotonic()
         with _tails_lock:
+            before = _tails.pop(tail.key, None)
             _tails[tail.key] = tail
+        if before is not None:  # an overlapping extraction of the same model kept one
+            before.close()
 
 
 def claim(conn: Connection, model_key: str) -> VectorSet | None:
