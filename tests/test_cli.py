@@ -129,6 +129,8 @@ def test_submit_and_run_then_status(tmp_path: Path) -> None:
     )  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
     assert "tasks submitted  41" in run.stdout
+    # The index step took the vectors its extraction followed (lib/index/vector_tail.py).
+    assert json.loads(report.read_text())["index"]["vector_index"]["vectors_followed"] is True
     # The report's clock: the CLI's milestones in order, and every step's start before its end.
     clock = json.loads(report.read_text())["clock"]
     marks = clock["marks"]
