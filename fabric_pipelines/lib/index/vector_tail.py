@@ -191,7 +191,7 @@ class VectorTail:
                         raise TailGaveUp(f"not claimed within {UNCLAIMED_SECONDS:.0f} s")
                     with self._lock, self._snapshot(db) as cursor:
                         self._catch_up(cursor)
-        except BaseException as exc:
+        except BaseException as exc:  # kept, never raised: the hand-over reads the table then
             self._give_up(exc)
 
     def _first_read(self, db: Any) -> None:
