@@ -272,7 +272,7 @@ class VectorTail:
                 return None  # no rows: the table's own read says so at no cost
             ids, vectors = arrivals.compacted()
             return vector_set(conn, self.key[1], ids, vectors.astype(np.float32, copy=False))
-        except Exception:
+        except Exception:  # any doubt: the index step reads the table as it always did
             return None
         finally:
             self._give_up(self._error or TailGaveUp("handed over"))
