@@ -96,7 +96,8 @@ def _writer(db: Engine, set_id: int, records: list[int], groups: int = 12) -> th
 
 def _followed(db: Engine, set_id: int, written: list[int], during: Callable[[], None]) -> None:
     """Follow set `set_id` while `written` rows arrive from another thread, then `during`."""
-    with vector_tail.following(db, "m", "s"):
+    with vector_tail.following(db, "m", "s") as tail:
+        assert tail is not None and tail.wait_until_following(30)  # before the first row
         writer = _writer(db, set_id, written)
         writer.start()
         writer.join()
@@ -135,11 +136,11 @@ def test_rows_written_while_followed_are_handed_over_exactly_as_the_table_holds_
     rng = np.random.default_rng(1)
     failed = set(rng.choice(TASKS, 9, replace=False).tolist())  # tasks without a row
     written = [int(r) for r in rng.permutation(TASKS) if r not in failed]
-    with vector_tail.following(db, "m", "s"):
+    with vector_tail.following(db, "m", "s") as tail:
+        assert tail is not None and tail.wait_until_following(30)  # before the first row
         writer = _writer(db, set_id, written)
         writer.start()
         writer.join()
-        time.sleep(0.2)
     _caught_up(next(iter(vector_tail._tails.values())), len(written))
     _write(db, "other", set_id, [0], dim=3)  # another model's rows do not count
     claimed, read = _claim_and_read(db)
