@@ -474,7 +474,7 @@ def summarise(run: dict[str, Any], engine: dict[str, Any], submitted_tokens: int
         "wall_seconds": round(run["wall_seconds"], 2),
         "recall_at_10": index.get("recall_at_10"),
         "index_factory": index.get("factory"),
-        # The index step took the vectors a tail followed during extraction (SQLite).
+        # The index step took the vectors a tail followed during extraction (vector_tail).
         "vectors_followed": index.get("vectors_followed"),
         "stage_seconds": stages,
         "bytecode": bytecode_state(),

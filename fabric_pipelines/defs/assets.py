@@ -212,7 +212,7 @@ def extraction_outputs(
     # (lib/preload.py).
     preload(INDEX_MODULES)
     try:
-        # SQLite: the index step's vectors are read while the workers write them (vector_tail).
+        # The index step's vectors are read while the workers write them (lib/index/vector_tail.py).
         with (
             vector_tail.following(db, manifest.model_key, task_set),
             engine.devices(store.paths(), waiting_for_gpus, task_set) as devices,

@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psycopg
 from sqlalchemy import Connection, Engine, text
 
 from fabric_pipelines.lib.broker.ledger import COMPLETED
@@ -50,6 +49,7 @@ from fabric_pipelines.lib.index.vectors import (
     VectorSet,
     copy_sql,
     memory_mapped,
+    read_only_connection,
     vector_set,
 )
 from fabric_pipelines.lib.store.keys import model_id, task_set_id
@@ -135,7 +135,7 @@ class VectorTail:
     Subclasses say how to read a snapshot, and what arrived since the last one."""
 
     def __init__(self, db: Engine, model_key: str, task_set: str) -> None:
-        self.key = (db.url.render_as_string(hide_password=False), model_key)
+        self.key = _key(db, model_key)
         self._engine, self._task_set = db, task_set
         self._stop = threading.Event()
         self._lock = threading.Lock()  # the thread's reads and the hand-over take turns
@@ -355,6 +355,8 @@ class _PostgresTail(VectorTail):
     """PostgreSQL: a batch's rows commit with its acknowledgement, so the rows committed since
     are those of the plan's batches acknowledged since, whose tasks the plan file names."""
 
+    _acked: set[int]  # batches whose rows the tail has read (or found there at its start)
+
     def _prepare(self) -> None:
         plan = current_plan(self._engine, self._task_set)
         stored = get_task_set(self._engine, self._task_set)
@@ -362,7 +364,6 @@ class _PostgresTail(VectorTail):
         # The record number of each plan item, in plan order (a batch is a run of items).
         self._plan_id = plan.plan_id
         self._records = record_no.to_numpy()[load_plan_order(Path(plan.path), plan.sha256)]
-        self._acked: set[int] = set()
         with self._engine.connect() as conn:
             self._pgvector = has_pgvector_column(conn)
 
@@ -373,11 +374,7 @@ class _PostgresTail(VectorTail):
         conn.execute(text("LOCK TABLE embeddings IN SHARE MODE"))
 
     def _connect(self) -> Any:
-        args, kwargs = self._engine.dialect.create_connect_args(self._engine.url)
-        db = psycopg.connect(*args, **kwargs)
-        db.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
-        db.read_only = True
-        return db
+        return read_only_connection(self._engine)
 
     @contextmanager
     def _snapshot(self, db: Any) -> Iterator[Any]:
@@ -395,14 +392,17 @@ class _PostgresTail(VectorTail):
         return cursor.execute(sql.format(s=f"{ID_STRIDE}::int8", p="%s"), params)
 
     def _mark(self, cursor: Any) -> None:
-        self._acked = self._acked_batches(cursor)
+        self._acked = set()
+        self._acked = {batch for batch, _, _ in self._acked_since(cursor)}
 
-    def _acked_batches(self, cursor: Any) -> set[int]:
+    def _acked_since(self, cursor: Any) -> list[tuple[int, int, int]]:
+        """(batch, first item, items) of the plan's batches acknowledged since the last look."""
         cursor.execute(
-            "SELECT batch_no FROM batches WHERE plan_id = %s AND state = %s",
+            "SELECT batch_no, item_start, item_count FROM batches "
+            "WHERE plan_id = %s AND state = %s",
             (self._plan_id, COMPLETED),
         )
-        return {int(row[0]) for row in cursor}
+        return [(int(b), int(s), int(n)) for b, s, n in cursor if int(b) not in self._acked]
 
     def _read_model_rows(self, cursor: Any) -> None:
         self._copy(cursor, "", ())
@@ -418,12 +418,7 @@ class _PostgresTail(VectorTail):
         return count
 
     def _catch_up(self, cursor: Any) -> None:
-        cursor.execute(
-            "SELECT batch_no, item_start, item_count FROM batches "
-            "WHERE plan_id = %s AND state = %s",
-            (self._plan_id, COMPLETED),
-        )
-        new = [(int(b), int(s), int(n)) for b, s, n in cursor if int(b) not in self._acked]
+        new = self._acked_since(cursor)
         if not new:
             return
         records = np.concatenate([self._records[s : s + n] for _, s, n in new])
@@ -433,6 +428,12 @@ class _PostgresTail(VectorTail):
 
 
 # -- this process's tails --------------------------------------------------------------------------
+
+
+def _key(engine: Engine, model_key: str) -> tuple[str, str]:
+    """A tail's key: its database (as the engine reaches it) and model."""
+    return engine.url.render_as_string(hide_password=False), model_key
+
 
 _tails: dict[tuple[str, str], VectorTail] = {}
 _tails_lock = threading.Lock()
@@ -480,7 +481,6 @@ def following(db: Engine, model_key: str, task_set: str) -> Iterator[VectorTail 
 def claim(conn: Connection, model_key: str) -> VectorSet | None:
     """The vectors a tail of this database and model followed, as of a snapshot taken now; None
     where there is none or it cannot stand for the table (the caller reads the table then)."""
-    key = (conn.engine.url.render_as_string(hide_password=False), model_key)
     with _tails_lock:
-        tail = _tails.pop(key, None)
+        tail = _tails.pop(_key(conn.engine, model_key), None)
     return None if tail is None else tail.take(conn)

@@ -24,7 +24,7 @@ import numpy as np
 import psycopg
 from psycopg import sql
 from psycopg.pq import TransactionStatus
-from sqlalchemy import Connection, select, text
+from sqlalchemy import Connection, Engine, select, text
 
 from fabric_pipelines.lib.index import parallel_read
 from fabric_pipelines.lib.index.copy_rows import RowLayoutError, vector_rows
@@ -252,6 +252,16 @@ def _postgres_rows(
                 cursor.execute("SELECT set_config('enable_sort', %s, true)", (before,))
 
 
+def read_only_connection(engine: Engine) -> psycopg.Connection[Any]:
+    """A psycopg connection made as `engine` makes its own, whose transactions are read-only
+    and REPEATABLE READ: each one sees a single committed state."""
+    args, kwargs = engine.dialect.create_connect_args(engine.url)
+    db = psycopg.connect(*args, **kwargs)
+    db.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+    db.read_only = True
+    return db
+
+
 def copy_sql(pgvector: bool, where: str = "") -> str:
     """The binary COPY of a model's rows (the model its first parameter; `where` more conditions
     and their parameters after it), as _postgres_rows describes."""
@@ -323,11 +333,9 @@ def _postgres_in_parallel(
     snapshot, search_path = conn.execute(
         text("SELECT pg_export_snapshot(), current_setting('search_path')")
     ).one()
-    # The readers connect as the engine does, to the schema the caller sees.
-    connect = conn.engine.dialect.create_connect_args(conn.engine.url)
     return parallel_read.read_ranges(
         [
-            _PostgresRange(connect, snapshot, search_path, model, pgvector, key_range)
+            _PostgresRange(conn.engine, snapshot, search_path, model, pgvector, key_range)
             for key_range in ranges
         ],
         keepalive=lambda: conn.execute(text("SELECT 1")),
@@ -340,24 +348,21 @@ class _PostgresRange(parallel_read.RangeReader):
 
     def __init__(
         self,
-        connect: Any,
+        engine: Engine,
         snapshot: str,
         search_path: str,
         model: int,
         pgvector: bool,
         key_range: KeyRange,
     ) -> None:
-        self.connect, self.snapshot, self.search_path = connect, snapshot, search_path
+        self.engine, self.snapshot, self.search_path = engine, snapshot, search_path
         self.model, self.pgvector, self.range = model, pgvector, key_range
 
     def read(
         self, slot: Callable[[int], parallel_read.Arrays], stop: threading.Event
     ) -> tuple[parallel_read.Arrays, bool]:
         rows = _RowArrays(self.range.rows, slot)
-        args, kwargs = self.connect
-        with psycopg.connect(*args, **kwargs) as db:
-            db.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
-            db.read_only = True
+        with read_only_connection(self.engine) as db:
             # Before any query of the transaction, as PostgreSQL requires.
             db.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(self.snapshot)))
             # The caller already holds a lock on the table: a reader that has to wait for one
