@@ -275,3 +275,32 @@ def _fresh(url: str) -> Engine:
     empty_public_schema(db)
     create_schema(db)
     return db
+
+
+def test_a_new_sqlite_database_gets_large_pages_and_an_existing_one_keeps_its_own(
+    tmp_path: Path,
+) -> None:
+    """Large pages make the single writer faster; a database made before keeps its page size
+    (SQLite cannot change it under WAL) and is still written to."""
+    import sqlite3
+
+    from fabric_pipelines.lib.store.db import SQLITE_PAGE_BYTES, create_schema
+
+    new = make_engine(f"sqlite:///{tmp_path / 'new.db'}")
+    create_schema(new)
+    with new.connect() as conn:
+        assert conn.exec_driver_sql("PRAGMA page_size").scalar_one() == SQLITE_PAGE_BYTES
+
+    old_path = tmp_path / "old.db"
+    made_before = sqlite3.connect(old_path)
+    made_before.execute("PRAGMA page_size=4096")
+    made_before.execute("PRAGMA journal_mode=WAL")
+    made_before.execute("CREATE TABLE earlier (x INTEGER)")
+    made_before.close()
+    old = make_engine(f"sqlite:///{old_path}")
+    create_schema(old)
+    with old.begin() as conn:
+        assert conn.exec_driver_sql("PRAGMA page_size").scalar_one() == 4096
+        conn.exec_driver_sql("INSERT INTO earlier VALUES (1)")
+    with old.connect() as conn:
+        assert conn.exec_driver_sql("SELECT count(*) FROM earlier").scalar_one() == 1

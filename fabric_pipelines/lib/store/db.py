@@ -16,6 +16,13 @@ from sqlalchemy.sql.dml import Insert
 from fabric_pipelines.lib.store.models import Base
 
 SQLITE_BUSY_TIMEOUT_MS = 60_000
+# Page size of a new SQLite file. An embedding row is 1.5 KB (384-d) to 3 KB (768-d): at the
+# default 4 KiB one or two rows fill a page and the single writer spends its time splitting
+# pages; at 32 KiB it inserts 1.6-1.8x the rows a second (measured, 384-d and 768-d). It only
+# takes effect before the file's first table: an existing database keeps its size.
+SQLITE_PAGE_BYTES = 32 * 1024
+# Each connection's page cache, in KiB (the default is 2 MiB: 64 pages of 32 KiB).
+SQLITE_CACHE_KIB = 32 * 1024
 IDLE_IN_TRANSACTION_MS = 60_000
 
 
@@ -28,6 +35,8 @@ def make_engine(url: str) -> Engine:
             # Let SQLAlchemy's "begin" event issue BEGIN itself (pysqlite's own is deferred).
             dbapi_connection.isolation_level = None
             cursor = dbapi_connection.cursor()
+            cursor.execute(f"PRAGMA page_size={SQLITE_PAGE_BYTES}")  # before WAL fixes it
+            cursor.execute(f"PRAGMA cache_size={-SQLITE_CACHE_KIB}")
             cursor.execute("PRAGMA journal_mode=WAL")
             cursor.execute("PRAGMA synchronous=NORMAL")
             cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
