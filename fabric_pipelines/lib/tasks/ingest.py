@@ -30,6 +30,8 @@ import numpy as np
 from tokenizers import Encoding, Tokenizer
 from tqdm import tqdm
 
+from fabric_gpu.wordpiece import NativeWordPiece, merge_handed_back
+
 if TYPE_CHECKING:
     import pyarrow as pa
 
@@ -332,6 +334,34 @@ def encode_texts(
     """(tokens per text, all tokens back to back, why the tokenizer refused a text, by index),
     special tokens added; a refused text has no tokens. `texts`: a list or an Arrow string array.
 
+    A BERT WordPiece tokenizer's ASCII texts are encoded natively on every core (same ids,
+    fabric_gpu/wordpiece.py); the tokenizer itself encodes the rest.
+    """
+    bar = tqdm(total=len(texts), desc="tokenise", unit="item", disable=not progress)
+    native = NativeWordPiece.of(tokenizer)
+    found = None if native is None else native.encode(texts, on_progress=bar.update)
+    if found is None:
+        bar.reset()
+        encoded = _encode_reference(tokenizer, texts, bar)
+        bar.close()
+        return encoded
+    lengths, tokens = found
+    back = np.flatnonzero(lengths < 0)
+    refused: dict[int, str] = {}
+    if len(back):
+        chosen = texts.take(back) if hasattr(texts, "take") else [texts[i] for i in back.tolist()]
+        back_lengths, back_tokens, back_refused = _encode_reference(tokenizer, chosen, None)
+        refused = {int(back[i]): reason for i, reason in back_refused.items()}
+        lengths, tokens = merge_handed_back(lengths, tokens, back, back_lengths, back_tokens)
+    bar.close()
+    return lengths, tokens, refused
+
+
+def _encode_reference(
+    tokenizer: Tokenizer, texts: Sequence[str] | pa.Array, bar: tqdm | None
+) -> tuple[np.ndarray, np.ndarray, dict[int, str]]:
+    """encode_texts through the tokenizer itself.
+
     encode_batch runs in Rust on every core without the GIL. Turning its Encodings into ids
     needs Python, a few microseconds per text, so this thread does that for one chunk while
     encode_batch encodes the next.
@@ -339,7 +369,6 @@ def encode_texts(
     lengths: list[np.ndarray] = []
     tokens: list[np.ndarray] = []
     refused: dict[int, str] = {}
-    bar = tqdm(total=len(texts), desc="tokenise", unit="item", disable=not progress)
     pending: deque[tuple[int, list[str], Future[list[Encoding]]]] = deque()
 
     def collect() -> None:
@@ -347,7 +376,8 @@ def encode_texts(
         chunk_lengths, chunk_tokens = _flat_ids(tokenizer, start, chunk, encoding, refused)
         lengths.append(chunk_lengths)
         tokens.append(chunk_tokens)
-        bar.update(len(chunk))
+        if bar is not None:
+            bar.update(len(chunk))
 
     with ThreadPoolExecutor(1, thread_name_prefix="encode") as encoder:
         for start in range(0, len(texts), TOKENISE_CHUNK):
@@ -357,7 +387,6 @@ def encode_texts(
                 collect()
         while pending:
             collect()
-    bar.close()
     if not tokens:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32), refused
     return np.concatenate(lengths), np.concatenate(tokens), refused
