@@ -304,3 +304,60 @@ def test_a_new_sqlite_database_gets_large_pages_and_an_existing_one_keeps_its_ow
         conn.exec_driver_sql("INSERT INTO earlier VALUES (1)")
     with old.connect() as conn:
         assert conn.exec_driver_sql("SELECT count(*) FROM earlier").scalar_one() == 1
+
+
+@pytest.mark.parametrize("huge_token_count", [False, True], ids=["one-step", "row-by-row"])
+def test_every_row_is_stored_as_given(db: Engine, huge_token_count: bool) -> None:
+    """Record numbers out of order, token counts, and every vector's bytes come back as written;
+    a token count too large for SQLite's one-step insert takes the row-by-row path."""
+    batches = _ledger(db, 3)
+    rng = np.random.default_rng(5)
+    for batch in batches:
+        batch.record_no = rng.permutation(batch.record_no)
+        batch.n_tokens = rng.integers(1, 512, len(batch.record_no))
+        batch.pooled = rng.standard_normal(batch.pooled.shape).astype(np.float32)
+    if huge_token_count:
+        batches[1].n_tokens[7] = 1 << 30
+    outcomes, _ = _write_all(db, batches)
+    assert sum(o.inserted for o in outcomes) == 3 * ITEMS
+    with db.connect() as conn:
+        stored = {
+            int(r.record_no): (int(r.n_tokens), bytes(r.vector))
+            for r in conn.execute(text("SELECT record_no, n_tokens, vector FROM embeddings"))
+        }
+    expected = {
+        int(no): (int(n), vector.astype("<f4").tobytes())
+        for batch in batches
+        for no, n, vector in zip(batch.record_no, batch.n_tokens, batch.pooled, strict=True)
+    }
+    assert stored == expected
+    _assert_exactly_once(db, 3 * ITEMS)
+
+
+def test_the_one_step_insert_fills_the_watermarks_and_ignores_rows_already_there(
+    tmp_path: Path,
+) -> None:
+    """SQLite's one-statement insert still fires the row trigger once per new row, and a replay
+    inserts nothing and moves no watermark."""
+    from fabric_pipelines.lib.store.db import create_schema
+
+    db = make_engine(f"sqlite:///{tmp_path / 'one-step.db'}")
+    create_schema(db)
+    batches = _ledger(db, 2)
+    with db.begin() as conn:
+        conn.exec_driver_sql(
+            "INSERT INTO shard_watermarks (model_id, n_shards, shard, version) "
+            f"VALUES ({batches[0].model_id}, 4, 0, 0), ({batches[0].model_id}, 4, 1, 0), "
+            f"({batches[0].model_id}, 4, 2, 0), ({batches[0].model_id}, 4, 3, 0)"
+        )
+
+    def versions() -> int:
+        with db.connect() as conn:
+            return int(
+                conn.exec_driver_sql("SELECT sum(version) FROM shard_watermarks").scalar_one()
+            )
+
+    _write_all(db, batches)
+    assert versions() == 2 * ITEMS
+    _write_all(db, batches)
+    assert versions() == 2 * ITEMS

@@ -7,6 +7,7 @@ workers can never claim the same batch.
 
 from __future__ import annotations
 
+import sqlite3
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
@@ -73,3 +74,13 @@ def insert_ignoring_duplicates(engine: Engine | Any, model: type[Base]) -> Inser
     if engine.dialect.name == "sqlite":
         return sqlite.insert(model).on_conflict_do_nothing()
     raise NotImplementedError(f"database dialect {engine.dialect.name!r} is not supported")
+
+
+def sqlite_has_json(cursor: Any) -> bool:
+    """Whether this SQLite has its JSON functions (built in since 3.38; an option before): the
+    bulk inserts read a statement's rows out of one JSON array."""
+    try:
+        cursor.execute("SELECT json_valid('[]')").fetchone()
+    except sqlite3.OperationalError:
+        return False
+    return True

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sqlite3
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ from fabric_pipelines.lib.files import (
     stream_content_addressed,
 )
 from fabric_pipelines.lib.settings import FabricPaths
+from fabric_pipelines.lib.store.db import sqlite_has_json
 from fabric_pipelines.lib.store.models import (
     Batch,
     BatchPlan,
@@ -509,20 +509,12 @@ def write_task_ids(conn: Any, set_id: int, record_no: np.ndarray, task_ids: list
     (cache_size,) = cursor.execute("PRAGMA cache_size").fetchone()
     cursor.execute(f"PRAGMA cache_size = {-SQLITE_INSERT_CACHE_KIB}")
     try:
-        if _sqlite_has_json(cursor) and bool(np.all(np.diff(record_no) > 0)):
+        if sqlite_has_json(cursor) and bool(np.all(np.diff(record_no) > 0)):
             _insert_json_arrays(cursor, set_id, record_no, task_ids)
         else:
             _insert_rows(cursor, set_id, record_no, task_ids)
     finally:
         cursor.execute(f"PRAGMA cache_size = {int(cache_size)}")
-
-
-def _sqlite_has_json(cursor: Any) -> bool:
-    try:
-        cursor.execute("SELECT json_valid('[]')").fetchone()
-    except sqlite3.OperationalError:  # built without the JSON functions
-        return False
-    return True
 
 
 def _insert_rows(cursor: Any, set_id: int, record_no: np.ndarray, task_ids: list[str]) -> None:
