@@ -114,9 +114,9 @@ def _caught_up(tail: vector_tail.VectorTail | None, rows: int) -> None:
 
 
 def _claim_and_read(db: Engine) -> tuple[VectorSet | None, VectorSet]:
+    claimed = vector_tail.claim(db, "m")
     with db.connect() as conn:
-        conn.execute(text("SELECT 1"))  # the caller's transaction, as the index step's
-        return vector_tail.claim(conn, "m"), load_vectors(conn, "m")
+        return claimed, load_vectors(conn, "m")
 
 
 def _same(a: VectorSet, b: VectorSet) -> None:
@@ -149,9 +149,7 @@ def test_rows_written_while_followed_are_handed_over_exactly_as_the_table_holds_
     assert len(claimed.ids) == 40 + len(written)
     assert set(claimed.ids.tolist()).isdisjoint({set_id * ID_STRIDE + r for r in failed})
     assert vector_tail._tails == {}  # claimed once
-    with db.connect() as conn:
-        conn.execute(text("SELECT 1"))
-        assert vector_tail.claim(conn, "m") is None
+    assert vector_tail.claim(db, "m") is None
 
 
 @SQLITE_ONLY
@@ -235,9 +233,7 @@ def test_a_tail_that_cannot_start_gives_way_to_the_read(db: Engine) -> None:
     _task_set(db, "s", 3)
     with vector_tail.following(db, "m", "no-such-set"):
         pass
-    with db.connect() as conn:
-        conn.execute(text("SELECT 1"))
-        assert vector_tail.claim(conn, "m") is None
+    assert vector_tail.claim(db, "m") is None
 
 
 @SQLITE_ONLY
@@ -321,9 +317,8 @@ def test_a_write_under_way_when_the_tail_starts_is_counted_or_waited_for(
     finally:
         commit.set()
         writer.join()
+    claimed = vector_tail.claim(db, manifest.model_key)
     with db.connect() as conn:
-        conn.execute(text("SELECT 1"))
-        claimed = vector_tail.claim(conn, manifest.model_key)
         read = load_vectors(conn, manifest.model_key)
     assert claimed is not None and len(read.ids) == 1
     _same(claimed, read)
@@ -360,9 +355,8 @@ def test_a_real_extraction_is_followed_on_both_databases(
     if deleted_after:
         with db.begin() as conn:
             conn.execute(text("DELETE FROM embeddings WHERE record_no = 3"))
+    claimed = vector_tail.claim(db, manifest.model_key)
     with db.connect() as conn:
-        conn.execute(text("SELECT 1"))
-        claimed = vector_tail.claim(conn, manifest.model_key)
         read = load_vectors(conn, manifest.model_key)
     if deleted_after:
         assert claimed is None and len(read.ids) == 149
@@ -415,3 +409,49 @@ def test_failed_tasks_leave_no_gap_in_the_handed_over_arrays(db: Engine) -> None
     claimed, read = _claim_and_read(db)
     assert claimed is not None and len(claimed.ids) == TASKS // 2
     _same(claimed, read)
+
+
+@POSTGRES_ONLY
+@pytest.mark.slow
+def test_a_hand_over_slower_than_the_idle_transaction_limit_still_publishes(
+    db: Engine,
+    db_url: str,
+    paths: FabricPaths,
+    tmp_path: Path,
+    cpu_engine: Any,
+    manifest: EngineManifest,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The index step's own transaction must not sit idle while the tail hands over: the server
+    ends a session idle in a transaction (60 s in the product; 1 s here, against a 2.5 s
+    hand-over), and the build must still publish from the followed vectors."""
+    from fabric_pipelines.lib.index.build import IndexSpec
+    from fabric_pipelines.lib.index.publish import build_and_publish
+    from fabric_pipelines.lib.store import db as db_module
+
+    texts = [f"a sentence about {' '.join(['things'] * (i % 11))} number {i}" for i in range(80)]
+    job = _planned(db, paths, tmp_path, manifest, texts)
+    with vector_tail.following(db, manifest.model_key, "s") as tail:
+        assert tail is not None and tail.wait_until_following(30)
+        run_worker(db, cpu_engine, job, owner="test")
+    _caught_up(tail, 80)
+
+    catch_up = vector_tail._PostgresTail._catch_up
+
+    def slow_at_the_hand_over(self: Any, cursor: Any) -> None:
+        if self._stop.is_set():
+            time.sleep(2.5)
+        catch_up(self, cursor)
+
+    monkeypatch.setattr(vector_tail._PostgresTail, "_catch_up", slow_at_the_hand_over)
+    monkeypatch.setattr(db_module, "IDLE_IN_TRANSACTION_MS", 1000)
+    strict = db_module.make_engine(db_url)
+    try:
+        published = build_and_publish(
+            strict, model_key=manifest.model_key, model={"model_id": "test"}, spec=IndexSpec(),
+            index_folder=paths.indexes, receipt_folder=paths.receipts, inputs=[],
+        )  # fmt: skip
+    finally:
+        strict.dispose()
+    assert published.vectors_followed
+    assert published.receipt["source"]["rows"] == 80

@@ -176,9 +176,15 @@ def build_and_publish(
         with db.connect() as conn:
             # Versions before rows: a change that lands after this read shows up as stale next time.
             versions = shards.versions(conn, mid, spec.shards)
-            # Followed during extraction where this process ran it (vector_tail), else read.
-            followed = vector_tail.claim(conn, model_key)
-            source = followed or load_vectors(conn, model_key)
+        # Followed during extraction where this process ran it (vector_tail), else read. The
+        # hand-over opens its own transaction: this step's must not sit idle while it runs
+        # (PostgreSQL ends a session idle in a transaction for a minute).
+        followed = vector_tail.claim(db, model_key)
+        if followed is not None:
+            source = followed
+        else:
+            with db.connect() as conn:
+                source = load_vectors(conn, model_key)
         if len(source.ids) == 0:
             raise EmptySourceError(
                 f"no embeddings for model {model_key}: materialise extraction_outputs first"

@@ -29,6 +29,7 @@ UNCLAIMED_SECONDS of the extraction's end lets them go.
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 import threading
 import time
@@ -57,6 +58,8 @@ from fabric_pipelines.lib.store.schema import has_pgvector_column
 from fabric_pipelines.lib.tasks.catalog import get_task_set
 from fabric_pipelines.lib.tasks.store import read_table
 
+log = logging.getLogger(__name__)
+
 # The shard count the tail registers watermarks for: the versions of any one count move once
 # for every row inserted or deleted.
 TAIL_SHARDS = 8
@@ -64,6 +67,7 @@ POLL_SECONDS = 0.3
 UNCLAIMED_SECONDS = 120.0
 FETCH_ROWS = 512  # as the index's own SQLite read: blobs copied while still in the CPU's cache
 LOCK_WAIT_MS = 5000  # PostgreSQL: the longest the registration waits for writes under way
+SLOW_HAND_OVER_SECONDS = 10.0  # a hand-over slower than this is logged, with why
 
 
 class TailGaveUp(Exception):
@@ -144,6 +148,7 @@ class VectorTail:
         self.kept_at: float | None = None  # monotonic time the extraction ended and kept it
         self._arrivals: _Arrivals | None = None
         self._model = self._set = self._versions = self._arrived_since = 0
+        self.read_at_hand_over = 0  # rows the hand-over itself read: the tail was behind by these
         self._thread = threading.Thread(target=self._follow, name="fabric-vector-tail", daemon=True)
         self._thread.start()
 
@@ -256,7 +261,9 @@ class VectorTail:
             if self._error is not None or self._arrivals is None:
                 raise TailGaveUp(f"the tail stopped: {self._error}")
             with self._hand_over_snapshot(conn) as cursor:
+                before = self._arrived_since
                 self._catch_up(cursor)
+                self.read_at_hand_over = self._arrived_since - before
                 moved = self._version_sum(cursor) - self._versions
                 count = self._query(
                     cursor, "SELECT count(*) FROM embeddings WHERE model_id = {p}", (self._model,)
@@ -272,13 +279,20 @@ class VectorTail:
                 return None  # no rows: the table's own read says so at no cost
             ids, vectors = arrivals.compacted()
             return vector_set(conn, self.key[1], ids, vectors.astype(np.float32, copy=False))
-        except Exception:  # any doubt: the index step reads the table as it always did
+        except Exception as exc:  # any doubt: the index step reads the table as it always did
+            if self._error is None:
+                self._error = exc
             return None
         finally:
             self._give_up(self._error or TailGaveUp("handed over"))
 
     def _hand_over_snapshot(self, conn: Connection) -> Any:
         raise NotImplementedError
+
+    @property
+    def why(self) -> str:
+        """Why the tail stopped (after the hand-over: "handed over")."""
+        return str(self._error) if self._error is not None else "following"
 
     def close(self) -> None:
         """Stop following and let the arrays go."""
@@ -478,9 +492,23 @@ def following(db: Engine, model_key: str, task_set: str) -> Iterator[VectorTail 
             before.close()
 
 
-def claim(conn: Connection, model_key: str) -> VectorSet | None:
+def claim(db: Engine, model_key: str) -> VectorSet | None:
     """The vectors a tail of this database and model followed, as of a snapshot taken now; None
     where there is none or it cannot stand for the table (the caller reads the table then)."""
     with _tails_lock:
-        tail = _tails.pop(_key(conn.engine, model_key), None)
-    return None if tail is None else tail.take(conn)
+        tail = _tails.pop(_key(db, model_key), None)
+    if tail is None:
+        return None
+    started = time.monotonic()
+    # SQLite: BEGIN IMMEDIATE, so the hand-over sees the file's latest state; no write lands
+    # between its reads and the task-set names.
+    with db.begin() as conn:
+        taken = tail.take(conn)
+    seconds = time.monotonic() - started
+    if taken is None or seconds > SLOW_HAND_OVER_SECONDS:
+        log.warning(
+            "vector tail of %s: %s in %.1f s (%s rows read at the hand-over)",
+            model_key, "handed over" if taken is not None else f"not used ({tail.why})",
+            seconds, tail.read_at_hand_over,
+        )  # fmt: skip
+    return taken
