@@ -75,3 +75,31 @@ def test_the_writer_fills_pgvector_once_and_index_builds_read_the_same_floats(
             )
     with pgvector_db.connect() as conn:
         assert np.array_equal(load_vectors(conn, "model").vectors, written)
+
+
+def test_chosen_rows_copied_as_the_tail_reads_them_are_the_floats_written(
+    pgvector_db: Engine,
+) -> None:
+    """The vector tail's read of chosen records (index/vectors.copy_records_sql) on pgvector
+    values: the rows asked for, none else, each the same floats the index's own read gives."""
+    from fabric_pipelines.lib.index.copy_rows import vector_rows
+    from fabric_pipelines.lib.index.vectors import ID_STRIDE, copy_records_sql
+
+    batches = _ledger(pgvector_db, 3)
+    _write_all(pgvector_db, batches)
+    chosen = np.random.default_rng(3).choice(3 * ITEMS, 100, replace=False)
+    with pgvector_db.connect() as conn:
+        everything = load_vectors(conn, "model")
+        raw = conn.connection.driver_connection
+        assert raw is not None
+        ids, vectors = [], []
+        with raw.cursor() as cur:
+            params = (chosen.tolist(), batches[0].model_id, batches[0].task_set_id)
+            with cur.copy(copy_records_sql(True), params) as copy:
+                for got_ids, got_vectors in vector_rows(copy, True):
+                    ids.append(got_ids)
+                    vectors.append(got_vectors)
+    got = np.concatenate(ids)
+    assert sorted(got.tolist()) == sorted((batches[0].task_set_id * ID_STRIDE + chosen).tolist())
+    at = np.searchsorted(everything.ids, got)
+    assert np.array_equal(np.concatenate(vectors), everything.vectors[at])

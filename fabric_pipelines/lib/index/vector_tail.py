@@ -48,6 +48,7 @@ from fabric_pipelines.lib.index.copy_rows import vector_rows
 from fabric_pipelines.lib.index.vectors import (
     ID_STRIDE,
     VectorSet,
+    copy_records_sql,
     copy_sql,
     memory_mapped,
     read_only_connection,
@@ -419,12 +420,12 @@ class _PostgresTail(VectorTail):
         return [(int(b), int(s), int(n)) for b, s, n in cursor if int(b) not in self._acked]
 
     def _read_model_rows(self, cursor: Any) -> None:
-        self._copy(cursor, "", ())
+        self._copy(cursor, copy_sql(self._pgvector), (self._model,))
 
-    def _copy(self, cursor: Any, where: str, params: tuple[Any, ...]) -> int:
+    def _copy(self, cursor: Any, sql: str, params: tuple[Any, ...]) -> int:
         assert self._arrivals is not None
         count = 0
-        with cursor.copy(copy_sql(self._pgvector, where), (self._model, *params)) as copy:
+        with cursor.copy(sql, params) as copy:
             for ids, vectors in vector_rows(copy, self._pgvector):
                 self._check_stopped()
                 self._arrivals.place(ids, vectors)
@@ -435,9 +436,10 @@ class _PostgresTail(VectorTail):
         new = self._acked_since(cursor)
         if not new:
             return
-        records = np.concatenate([self._records[s : s + n] for _, s, n in new])
-        where = " AND task_set_id = %s AND record_no = ANY(%s)"
-        self._arrived_since += self._copy(cursor, where, (self._set, records.tolist()))
+        # Sorted: the index probes walk the key in order.
+        records = np.sort(np.concatenate([self._records[s : s + n] for _, s, n in new]))
+        sql = copy_records_sql(self._pgvector)
+        self._arrived_since += self._copy(cursor, sql, (records.tolist(), self._model, self._set))
         self._acked.update(b for b, _, _ in new)
 
 

@@ -277,6 +277,26 @@ def copy_sql(pgvector: bool, where: str = "") -> str:
     )
 
 
+def copy_records_sql(pgvector: bool) -> str:
+    """The binary COPY of chosen rows of one task set, laid out as copy_sql's, in no particular
+    order. Parameters: the record numbers (a list), the model, the task set.
+
+    One index probe per record: LATERAL ... LIMIT 1 keeps the planner from what it chose on a
+    table written moments ago and not yet analysed, a scan of all the set's rows with the list
+    as a filter (18 s for 15,000 of 200,000 rows, against 0.3 s this way)."""
+    from_pgvector = (
+        ", CASE WHEN e.vector IS NULL THEN substring(vector_send(e.embedding) from 5) END"
+        if pgvector
+        else ""
+    )
+    return (
+        f"COPY (SELECT e.task_set_id::int8 * {ID_STRIDE} + e.record_no, e.vector{from_pgvector} "
+        "FROM unnest(%s::int8[]) AS r(no) CROSS JOIN LATERAL (SELECT * FROM embeddings "
+        "WHERE model_id = %s AND task_set_id = %s AND record_no = r.no LIMIT 1) AS e) "
+        "TO STDOUT (FORMAT BINARY)"
+    )
+
+
 def _unreadable(
     conn: Connection, model: int, model_key: str, pgvector: bool, exc: RowLayoutError
 ) -> BadVectorsError:
