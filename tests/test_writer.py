@@ -361,3 +361,34 @@ def test_the_one_step_insert_fills_the_watermarks_and_ignores_rows_already_there
     assert versions() == 2 * ITEMS
     _write_all(db, batches)
     assert versions() == 2 * ITEMS
+
+
+def test_a_group_of_several_task_sets_and_models_is_stored_as_given(tmp_path: Path) -> None:
+    """SQLite's one-step insert runs once per (task set, model) of a group, batches interleaved."""
+    from fabric_pipelines.lib.store.db import create_schema
+    from fabric_pipelines.lib.store.writer import _insert_rows
+
+    db = make_engine(f"sqlite:///{tmp_path / 'mixed.db'}")
+    create_schema(db)
+    rng = np.random.default_rng(9)
+    batches = [
+        BatchRows(
+            lease=None,  # type: ignore[arg-type]  # only the rows are written here
+            task_set="x", task_set_id=set_id, model_key="m", model_id=model,
+            record_no=rng.permutation(50) + 100 * n, n_tokens=rng.integers(1, 9, 50),
+            pooled=rng.standard_normal((50, 4)).astype(np.float32),
+        )
+        for n, (set_id, model) in enumerate([(1, 7), (2, 7), (1, 8), (1, 7)])
+    ]  # fmt: skip
+    with db.begin() as conn:
+        assert _insert_rows(conn, batches, upsert=False, pgvector=False) == 200
+    with db.connect() as conn:
+        stored = {
+            (int(r.task_set_id), int(r.model_id), int(r.record_no)): (int(r.n_tokens), r.vector)
+            for r in conn.execute(text("SELECT * FROM embeddings"))
+        }
+    assert stored == {
+        (b.task_set_id, b.model_id, int(no)): (int(n), v.astype("<f4").tobytes())
+        for b in batches
+        for no, n, v in zip(b.record_no, b.n_tokens, b.pooled, strict=True)
+    }

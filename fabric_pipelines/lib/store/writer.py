@@ -182,9 +182,11 @@ def _insert_sqlite_in_one_step(cursor: Any, columns: dict[str, np.ndarray]) -> i
     packed = (columns["record_no"].astype(np.int64) << _TOKEN_BITS) | columns["n_tokens"]
     total = 0
     # One statement per (task set, model): a group normally holds one of each.
-    keys = np.stack([set_ids, model_ids], axis=1)
-    for set_id, model in np.unique(keys, axis=0).tolist():
-        rows = np.flatnonzero((set_ids == set_id) & (model_ids == model))
+    keys = (set_ids.astype(np.int64) << 32) | model_ids
+    distinct = np.unique(keys).tolist()
+    for key in distinct:
+        set_id, model = key >> 32, key & 0xFFFFFFFF
+        rows = slice(None) if len(distinct) == 1 else np.flatnonzero(keys == key)
         cursor.execute(
             "INSERT OR IGNORE INTO embeddings (task_set_id, record_no, model_id, n_tokens, vector) "
             f"SELECT ?1, r.value >> {_TOKEN_BITS}, ?2, r.value & {(1 << _TOKEN_BITS) - 1}, "
