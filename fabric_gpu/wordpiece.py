@@ -37,7 +37,8 @@ class NativeWordPiece:
         """The native encoder for `tokenizer`, or None where it would not give the same ids."""
         import tokenizers
 
-        if not isinstance(tokenizer, tokenizers.Tokenizer):  # a wrapper: its own encode is the reference
+        # A wrapper (or a stand-in) is its own reference: only a real Tokenizer's JSON says enough.
+        if not isinstance(tokenizer, tokenizers.Tokenizer):
             return None
         config = json.loads(tokenizer.to_str())
         settings = _supported(config)
