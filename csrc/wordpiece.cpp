@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <exception>
+#include <mutex>
 #include <stdexcept>
 #include <thread>
 
@@ -74,8 +76,10 @@ Encoder::Encoder(Config config) : config_(std::move(config)) {
   const std::string& prefix = config_.continuing_prefix;
   for (const auto& entry : config_.vocab) {
     first.push_back(entry);
-    if (!prefix.empty() && entry.first.size() > prefix.size() &&
-        entry.first.compare(0, prefix.size(), prefix) == 0) {
+    if (prefix.empty()) {
+      continuation.push_back(entry);  // no prefix: a later piece is looked up as it is
+    } else if (entry.first.size() > prefix.size() &&
+               entry.first.compare(0, prefix.size(), prefix) == 0) {
       continuation.emplace_back(entry.first.substr(prefix.size()), entry.second);
     }
   }
@@ -148,38 +152,56 @@ Encoded Encoder::encode(const std::int64_t* offsets, const std::uint8_t* data, s
   const std::size_t blocks = (n + kTextsPerBlock - 1) / kTextsPerBlock;
   std::vector<Encoded> parts(blocks);
   std::atomic<std::size_t> next{0};
-  auto work = [&] {
-    std::string word;
-    for (std::size_t b = next.fetch_add(1); b < blocks; b = next.fetch_add(1)) {
-      Encoded& part = parts[b];
-      const std::size_t first = b * kTextsPerBlock, last = std::min(n, first + kTextsPerBlock);
-      part.lengths.reserve(last - first);
-      for (std::size_t i = first; i < last; ++i) {
-        const std::string_view text(reinterpret_cast<const char*>(data) + offsets[i],
-                                    static_cast<std::size_t>(offsets[i + 1] - offsets[i]));
-        const std::size_t before = part.tokens.size();
-        const bool encoded = encode_text(text, part.tokens, word);
-        part.lengths.push_back(encoded ? static_cast<std::int64_t>(part.tokens.size() - before)
-                                       : -1);
-      }
+  std::mutex failed_lock;
+  std::exception_ptr failed;  // the first error of any thread, raised once all have stopped
+  auto work = [&]() noexcept {
+    try {
+      encode_blocks(offsets, data, n, next, parts);
+    } catch (...) {
+      std::lock_guard<std::mutex> hold(failed_lock);
+      if (!failed) failed = std::current_exception();
+      next.store(blocks);  // the others stop at their next block
     }
   };
   threads = std::max(1u, std::min<unsigned>(threads, static_cast<unsigned>(blocks)));
   std::vector<std::thread> pool;
-  for (unsigned t = 1; t < threads; ++t) pool.emplace_back(work);
+  try {
+    for (unsigned t = 1; t < threads; ++t) pool.emplace_back(work);
+  } catch (...) {  // fewer threads than asked for: those started still run
+  }
   work();
   for (std::thread& t : pool) t.join();
+  if (failed) std::rethrow_exception(failed);
 
   Encoded all;
   std::size_t total = 0;
   for (const Encoded& part : parts) total += part.tokens.size();
-  all.lengths.reserve(n);
-  all.tokens.reserve(total);
+  all.lengths.reserve(std::max<std::size_t>(n, 1));  // never a null data pointer
+  all.tokens.reserve(std::max<std::size_t>(total, 1));  // never a null data pointer
   for (const Encoded& part : parts) {
     all.lengths.insert(all.lengths.end(), part.lengths.begin(), part.lengths.end());
     all.tokens.insert(all.tokens.end(), part.tokens.begin(), part.tokens.end());
   }
   return all;
+}
+
+void Encoder::encode_blocks(const std::int64_t* offsets, const std::uint8_t* data, std::size_t n,
+                            std::atomic<std::size_t>& next, std::vector<Encoded>& parts) const {
+  const std::size_t blocks = parts.size();
+  std::string word;
+  for (std::size_t b = next.fetch_add(1); b < blocks; b = next.fetch_add(1)) {
+    Encoded& part = parts[b];
+    const std::size_t first = b * kTextsPerBlock, last = std::min(n, first + kTextsPerBlock);
+    part.lengths.reserve(last - first);
+    for (std::size_t i = first; i < last; ++i) {
+      const std::string_view text(reinterpret_cast<const char*>(data) + offsets[i],
+                                  static_cast<std::size_t>(offsets[i + 1] - offsets[i]));
+      const std::size_t before = part.tokens.size();
+      const bool encoded = encode_text(text, part.tokens, word);
+      part.lengths.push_back(encoded ? static_cast<std::int64_t>(part.tokens.size() - before)
+                                     : -1);
+    }
+  }
 }
 
 }  // namespace fabric::wordpiece

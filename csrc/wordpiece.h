@@ -5,6 +5,7 @@
 // accents and CJK splitting stay its job. fabric_gpu/wordpiece.py decides which tokenizers qualify.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -64,6 +65,9 @@ class Encoder {
   // Appends the text's ids to `out`; false (and `out` as it was) if it is handed back.
   bool encode_text(std::string_view text, std::vector<std::int32_t>& out, std::string& word) const;
   void encode_word(std::string_view word, std::vector<std::int32_t>& out) const;
+  // One thread's share: blocks of texts taken from `next` until none is left.
+  void encode_blocks(const std::int64_t* offsets, const std::uint8_t* data, std::size_t n,
+                     std::atomic<std::size_t>& next, std::vector<Encoded>& parts) const;
 
   Config config_;
   PieceTable first_;         // pieces that start a word

@@ -12,6 +12,7 @@ at all (`NativeWordPiece.of` says None).
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,8 @@ import numpy as np
 if TYPE_CHECKING:
     import pyarrow as pa
     from tokenizers import Tokenizer
+
+log = logging.getLogger(__name__)
 
 # Texts per call into the encoder: a progress update each, and a bound on the memory a call holds.
 TEXTS_PER_CALL = 1 << 16
@@ -44,8 +47,11 @@ class NativeWordPiece:
         settings = _supported(config)
         if settings is None:
             return None
-        from fabric_gpu import _wordpiece
-
+        try:
+            from fabric_gpu import _wordpiece
+        except ImportError as exc:  # an install built before the module: same ids, slower
+            log.warning("native WordPiece unavailable (%s); the tokenizer encodes every text", exc)
+            return None
         return cls(_wordpiece.Encoder(**settings))
 
     def encode(

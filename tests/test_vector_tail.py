@@ -455,3 +455,28 @@ def test_a_hand_over_slower_than_the_idle_transaction_limit_still_publishes(
         strict.dispose()
     assert published.vectors_followed
     assert published.receipt["source"]["rows"] == 80
+
+
+@SQLITE_ONLY
+def test_a_hand_over_that_cannot_begin_stops_the_tail_and_gives_way_to_the_read(
+    db: Engine,
+) -> None:
+    """No transaction for the hand-over (a lock held past the busy timeout, a lost server): the
+    tail stops and lets its arrays go, and the caller reads the table."""
+    set_id = _task_set(db, "s", TASKS)
+    with vector_tail.following(db, "m", "s") as tail:
+        assert tail is not None and tail.wait_until_following(30)
+        _write(db, "m", set_id, list(range(10)))
+    _caught_up(tail, 10)
+
+    class NoTransaction:
+        url = db.url
+
+        def begin(self) -> Any:
+            raise RuntimeError("database is locked")
+
+    assert vector_tail.claim(NoTransaction(), "m") is None  # type: ignore[arg-type]
+    assert tail is not None
+    tail._thread.join(10)
+    assert not tail._thread.is_alive() and tail._arrivals is None
+    assert vector_tail._tails == {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import threading
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -73,6 +74,13 @@ def _fuzz_texts(tokenizer: Tokenizer, n: int, seed: int = 0) -> list[str]:
     return texts
 
 
+SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")  # all-MiniLM's added tokens
+
+
+def _handed_back(text: str) -> bool:
+    return not text.isascii() or any(special in text for special in SPECIALS)
+
+
 def test_every_text_gets_the_reference_tokenizers_ids(minilm: Tokenizer) -> None:
     texts = _fuzz_texts(minilm, 30_000)
     native = NativeWordPiece.of(minilm)
@@ -83,7 +91,7 @@ def test_every_text_gets_the_reference_tokenizers_ids(minilm: Tokenizer) -> None
     back = np.flatnonzero(lengths < 0)
     # Most texts are the native encoder's; Unicode and "[MASK]" are handed back, not guessed.
     assert 0 < len(back) < len(texts) // 2
-    assert all(not texts[i].isascii() or "[" in texts[i] for i in back.tolist())
+    assert [int(i) for i in back] == [i for i, t in enumerate(texts) if _handed_back(t)]
     back_ids = _reference(minilm, [texts[i] for i in back.tolist()])
     merged_lengths, merged = merge_handed_back(
         lengths, tokens, back,
@@ -93,13 +101,40 @@ def test_every_text_gets_the_reference_tokenizers_ids(minilm: Tokenizer) -> None
     assert _split(merged_lengths, merged) == _reference(minilm, texts)
 
 
-def test_ingest_encodes_arrow_and_list_texts_as_the_reference_does(minilm: Tokenizer) -> None:
+def test_ingest_encodes_arrow_and_list_texts_as_the_reference_does(
+    minilm: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Natively, but for the texts handed back: only those reach the reference tokenizer."""
+    from fabric_pipelines.lib.tasks import ingest
+
     texts = _fuzz_texts(minilm, 5_000, seed=1)
     expected = _reference(minilm, texts)
+    reference = ingest._encode_reference
+    given_to_reference: list[int] = []
+
+    def counted(tokenizer: Tokenizer, chosen: Any, bar: Any) -> Any:
+        given_to_reference.append(len(chosen))
+        return reference(tokenizer, chosen, bar)
+
+    monkeypatch.setattr(ingest, "_encode_reference", counted)
     for given in (texts, pa.array(texts, pa.string()), pa.array(texts, pa.large_string())[7:]):
+        given_to_reference.clear()
         lengths, tokens, refused = encode_texts(minilm, given)
         assert refused == {}
         assert _split(lengths, tokens) == expected[-len(given) :]
+        handed_back = sum(_handed_back(t) for t in texts[-len(given) :])
+        assert given_to_reference == [handed_back] and 0 < handed_back < len(given) // 2
+
+
+def test_texts_all_handed_back_give_empty_native_arrays(minilm: Tokenizer) -> None:
+    native = NativeWordPiece.of(minilm)
+    assert native is not None
+    found = native.encode(["naïve", "日本語"])
+    assert found is not None
+    lengths, tokens = found
+    assert lengths.tolist() == [-1, -1] and tokens.dtype == np.int32 and len(tokens) == 0
+    lengths, tokens, _ = encode_texts(minilm, ["naïve"])
+    assert _split(lengths, tokens) == _reference(minilm, ["naïve"])
 
 
 def test_texts_arrow_cannot_hold_go_to_the_reference(minilm: Tokenizer) -> None:
@@ -109,7 +144,7 @@ def test_texts_arrow_cannot_hold_go_to_the_reference(minilm: Tokenizer) -> None:
     assert native.encode(texts) is None
     lengths, _, refused = encode_texts(minilm, texts)
     assert len(lengths) == 3 and lengths[0] == len(_reference(minilm, ["plain words"])[0])
-    assert set(refused) <= {1}
+    assert list(refused) == [1] and "could not be tokenised" in refused[1]
 
 
 def test_no_texts(minilm: Tokenizer) -> None:
@@ -119,6 +154,7 @@ def test_no_texts(minilm: Tokenizer) -> None:
 
 def _bert_like(
     lowercase: bool = True,
+    prefix: str = "##",
     processor: processors.PostProcessor | None = None,
     normalizer: normalizers.Normalizer | None = None,
     pre_tokenizer: pre_tokenizers.PreTokenizer | None = None,
@@ -142,7 +178,12 @@ def _bert_like(
         "##able",
     ]:
         vocab.setdefault(piece, len(vocab))
-    tokenizer = Tokenizer(WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=12))
+    vocab = {(p.replace("##", prefix, 1) if p.startswith("##") else p): i for p, i in vocab.items()}
+    tokenizer = Tokenizer(
+        WordPiece(
+            vocab, unk_token="[UNK]", max_input_chars_per_word=12, continuing_subword_prefix=prefix
+        )
+    )
     tokenizer.normalizer = normalizer or normalizers.BertNormalizer(lowercase=lowercase)
     tokenizer.pre_tokenizer = pre_tokenizer or pre_tokenizers.BertPreTokenizer()
     if processor is not None:
@@ -156,10 +197,12 @@ def _bert_like(
     [
         _bert_like(),
         _bert_like(lowercase=False),
+        _bert_like(prefix=""),
+        _bert_like(prefix="@@"),
         _bert_like(processor=processors.BertProcessing(("[SEP]", 2), ("[CLS]", 1))),
         _bert_like(processor=processors.TemplateProcessing(single="[CLS] [CLS] $A [SEP]", special_tokens=[("[CLS]", 1), ("[SEP]", 2)])),
     ],
-    ids=["lowercase-no-specials", "cased", "bert-processing", "template"],
+    ids=["lowercase-no-specials", "cased", "no-prefix", "other-prefix", "bert-processing", "template"],
 )  # fmt: skip
 def test_other_bert_configurations_match_the_reference(tokenizer: Tokenizer) -> None:
     texts = [

@@ -8,6 +8,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -307,9 +308,21 @@ def test_a_new_sqlite_database_gets_large_pages_and_an_existing_one_keeps_its_ow
 
 
 @pytest.mark.parametrize("huge_token_count", [False, True], ids=["one-step", "row-by-row"])
-def test_every_row_is_stored_as_given(db: Engine, huge_token_count: bool) -> None:
+def test_every_row_is_stored_as_given(
+    db: Engine, huge_token_count: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Record numbers out of order, token counts, and every vector's bytes come back as written;
     a token count too large for SQLite's one-step insert takes the row-by-row path."""
+    from fabric_pipelines.lib.store import writer as writer_module
+
+    one_step = writer_module._insert_sqlite_in_one_step
+    one_step_rows: list[int] = []
+
+    def counted(cursor: Any, columns: dict[str, np.ndarray]) -> int:
+        one_step_rows.append(len(columns["record_no"]))
+        return one_step(cursor, columns)
+
+    monkeypatch.setattr(writer_module, "_insert_sqlite_in_one_step", counted)
     batches = _ledger(db, 3)
     rng = np.random.default_rng(5)
     for batch in batches:
@@ -332,6 +345,8 @@ def test_every_row_is_stored_as_given(db: Engine, huge_token_count: bool) -> Non
     }
     assert stored == expected
     _assert_exactly_once(db, 3 * ITEMS)
+    one_step_expected = db.dialect.name == "sqlite" and not huge_token_count
+    assert (sum(one_step_rows) == 3 * ITEMS) if one_step_expected else one_step_rows == []
 
 
 def test_the_one_step_insert_fills_the_watermarks_and_ignores_rows_already_there(

@@ -276,8 +276,9 @@ class VectorTail:
                     f"{moved} row changes counted against {self._arrived_since} rows seen "
                     f"arriving; {rows} rows in the table against {arrivals.held} held"
                 )
-            if arrivals.vectors is None:
-                return None  # no rows: the table's own read says so at no cost
+            if arrivals.vectors is None:  # no rows: the table's own read says so at no cost
+                self._error = TailGaveUp("no rows arrived")
+                return None
             ids, vectors = arrivals.compacted()
             return vector_set(conn, self.key[1], ids, vectors.astype(np.float32, copy=False))
         except Exception as exc:  # any doubt: the index step reads the table as it always did
@@ -504,8 +505,13 @@ def claim(db: Engine, model_key: str) -> VectorSet | None:
     started = time.monotonic()
     # SQLite: BEGIN IMMEDIATE, so the hand-over sees the file's latest state; no write lands
     # between its reads and the task-set names.
-    with db.begin() as conn:
-        taken = tail.take(conn)
+    try:
+        with db.begin() as conn:
+            taken = tail.take(conn)
+    except Exception as exc:  # no transaction (a lock held too long, a lost server): read
+        tail.close()
+        log.warning("vector tail of %s: not used (%s)", model_key, exc)
+        return None
     seconds = time.monotonic() - started
     if taken is None or seconds > SLOW_HAND_OVER_SECONDS:
         log.warning(

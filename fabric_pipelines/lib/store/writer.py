@@ -136,7 +136,7 @@ def _insert_rows(conn: Connection, batches: list[BatchRows], upsert: bool, pgvec
             return int(cur.rowcount)
     # SQLite: duplicates ignored (the unique key makes a replay harmless).
     cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
-    if _packable(columns["record_no"], columns["n_tokens"]) and sqlite_has_json(cursor):
+    if _packable(columns) and sqlite_has_json(cursor):
         return _insert_sqlite_in_one_step(cursor, columns)
     rows = zip(
         columns["task_set_id"].tolist(),
@@ -158,9 +158,15 @@ def _insert_rows(conn: Connection, batches: list[BatchRows], upsert: bool, pgvec
 _TOKEN_BITS = 24
 
 
-def _packable(record_no: np.ndarray, n_tokens: np.ndarray) -> bool:
+def _packable(columns: dict[str, np.ndarray]) -> bool:
+    """Whether the one-step insert can carry these rows: record numbers and token counts fit
+    the packed JSON integer, set and model ids the grouping key's halves."""
+    record_no, n_tokens = columns["record_no"], columns["n_tokens"]
+    ids = np.concatenate([columns["task_set_id"], columns["model_id"]])
     return bool(
         len(record_no)
+        and ids.min() >= 0
+        and ids.max() < 1 << 31
         and record_no.min() >= 0
         and record_no.max() < 1 << (63 - _TOKEN_BITS)
         and n_tokens.min() >= 0
