@@ -262,16 +262,22 @@ def read_only_connection(engine: Engine) -> psycopg.Connection[Any]:
     return db
 
 
-def copy_sql(pgvector: bool, where: str = "") -> str:
-    """The binary COPY of a model's rows (the model its first parameter; `where` more conditions
-    and their parameters after it), as _postgres_rows describes."""
+def _copied_columns(pgvector: bool) -> str:
+    """A row as _postgres_rows reads it: its id, its float32 bytes, and with pgvector the
+    `embedding` value's floats where `vector` is empty."""
     from_pgvector = (
         ", CASE WHEN vector IS NULL THEN substring(vector_send(embedding) from 5) END"
         if pgvector
         else ""
     )
+    return f"task_set_id::int8 * {ID_STRIDE} + record_no, vector{from_pgvector}"
+
+
+def copy_sql(pgvector: bool, where: str = "") -> str:
+    """The binary COPY of a model's rows (the model its first parameter; `where` more conditions
+    and their parameters after it), as _postgres_rows describes."""
     return (
-        f"COPY (SELECT task_set_id::int8 * {ID_STRIDE} + record_no, vector{from_pgvector} "
+        f"COPY (SELECT {_copied_columns(pgvector)} "
         f"FROM embeddings WHERE model_id = %s{where} ORDER BY task_set_id, record_no) "
         "TO STDOUT (FORMAT BINARY)"
     )
@@ -283,14 +289,10 @@ def copy_records_sql(pgvector: bool) -> str:
 
     One index probe per record: LATERAL ... LIMIT 1 keeps the planner from what it chose on a
     table written moments ago and not yet analysed, a scan of all the set's rows with the list
-    as a filter (18 s for 15,000 of 200,000 rows, against 0.3 s this way)."""
-    from_pgvector = (
-        ", CASE WHEN e.vector IS NULL THEN substring(vector_send(e.embedding) from 5) END"
-        if pgvector
-        else ""
-    )
+    as a filter (18 s for 15,000 of 200,000 rows, against 0.3 s this way). The columns are the
+    LATERAL row's (`r` has only `no`)."""
     return (
-        f"COPY (SELECT e.task_set_id::int8 * {ID_STRIDE} + e.record_no, e.vector{from_pgvector} "
+        f"COPY (SELECT {_copied_columns(pgvector)} "
         "FROM unnest(%s::int8[]) AS r(no) CROSS JOIN LATERAL (SELECT * FROM embeddings "
         "WHERE model_id = %s AND task_set_id = %s AND record_no = r.no LIMIT 1) AS e) "
         "TO STDOUT (FORMAT BINARY)"

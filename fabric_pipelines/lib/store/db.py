@@ -7,7 +7,9 @@ workers can never claim the same batch.
 
 from __future__ import annotations
 
+import functools
 import sqlite3
+from contextlib import closing
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
@@ -76,11 +78,14 @@ def insert_ignoring_duplicates(engine: Engine | Any, model: type[Base]) -> Inser
     raise NotImplementedError(f"database dialect {engine.dialect.name!r} is not supported")
 
 
-def sqlite_has_json(cursor: Any) -> bool:
-    """Whether this SQLite has its JSON functions (built in since 3.38; an option before): the
-    bulk inserts read a statement's rows out of one JSON array."""
-    try:
-        cursor.execute("SELECT json_valid('[]')").fetchone()
-    except sqlite3.OperationalError:
-        return False
+@functools.cache
+def sqlite_has_json() -> bool:
+    """Whether the SQLite library Python links has its JSON functions (built in since 3.38; an
+    option before): the bulk inserts read a statement's rows out of one JSON array. Asked once
+    per process, of a database in memory."""
+    with closing(sqlite3.connect(":memory:")) as probe:
+        try:
+            probe.execute("SELECT json_valid('[]')").fetchone()
+        except sqlite3.OperationalError:
+            return False
     return True

@@ -136,7 +136,7 @@ def _insert_rows(conn: Connection, batches: list[BatchRows], upsert: bool, pgvec
             return int(cur.rowcount)
     # SQLite: duplicates ignored (the unique key makes a replay harmless).
     cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
-    if _packable(columns) and sqlite_has_json(cursor):
+    if _packable(columns) and sqlite_has_json():
         return _insert_sqlite_in_one_step(cursor, columns)
     rows = zip(
         columns["task_set_id"].tolist(),

@@ -509,7 +509,7 @@ def write_task_ids(conn: Any, set_id: int, record_no: np.ndarray, task_ids: list
     (cache_size,) = cursor.execute("PRAGMA cache_size").fetchone()
     cursor.execute(f"PRAGMA cache_size = {-SQLITE_INSERT_CACHE_KIB}")
     try:
-        if sqlite_has_json(cursor) and bool(np.all(np.diff(record_no) > 0)):
+        if sqlite_has_json() and bool(np.all(np.diff(record_no) > 0)):
             _insert_json_arrays(cursor, set_id, record_no, task_ids)
         else:
             _insert_rows(cursor, set_id, record_no, task_ids)
