@@ -39,6 +39,7 @@ from fabric_pipelines.lib.index.vectors import ID_STRIDE, load_vectors
 from fabric_pipelines.lib.settings import FabricPaths
 from fabric_pipelines.lib.store.keys import model_id
 from fabric_pipelines.lib.store.models import Embedding, IndexReceipt
+from fabric_pipelines.lib.store.writer import BatchRows, insert_rows
 
 SHARDS = 8
 SPEC = IndexSpec(factory="IVF32,Flat", nprobe=4, shards=SHARDS)
@@ -192,11 +193,14 @@ def test_only_the_changed_shard_is_rebuilt_and_search_equals_a_full_rebuild(
                 Embedding.record_no == rows[1][1],
             )
         )
-        conn.execute(
-            insert(Embedding).values(
-                model_id=model, task_set_id=1, record_no=new_record, n_tokens=3,
-                vector=_clustered(1, seed=10)[0].astype("<f4").tobytes(),
-            )
+        insert_rows(  # as the extraction's writer adds a row
+            conn,
+            [BatchRows(
+                lease=None,  # type: ignore[arg-type]  # only the rows are written here
+                task_set="", task_set_id=1, model_key="m", model_id=model,
+                record_no=np.array([new_record]), n_tokens=np.array([3]),
+                pooled=_clustered(1, seed=10),
+            )],
         )  # fmt: skip
     with db.connect() as conn:
         found = staleness(conn, "m", paths.indexes)

@@ -5,8 +5,10 @@ and processes upgrading a fresh database at once all succeed."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
@@ -23,7 +25,7 @@ TABLES = {
 }  # fmt: skip
 
 
-HEAD = "0005"
+HEAD = "0006"
 
 
 def test_upgrade_from_empty_then_downgrade_one_step(db_url: str) -> None:
@@ -33,7 +35,7 @@ def test_upgrade_from_empty_then_downgrade_one_step(db_url: str) -> None:
     assert current_revision(engine) == HEAD
     assert set(inspect(engine).get_table_names()) >= TABLES
     downgrade(engine, "-1")
-    assert current_revision(engine) == "0004"
+    assert current_revision(engine) == "0005"
     assert set(inspect(engine).get_table_names()) >= TABLES
     upgrade(engine)
     assert current_revision(engine) == HEAD
@@ -156,9 +158,11 @@ def test_processes_upgrading_a_fresh_database_at_once_all_succeed(db_url: str) -
 
 
 def test_watermarks_move_by_the_rows_changed_on_both_databases(db_url: str) -> None:
-    """0005: a statement adds, per shard, the rows it inserted or deleted (an update counts its
-    old and new row), on PostgreSQL (statement triggers) as on SQLite (row triggers)."""
+    """A shard's watermark moves by the rows the writer inserted and the rows deleted (an update
+    counts its old and new row): on PostgreSQL by statement triggers (0005), on SQLite by the
+    writer and row triggers (0006). A row inserted by hand moves it on PostgreSQL only."""
     from fabric_pipelines.lib.index import shards
+    from fabric_pipelines.lib.store.writer import BatchRows, insert_rows
 
     engine = make_engine(db_url)
     upgrade(engine)
@@ -167,21 +171,57 @@ def test_watermarks_move_by_the_rows_changed_on_both_databases(db_url: str) -> N
         with engine.connect() as conn:
             return sum(shards.versions(conn, 1, 4))
 
+    def rows(model: int, records: range) -> BatchRows:
+        return BatchRows(
+            lease=None,  # type: ignore[arg-type]  # only the rows are written here
+            task_set="s", task_set_id=1, model_key="", model_id=model,
+            record_no=np.array(records), n_tokens=np.full(len(records), 3),
+            pooled=np.zeros((len(records), 1), np.float32),
+        )  # fmt: skip
+
     with engine.begin() as conn:
         conn.execute(text("INSERT INTO models (id, model_key) VALUES (1, 'm'), (2, 'other')"))
         shards.register(conn, 1, 4)
-    rows = [
-        {"model_id": 1, "task_set_id": 1, "record_no": r, "n_tokens": 3, "vector": b"\0" * 4}
-        for r in range(50)
-    ]
-    other = {"model_id": 2, "task_set_id": 1, "record_no": 0, "n_tokens": 3, "vector": b"\0" * 4}
-    with engine.begin() as conn:  # one statement of 50 rows, and another model's row
-        conn.execute(insert(Embedding).values([*rows, other]))
+    with engine.begin() as conn:  # 50 rows, and another model's row
+        assert insert_rows(conn, [rows(1, range(50)), rows(2, range(1))]) == 51
     assert total() == 50
+    with engine.connect() as conn:
+        assert shards.versions(conn, 1, 4) == [13, 12, 12, 13]  # (7919 + r) % 4: 3, 0, 1, 2, 3, ...
+    with engine.begin() as conn:  # a replay inserts nothing new
+        assert insert_rows(conn, [rows(1, range(48, 52))], upsert=True) == 2
+    assert total() == 52
     with engine.begin() as conn:
         conn.execute(text("DELETE FROM embeddings WHERE model_id = 1 AND record_no < 5"))
         conn.execute(
             text("UPDATE embeddings SET n_tokens = 4 WHERE model_id = 1 AND record_no < 8")
         )
-    assert total() == 50 + 5 + 2 * 3
+    assert total() == 52 + 5 + 2 * 3
+    by_hand = {"model_id": 1, "task_set_id": 1, "record_no": 99, "n_tokens": 3, "vector": b""}
+    with engine.begin() as conn:
+        conn.execute(insert(Embedding).values(by_hand))
+    assert total() == 52 + 5 + 2 * 3 + (engine.dialect.name == "postgresql")
+    engine.dispose()
+
+
+def test_sqlite_downgrade_from_0006_counts_inserts_by_trigger_again(tmp_path: Path) -> None:
+    from fabric_pipelines.lib.index import shards
+
+    engine = make_engine(f"sqlite:///{tmp_path / 'down.db'}")
+    upgrade(engine)
+    downgrade(engine, "0005")
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO models (id, model_key) VALUES (1, 'm')"))
+        shards.register(conn, 1, 4)
+        conn.execute(
+            insert(Embedding).values(model_id=1, task_set_id=1, record_no=3, n_tokens=3, vector=b"")
+        )
+    with engine.connect() as conn:
+        assert sum(shards.versions(conn, 1, 4)) == 1
+    upgrade(engine)
+    with engine.begin() as conn:
+        conn.execute(
+            insert(Embedding).values(model_id=1, task_set_id=1, record_no=4, n_tokens=3, vector=b"")
+        )
+    with engine.connect() as conn:
+        assert sum(shards.versions(conn, 1, 4)) == 1
     engine.dispose()

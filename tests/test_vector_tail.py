@@ -22,6 +22,7 @@ from fabric_pipelines.lib.index.vectors import ID_STRIDE, VectorSet, load_vector
 from fabric_pipelines.lib.settings import FabricPaths
 from fabric_pipelines.lib.store.keys import model_id
 from fabric_pipelines.lib.store.models import Embedding, Task, TaskSet
+from fabric_pipelines.lib.store.writer import BatchRows, insert_rows
 from fabric_pipelines.lib.tasks.catalog import ingest_task_set
 from fabric_pipelines.lib.tasks.inbox import submit
 from fabric_pipelines.lib.tasks.store import read_table
@@ -73,12 +74,18 @@ def _vector(set_id: int, record_no: int, dim: int = 6) -> np.ndarray:
 
 
 def _write(db: Engine, model: str, set_id: int, records: list[int], dim: int = 6) -> None:
+    """Rows written as the extraction's writer writes them (which moves their watermarks)."""
     with db.begin() as conn:
         key = model_id(conn, model)
-        conn.execute(
-            insert(Embedding),
-            [{"model_id": key, "task_set_id": set_id, "record_no": r, "n_tokens": 3,
-              "vector": _vector(set_id, r, dim).tobytes()} for r in records],
+        insert_rows(
+            conn,
+            [BatchRows(
+                lease=None,  # type: ignore[arg-type]  # only the rows are written here
+                task_set="", task_set_id=set_id, model_key=model, model_id=key,
+                record_no=np.array(records, dtype=np.int64),
+                n_tokens=np.full(len(records), 3),
+                pooled=np.array([_vector(set_id, r, dim) for r in records]).reshape(-1, dim),
+            )],
         )  # fmt: skip
 
 
@@ -192,6 +199,26 @@ def test_a_row_that_takes_a_deleted_rows_rowid_is_not_missed(db: Engine) -> None
     claimed, read = _claim_and_read(db)
     assert claimed is None
     assert len(read.ids) == TASKS - 1
+
+
+@SQLITE_ONLY
+def test_a_row_inserted_by_hand_makes_the_index_read_the_table(db: Engine) -> None:
+    """On SQLite only the writer counts the rows it inserts (store/watermarks.py): a row put in
+    by hand moves no watermark, and the tail, which sees it arrive, does not hand over."""
+    set_id = _task_set(db, "s", TASKS)
+
+    def insert_by_hand() -> None:
+        with db.begin() as conn:
+            conn.execute(
+                insert(Embedding),
+                {"model_id": model_id(conn, "m"), "task_set_id": set_id, "record_no": TASKS - 1,
+                 "n_tokens": 3, "vector": _vector(set_id, TASKS - 1).tobytes()},
+            )  # fmt: skip
+
+    _followed(db, set_id, list(range(TASKS - 1)), insert_by_hand)
+    claimed, read = _claim_and_read(db)
+    assert claimed is None
+    assert len(read.ids) == TASKS
 
 
 @SQLITE_ONLY

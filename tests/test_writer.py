@@ -352,8 +352,8 @@ def test_every_row_is_stored_as_given(
 def test_the_one_step_insert_fills_the_watermarks_and_ignores_rows_already_there(
     tmp_path: Path,
 ) -> None:
-    """SQLite's one-statement insert still fires the row trigger once per new row, and a replay
-    inserts nothing and moves no watermark."""
+    """SQLite's one-statement insert moves the watermarks by the rows it inserted (no trigger
+    counts them), and a replay inserts nothing and moves no watermark."""
     from fabric_pipelines.lib.store.db import create_schema
 
     db = make_engine(f"sqlite:///{tmp_path / 'one-step.db'}")
@@ -381,7 +381,7 @@ def test_the_one_step_insert_fills_the_watermarks_and_ignores_rows_already_there
 def test_a_group_of_several_task_sets_and_models_is_stored_as_given(tmp_path: Path) -> None:
     """SQLite's one-step insert runs once per (task set, model) of a group, batches interleaved."""
     from fabric_pipelines.lib.store.db import create_schema
-    from fabric_pipelines.lib.store.writer import _insert_rows
+    from fabric_pipelines.lib.store.writer import insert_rows
 
     db = make_engine(f"sqlite:///{tmp_path / 'mixed.db'}")
     create_schema(db)
@@ -396,7 +396,7 @@ def test_a_group_of_several_task_sets_and_models_is_stored_as_given(tmp_path: Pa
         for n, (set_id, model) in enumerate([(1, 7), (2, 7), (1, 8), (1, 7)])
     ]  # fmt: skip
     with db.begin() as conn:
-        assert _insert_rows(conn, batches, upsert=False, pgvector=False) == 200
+        assert insert_rows(conn, batches) == 200
     with db.connect() as conn:
         stored = {
             (int(r.task_set_id), int(r.model_id), int(r.record_no)): (int(r.n_tokens), r.vector)

@@ -12,12 +12,12 @@ every task of the set), so nothing is sorted afterwards. The index step, in the 
 takes the arrays instead of reading the table (`claim`).
 
 That the tail holds exactly what the table holds is proved, not assumed, with the shard
-watermarks, which the tail registers before it reads: every row inserted or deleted moves the
-versions of one shard count by one, every row updated by two (store migrations 0003 and 0005).
+watermarks, which the tail registers before it reads: every row the writer inserts and every row
+deleted moves the versions of one shard by one, every row updated by two (store/watermarks.py).
 In one snapshot taken at the hand-over, the versions' sum must have moved by exactly the number
 of rows the tail saw arrive, and the model's row count must equal the rows it holds. A row
-inserted unseen (a rowid reused after a delete; a row written by another run), deleted, or
-changed breaks one of the two, and the index step reads the table as before; so do a row of
+inserted unseen (a rowid reused after a delete; a row written by another run), inserted by hand
+(SQLite counts only the writer's inserts), deleted, or changed breaks one of the two, and the index step reads the table as before; so do a row of
 another task set arriving, a vector of another size, and any error. The tail is a head start,
 never a second source of truth.
 

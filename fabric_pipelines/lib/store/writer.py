@@ -5,10 +5,12 @@ the producer: nothing is dropped). Writer threads (two on PostgreSQL, each with 
 connection, so one builds its COPY payload while the server ingests the other's; one on SQLite,
 which has a single write lock) take a few batches at a time and commit them in one transaction: first each batch's ack (accepted only with the lease's current epoch),
 then the rows of the acked batches — on PostgreSQL one binary COPY built in bulk (pgcopy.py),
-on SQLite one executemany — and their hidden-state shard references. A stale batch is dropped
-from the group before its rows are written. Rows are keyed by (task set, task, model): if a
-replay finds rows already there (the previous attempt committed but its reply was lost), the
-group is written again through a staging table with ON CONFLICT DO NOTHING.
+on SQLite one INSERT that reads the rows out of its parameters, whose shard watermarks the writer
+moves itself (store/watermarks.py) — and their hidden-state shard references. A stale batch is
+dropped from the group before its rows are written. Rows are keyed by (task set, task, model): if
+a replay finds rows already there (the previous attempt committed but its reply was lost), the
+group is written again ignoring those rows (PostgreSQL: through a staging table with ON CONFLICT
+DO NOTHING; SQLite: row by row).
 
 Transient database errors (lib/retry.py) are retried with back-off, the whole group each time
 (idempotent), up to a bound; then the writer fails with an error that says how long it tried.
@@ -20,8 +22,9 @@ from __future__ import annotations
 
 import json
 import queue
+import sqlite3
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +40,7 @@ from fabric_pipelines.lib.store.models import HiddenStateShard
 from fabric_pipelines.lib.store.pgcopy import embeddings_payload
 from fabric_pipelines.lib.store.schema import stores_pgvector
 from fabric_pipelines.lib.store.shards import ShardFile
+from fabric_pipelines.lib.store.watermarks import count_inserted
 
 COPY_EMBEDDINGS = "COPY embeddings (task_set_id, record_no, model_id, n_tokens, vector) FROM STDIN (FORMAT BINARY)"
 
@@ -91,14 +95,19 @@ def write_group(
             else:
                 outcome.acked.append(batch)
         if outcome.acked:
-            outcome.inserted = _insert_rows(conn, outcome.acked, upsert, pgvector)
+            outcome.inserted = insert_rows(conn, outcome.acked, upsert=upsert, pgvector=pgvector)
             shards = [_shard_row(b) for b in outcome.acked if b.shard is not None]
             if shards:
                 conn.execute(_insert_shard_rows(conn), shards)
     return outcome
 
 
-def _insert_rows(conn: Connection, batches: list[BatchRows], upsert: bool, pgvector: bool) -> int:
+def insert_rows(
+    conn: Connection, batches: list[BatchRows], *, upsert: bool = False, pgvector: bool = False
+) -> int:
+    """Insert the rows of `batches` on `conn`'s transaction; returns how many were new (a replay,
+    `upsert`, skips rows already there). The only way rows enter `embeddings`: on SQLite it also
+    moves their shard watermarks."""
     columns = {
         "task_set_id": np.concatenate([np.full(len(b.record_no), b.task_set_id) for b in batches]),
         "record_no": np.concatenate([b.record_no for b in batches]),
@@ -134,11 +143,33 @@ def _insert_rows(conn: Connection, batches: list[BatchRows], upsert: bool, pgvec
                 "FROM staging_embeddings ON CONFLICT DO NOTHING"
             )
             return int(cur.rowcount)
-    # SQLite: duplicates ignored (the unique key makes a replay harmless).
+    # SQLite: a plain INSERT, so a row already there fails the group, which is then replayed
+    # row by row ignoring duplicates. No trigger counts inserts (migration 0006): the rows
+    # inserted move their shards' watermarks here, in the same transaction.
     cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
-    if _packable(columns) and sqlite_has_json():
-        return _insert_sqlite_in_one_step(cursor, columns)
-    rows = zip(
+    if upsert:
+        inserted = _insert_sqlite_ignoring_rows_there(cursor, columns)
+    else:
+        if _packable(columns) and sqlite_has_json():
+            _insert_sqlite_in_one_step(cursor, columns)
+        else:
+            cursor.executemany(
+                "INSERT INTO embeddings (task_set_id, record_no, model_id, n_tokens, vector) "
+                "VALUES (?, ?, ?, ?, ?)",
+                _sqlite_rows(columns),
+            )
+        inserted = np.ones(len(columns["record_no"]), dtype=bool)
+    count_inserted(
+        cursor,
+        columns["task_set_id"][inserted],
+        columns["model_id"][inserted],
+        columns["record_no"][inserted],
+    )
+    return int(inserted.sum())
+
+
+def _sqlite_rows(columns: dict[str, np.ndarray]) -> Iterator[tuple[int, int, int, int, bytes]]:
+    return zip(
         columns["task_set_id"].tolist(),
         columns["record_no"].tolist(),
         columns["model_id"].tolist(),
@@ -146,12 +177,20 @@ def _insert_rows(conn: Connection, batches: list[BatchRows], upsert: bool, pgvec
         (memoryview(v).tobytes() for v in columns["vectors"]),
         strict=True,
     )
-    cursor.executemany(
-        "INSERT OR IGNORE INTO embeddings (task_set_id, record_no, model_id, n_tokens, vector) "
-        "VALUES (?, ?, ?, ?, ?)",
-        rows,
-    )
-    return int(cursor.rowcount)
+
+
+def _insert_sqlite_ignoring_rows_there(cursor: Any, columns: dict[str, np.ndarray]) -> np.ndarray:
+    """A replay: each row on its own, so the rows actually inserted are known (to count them).
+    Rare (a commit whose reply was lost), so one statement per row is fine."""
+    inserted = np.zeros(len(columns["record_no"]), dtype=bool)
+    for n, row in enumerate(_sqlite_rows(columns)):
+        cursor.execute(
+            "INSERT OR IGNORE INTO embeddings (task_set_id, record_no, model_id, n_tokens, "
+            "vector) VALUES (?, ?, ?, ?, ?)",
+            row,
+        )
+        inserted[n] = cursor.rowcount == 1
+    return inserted
 
 
 # A row's record number and token count travel as one JSON integer: record_no << 24 | n_tokens.
@@ -174,7 +213,7 @@ def _packable(columns: dict[str, np.ndarray]) -> bool:
     )
 
 
-def _insert_sqlite_in_one_step(cursor: Any, columns: dict[str, np.ndarray]) -> int:
+def _insert_sqlite_in_one_step(cursor: Any, columns: dict[str, np.ndarray]) -> None:
     """The group's rows in one INSERT that reads them out of its parameters: the vectors as one
     blob (row k is bytes k*B..), record number and token count packed into one JSON array.
 
@@ -186,7 +225,6 @@ def _insert_sqlite_in_one_step(cursor: Any, columns: dict[str, np.ndarray]) -> i
     set_ids, model_ids = columns["task_set_id"], columns["model_id"]
     vectors = columns["vectors"]
     packed = (columns["record_no"].astype(np.int64) << _TOKEN_BITS) | columns["n_tokens"]
-    total = 0
     # One statement per (task set, model): a group normally holds one of each.
     keys = (set_ids.astype(np.int64) << 32) | model_ids
     distinct = np.unique(keys).tolist()
@@ -194,7 +232,7 @@ def _insert_sqlite_in_one_step(cursor: Any, columns: dict[str, np.ndarray]) -> i
         set_id, model = key >> 32, key & 0xFFFFFFFF
         rows = slice(None) if len(distinct) == 1 else np.flatnonzero(keys == key)
         cursor.execute(
-            "INSERT OR IGNORE INTO embeddings (task_set_id, record_no, model_id, n_tokens, vector) "
+            "INSERT INTO embeddings (task_set_id, record_no, model_id, n_tokens, vector) "
             f"SELECT ?1, r.value >> {_TOKEN_BITS}, ?2, r.value & {(1 << _TOKEN_BITS) - 1}, "
             "substr(?4, r.key * ?5 + 1, ?5) FROM json_each(?3) AS r",
             (
@@ -205,8 +243,6 @@ def _insert_sqlite_in_one_step(cursor: Any, columns: dict[str, np.ndarray]) -> i
                 vectors.shape[1] * vectors.itemsize,
             ),
         )
-        total += int(cursor.rowcount)
-    return total
 
 
 def _insert_shard_rows(conn: Connection) -> Insert:
@@ -247,8 +283,11 @@ def _driver_errors(name: str) -> tuple[type[BaseException], ...]:
 
 
 def is_duplicate(error: BaseException) -> bool:
-    """Rows already written: a unique-key violation (SQLAlchemy's or psycopg's own)."""
-    return isinstance(error, (exc.IntegrityError, *_driver_errors("IntegrityError")))
+    """Rows already written: a unique-key violation (SQLAlchemy's, or psycopg's or sqlite3's
+    own, raised as is by the writer's raw cursors)."""
+    return isinstance(
+        error, (exc.IntegrityError, sqlite3.IntegrityError, *_driver_errors("IntegrityError"))
+    )
 
 
 class WriterGaveUp(GaveUpRetrying):
