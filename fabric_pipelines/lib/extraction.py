@@ -25,6 +25,7 @@ from sqlalchemy import Engine, func, select
 from fabric_gpu.engines import Engine as ExtractionEngine
 from fabric_gpu.engines import PaddedBatch
 from fabric_gpu.runtime import BatchResult, open_runner
+from fabric_pipelines.lib.broker.claim_ahead import ClaimAhead
 from fabric_pipelines.lib.broker.ledger import (
     DEFAULT_LEASE_SECONDS,
     LEASED,
@@ -47,6 +48,13 @@ from fabric_pipelines.lib.store.writer import BatchRows, GroupOutcome, RejectBat
 from fabric_pipelines.lib.tasks.store import flat_tokens
 
 T = TypeVar("T")
+
+# Batches claimed per transaction, in multiples of those in flight, and how many such chunks
+# are kept claimed ahead: enough to ride out a claim that waits for SQLite's write lock while
+# the GPU drains (24 MiniLM batches: ~0.2 s on an H200), few enough that workers sharing a plan
+# end close together.
+CLAIM_CHUNK_IN_FLIGHTS = 2
+CLAIM_AHEAD_CHUNKS = 3
 
 
 @dataclass
@@ -280,12 +288,12 @@ def run_worker(
     def others_hold_leases() -> bool:
         return db_call(f"reading the leases of plan {job.plan_id}", lambda: _leased(db, job)) > 0
 
-    def claim() -> list[Lease]:
+    def claim(count: int = max_in_flight) -> list[Lease]:
         if heartbeat.error is not None:
             raise heartbeat.error
         leases = db_call(
             f"claiming batches of plan {job.plan_id}",
-            lambda: claim_many(db, job.plan_id, owner, lease_seconds, max_in_flight),
+            lambda: claim_many(db, job.plan_id, owner, lease_seconds, count),
         )
         heartbeat.hold(leases)
         return leases
@@ -296,23 +304,28 @@ def run_worker(
         shapes = engine.shapes_for(shapes)
     with heartbeat:
         writer = WriteBehind(db, written, before_write=hidden_states_to_shard)
+        # Claims run ahead on their own thread (broker/claim_ahead.py), a few chunks ready.
+        chunk = CLAIM_CHUNK_IN_FLIGHTS * max_in_flight
+        ahead = ClaimAhead(claim, depth=CLAIM_AHEAD_CHUNKS * chunk, chunk=chunk)
         try:
-            with open_runner(
-                engine,
-                tokens,
-                offsets,
-                on_result,
-                shapes=shapes,
-                pad_token_id=job.pad_token_id,
-                max_in_flight=max_in_flight,
-            ) as runner:
+            with (
+                ahead,
+                open_runner(
+                    engine,
+                    tokens,
+                    offsets,
+                    on_result,
+                    shapes=shapes,
+                    pad_token_id=job.pad_token_id,
+                    max_in_flight=max_in_flight,
+                ) as runner,
+            ):
                 report.warmup_seconds = time.perf_counter() - started
                 report.ready_at = time.time()
-                claimed: list[Lease] = []
+                claimed: list[Lease] = []  # the end of the plan's claims, made here
                 while True:
-                    if not claimed:  # a few leases per transaction: claims off the critical path
-                        claimed = claim()
-                    if not claimed:
+                    lease = claimed.pop(0) if claimed else ahead.take()
+                    if lease is None:  # the plan's queue ran empty once
                         runner.finish()  # everything in flight lands; failures may re-queue
                         writer.flush()  # ... and is acknowledged: only others' leases remain
                         claimed = claim()
@@ -322,7 +335,7 @@ def run_worker(
                             claimed = claim()
                         if not claimed:
                             break
-                    lease = claimed.pop(0)
+                        lease = claimed.pop(0)
                     rows = job.order[lease.item_start : lease.item_start + lease.item_count]
                     submitted += 1
                     in_flight[submitted] = (lease, rows)

@@ -1,0 +1,93 @@
+"""Claiming batches ahead of the submit loop, on a thread of its own.
+
+A worker's submit loop keeps a few batches in flight on the GPU. Claiming the next ones takes a
+write transaction; on SQLite that means the database's one write lock, which the result writer
+holds for most of each group it commits. A claim made on the submit loop's thread waited for it
+(SQLite's busy handler sleeps 1-100 ms between tries), and meanwhile the GPU ran dry: on one
+H200, MiniLM-L6's submit loop spent 7 of its 13 s pulling window waiting to claim.
+
+`ClaimAhead` keeps up to `depth` leases claimed and ready, topping up `chunk` at a time on its
+thread, so a slow claim delays the ready supply, not the GPU. Leases waiting here are renewed by
+the worker's heartbeat like those in flight (the `claim` function given hands them to it). The
+first empty claim ends the supply: `take` then returns None, and the worker falls back to its own
+end-of-plan claims (failed batches re-queued, other workers' expired leases).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+
+from fabric_pipelines.lib.broker.ledger import Lease
+
+
+class ClaimAhead:
+    """Leases claimed by `claim(count)` on a background thread, handed out in claim order."""
+
+    def __init__(self, claim: Callable[[int], list[Lease]], depth: int, chunk: int) -> None:
+        if not 1 <= chunk <= depth:
+            raise ValueError(f"claim-ahead needs 1 <= chunk <= depth, got {chunk} and {depth}")
+        self._claim = claim
+        self._depth, self._chunk = depth, chunk
+        self._ready: deque[Lease] = deque()
+        self._changed = threading.Condition()
+        self._exhausted = False  # a claim came back empty: no more from this supply
+        self._closed = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="fabric-claim-ahead", daemon=True)
+        self._thread.start()
+
+    def take(self) -> Lease | None:
+        """The next lease, waiting for one to be claimed; None once a claim found none. Raises
+        what a claim raised."""
+        with self._changed:
+            while not self._ready and not self._exhausted and self._error is None:
+                self._changed.wait()
+            if self._ready:
+                lease = self._ready.popleft()
+                self._changed.notify_all()  # room for another chunk, perhaps
+                return lease
+            if self._error is not None:
+                raise self._error
+            return None
+
+    def close(self) -> list[Lease]:
+        """Stop claiming; returns the leases claimed but never taken (their leases lapse, or
+        the caller hands them back)."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+        self._thread.join()
+        with self._changed:
+            left = list(self._ready)
+            self._ready.clear()
+        return left
+
+    def __enter__(self) -> ClaimAhead:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                # Top up once a whole chunk fits: a few large claims, not many small ones.
+                while not self._closed and len(self._ready) > self._depth - self._chunk:
+                    self._changed.wait()
+                if self._closed:
+                    return
+            try:
+                leases = self._claim(self._chunk)
+            except BaseException as error:  # handed to the submit loop by `take`
+                with self._changed:
+                    self._error = error
+                    self._changed.notify_all()
+                return
+            with self._changed:
+                self._ready.extend(leases)
+                self._exhausted = not leases
+                self._changed.notify_all()
+                if self._exhausted:
+                    return

@@ -1,0 +1,156 @@
+"""Claiming ahead of the submit loop (broker/claim_ahead.py): every lease claimed is handed out
+once and in order, a slow claim does not stop leases already claimed from being taken, errors
+reach the taker, and two workers claiming ahead on one SQLite ledger share it exactly."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from sqlalchemy import select
+
+from fabric_pipelines.lib.broker.claim_ahead import ClaimAhead
+from fabric_pipelines.lib.broker.ledger import Lease, claim_many, register_plan
+from fabric_pipelines.lib.broker.planner import BatchPlan
+from fabric_pipelines.lib.store.db import create_schema, make_engine
+from fabric_pipelines.lib.store.models import Batch
+
+
+def _lease(batch_no: int) -> Lease:
+    return Lease(
+        plan_id="p", batch_no=batch_no, epoch=1, owner="w", seq_len=8, item_start=0,
+        item_count=1, real_tokens=8, padded_tokens=8, attempts=1,
+    )  # fmt: skip
+
+
+class FakeLedger:
+    """Hands out `total` batches in order, `count` at a time; records each claim's size."""
+
+    def __init__(self, total: int, delay_s: float = 0.0) -> None:
+        self.left = list(range(total))
+        self.sizes: list[int] = []
+        self.delay_s = delay_s
+        self.lock = threading.Lock()
+
+    def claim(self, count: int) -> list[Lease]:
+        time.sleep(self.delay_s)
+        with self.lock:
+            taken, self.left = self.left[:count], self.left[count:]
+            self.sizes.append(count)
+        return [_lease(n) for n in taken]
+
+
+def _drain(ahead: ClaimAhead) -> list[int]:
+    taken = []
+    while (lease := ahead.take()) is not None:
+        taken.append(lease.batch_no)
+    return taken
+
+
+def test_every_lease_is_taken_once_in_claim_order_then_none() -> None:
+    ledger = FakeLedger(50)
+    with ClaimAhead(ledger.claim, depth=12, chunk=4) as ahead:
+        assert _drain(ahead) == list(range(50))
+        assert ahead.take() is None  # stays exhausted
+    assert set(ledger.sizes) == {4}
+    assert len(ledger.sizes) == 14  # 13 claims with leases, then the empty one
+
+
+def test_it_never_holds_more_than_its_depth() -> None:
+    ledger = FakeLedger(100)
+    ahead = ClaimAhead(ledger.claim, depth=9, chunk=3)
+    time.sleep(0.2)  # plenty of time to over-claim, if it would
+    assert 100 - len(ledger.left) == 9
+    assert ahead.take() is not None
+    time.sleep(0.1)
+    assert 100 - len(ledger.left) == 9  # one taken: not yet room for a whole chunk
+    assert ahead.take() is not None and ahead.take() is not None
+    time.sleep(0.1)
+    assert 100 - len(ledger.left) == 12
+    assert len(ahead.close()) == 9  # claimed, never taken: handed back to the caller
+
+
+def test_leases_claimed_are_taken_while_the_next_claim_is_slow() -> None:
+    """The point of claiming ahead: a claim stuck on the write lock does not stall the taker."""
+    release = threading.Event()
+    calls = 0
+    claimed_on: set[str] = set()
+
+    def claim(count: int) -> list[Lease]:
+        nonlocal calls
+        calls += 1
+        claimed_on.add(threading.current_thread().name)
+        if calls > 1:
+            release.wait(30)  # every later claim waits (another transaction holds the lock)
+        return [_lease(calls * 100 + n) for n in range(count)] if calls < 3 else []
+
+    ahead = ClaimAhead(claim, depth=8, chunk=4)
+    started = time.monotonic()
+    first = [ahead.take() for _ in range(4)]
+    assert all(lease is not None for lease in first)
+    assert time.monotonic() - started < 5  # the stuck claim did not hold these back
+    release.set()
+    assert [lease.batch_no for lease in first if lease] == [100, 101, 102, 103]
+    assert _drain(ahead) == [200, 201, 202, 203]
+    ahead.close()
+    assert claimed_on == {"fabric-claim-ahead"}  # never on the taker's thread
+
+
+def test_a_failed_claim_is_raised_to_the_taker_after_the_leases_before_it() -> None:
+    calls = 0
+
+    def claim(count: int) -> list[Lease]:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise RuntimeError("the database went away")
+        return [_lease(n) for n in range(count)]
+
+    with ClaimAhead(claim, depth=2, chunk=2) as ahead:
+        assert [ahead.take(), ahead.take()] != [None, None]
+        with pytest.raises(RuntimeError, match="went away"):
+            ahead.take()
+
+
+def test_bad_sizes_are_refused() -> None:
+    with pytest.raises(ValueError, match="chunk <= depth"):
+        ClaimAhead(FakeLedger(1).claim, depth=2, chunk=3)
+
+
+def test_two_workers_claiming_ahead_on_one_sqlite_ledger_take_every_batch_once(
+    tmp_path: Path,
+) -> None:
+    """Two claimers (their own threads and connections) on the real ledger at once, each taker
+    slow enough that the claimers contend: every batch is leased to exactly one of them."""
+    db = make_engine(f"sqlite:///{tmp_path / 'ledger.db'}")
+    create_schema(db)
+    ones = np.ones(60, dtype=np.int64)
+    plan = BatchPlan(
+        order=np.arange(60), seq_len=8 * ones, item_start=np.arange(60), item_count=ones,
+        real_tokens=8 * ones, padded_tokens=8 * ones,
+    )  # fmt: skip
+    with db.begin() as conn:
+        register_plan(conn, "p", "s", plan)
+    taken: dict[str, list[int]] = {}
+
+    def work(owner: str) -> None:
+        ahead = ClaimAhead(lambda n: claim_many(db, "p", owner, 60.0, n), depth=6, chunk=2)
+        with ahead:
+            while (lease := ahead.take()) is not None:
+                taken.setdefault(owner, []).append(lease.batch_no)
+                time.sleep(0.002)
+
+    threads = [threading.Thread(target=work, args=(f"w{n}",)) for n in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    every = sorted(taken.get("w0", []) + taken.get("w1", []))
+    assert every == list(range(60))
+    assert taken.get("w0") and taken.get("w1")  # both took part
+    with db.connect() as conn:
+        owners = dict(conn.execute(select(Batch.batch_no, Batch.lease_owner)).all())
+    assert owners == {n: owner for owner, batches in taken.items() for n in batches}
