@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-from sqlalchemy import Connection, Engine, select
+from sqlalchemy import Connection, Engine, Text, cast, func, select
 
 from fabric_gpu.model import DEFAULT_MODEL_ID
 from fabric_pipelines.lib.broker.ledger import COMPLETED, LEASED, QUEUED, accounting
@@ -401,19 +401,21 @@ def _check_plan(ctx: _Context, plan: Any, batches: list[_Batch]) -> np.ndarray |
 
 
 def _embedded_record_nos(conn: Connection, set_id: int, model_key: str) -> np.ndarray:
+    """The record numbers of the set's rows for the model, read as one row of text: a million
+    rows through the driver one at a time took 0.45 s on one core (more while other threads
+    want the GIL), one comma-separated string and NumPy's parse 0.1 s."""
     model = select(Model.id).where(Model.model_key == model_key).scalar_subquery()
-    result = conn.execute(
-        select(Embedding.record_no).where(
-            Embedding.task_set_id == set_id, Embedding.model_id == model
-        )
+    joined = (
+        func.string_agg(cast(Embedding.record_no, Text), ",")
+        if conn.dialect.name == "postgresql"
+        else func.group_concat(Embedding.record_no, ",")
     )
-    # Straight from the driver's cursor in large chunks: a million rows without a Row object
-    # each (a third of the time).
-    chunks = []
-    while rows := result.cursor.fetchmany(65536):
-        chunks.append(np.fromiter((row[0] for row in rows), np.int64, len(rows)))
-    result.close()
-    return np.concatenate(chunks) if chunks else np.zeros(0, np.int64)
+    text = conn.execute(
+        select(joined).where(Embedding.task_set_id == set_id, Embedding.model_id == model)
+    ).scalar_one()
+    if not text:  # no rows: the aggregate is NULL
+        return np.zeros(0, np.int64)
+    return np.fromstring(text, dtype=np.int64, sep=",")
 
 
 def _check_shards(
