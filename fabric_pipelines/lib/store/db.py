@@ -2,7 +2,8 @@
 
 SQLite runs in WAL mode, and every transaction starts with BEGIN IMMEDIATE, so a transaction that
 reads the ledger and then claims a batch holds the write lock from its first statement: two
-workers can never claim the same batch.
+workers can never claim the same batch. Threads of one process take that lock in arrival order
+(store/write_turns.py), not by SQLite's sleep-and-retry.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.sql.dml import Insert
 
 from fabric_pipelines.lib.store.models import Base
+from fabric_pipelines.lib.store.write_turns import TurnConnection
 
 SQLITE_BUSY_TIMEOUT_MS = 60_000
 # Page size of a new SQLite file. An embedding row is 1.5 KB (384-d) to 3 KB (768-d): at the
@@ -31,7 +33,10 @@ IDLE_IN_TRANSACTION_MS = 60_000
 
 def make_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
-        engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000})
+        engine = create_engine(
+            url,
+            connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000, "factory": TurnConnection},
+        )
 
         @event.listens_for(engine, "connect")
         def _sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
@@ -47,7 +52,8 @@ def make_engine(url: str) -> Engine:
 
         @event.listens_for(engine, "begin")
         def _sqlite_begin(conn: Any) -> None:
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
+            # Threads of this process take the write lock in turn (store/write_turns.py).
+            conn.connection.dbapi_connection.begin_immediate()
 
         return engine
     # A worker that stalls inside a transaction (stopped, swapped out) would keep its row locks,
