@@ -12,6 +12,7 @@ from fabric_pipelines.lib.index.vectors import load_vectors
 from fabric_pipelines.lib.store.db import make_engine
 from fabric_pipelines.lib.store.schema import current_revision, downgrade, stores_pgvector, upgrade
 from fabric_pipelines.lib.store.scratch import empty_public_schema
+from tests.test_migrations import HEAD
 from tests.test_writer import ITEMS, _assert_exactly_once, _ledger, _write_all
 
 pytestmark = pytest.mark.pgvector
@@ -28,7 +29,7 @@ def pgvector_db(pgvector_server_url: str) -> Engine:
 def test_the_migration_chooses_pgvector_and_downgrade_refuses_to_lose_vectors(
     pgvector_db: Engine,
 ) -> None:
-    assert current_revision(pgvector_db) == "0005"
+    assert current_revision(pgvector_db) == HEAD
     assert stores_pgvector(pgvector_db)
     batches = _ledger(pgvector_db, 2)
     _write_all(pgvector_db, batches)
