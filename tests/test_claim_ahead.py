@@ -52,25 +52,39 @@ def _drain(ahead: ClaimAhead) -> list[int]:
 
 def test_every_lease_is_taken_once_in_claim_order_then_none() -> None:
     ledger = FakeLedger(50)
-    with ClaimAhead(ledger.claim, depth=12, chunk=4) as ahead:
+    with ClaimAhead(ledger.claim, chunk=4, max_depth=12) as ahead:
         assert _drain(ahead) == list(range(50))
         assert ahead.take() is None  # stays exhausted
     assert set(ledger.sizes) == {4}
     assert len(ledger.sizes) == 14  # 13 claims with leases, then the empty one
 
 
-def test_it_never_holds_more_than_its_depth() -> None:
-    ledger = FakeLedger(100)
-    ahead = ClaimAhead(ledger.claim, depth=9, chunk=3)
+def test_it_keeps_two_chunks_until_it_knows_the_pace_and_never_more_than_its_most() -> None:
+    ledger = FakeLedger(1000)
+    ahead = ClaimAhead(ledger.claim, chunk=3, max_depth=9, ahead_s=10.0)
     time.sleep(0.2)  # plenty of time to over-claim, if it would
-    assert 100 - len(ledger.left) == 9
-    assert ahead.take() is not None
+    assert 1000 - len(ledger.left) == 6  # two chunks: no pace yet
+    for _ in range(40):  # taken fast: 10 s of that pace is far more than 9
+        assert ahead.take() is not None
+    time.sleep(0.2)
+    ready = 1000 - len(ledger.left) - 40
+    assert 9 - 3 < ready <= 9  # topped up a chunk at a time, to at most 9
+    assert len(ahead.close()) == ready  # claimed, never taken: handed back to the caller
+
+
+def test_slow_batches_are_claimed_only_a_little_ahead() -> None:
+    """Kept ready: `ahead_s` at the pace they are taken, so a worker on slow batches leaves the
+    rest of the plan to the others."""
+    ledger = FakeLedger(1000)
+    ahead = ClaimAhead(ledger.claim, chunk=2, max_depth=40, ahead_s=0.1)
+    for _ in range(20):
+        assert ahead.take() is not None
+        time.sleep(0.025)  # ~35 a second at most: 0.1 s of them is 4 or fewer
     time.sleep(0.1)
-    assert 100 - len(ledger.left) == 9  # one taken: not yet room for a whole chunk
-    assert ahead.take() is not None and ahead.take() is not None
-    time.sleep(0.1)
-    assert 100 - len(ledger.left) == 12
-    assert len(ahead.close()) == 9  # claimed, never taken: handed back to the caller
+    with ahead._changed:
+        assert ahead.depth() <= 4
+    assert 1000 - len(ledger.left) - 20 <= 4
+    ahead.close()
 
 
 def test_leases_claimed_are_taken_while_the_next_claim_is_slow() -> None:
@@ -87,7 +101,7 @@ def test_leases_claimed_are_taken_while_the_next_claim_is_slow() -> None:
             release.wait(30)  # every later claim waits (another transaction holds the lock)
         return [_lease(calls * 100 + n) for n in range(count)] if calls < 3 else []
 
-    ahead = ClaimAhead(claim, depth=8, chunk=4)
+    ahead = ClaimAhead(claim, chunk=4, max_depth=8)
     started = time.monotonic()
     first = [ahead.take() for _ in range(4)]
     assert all(lease is not None for lease in first)
@@ -109,15 +123,15 @@ def test_a_failed_claim_is_raised_to_the_taker_after_the_leases_before_it() -> N
             raise RuntimeError("the database went away")
         return [_lease(n) for n in range(count)]
 
-    with ClaimAhead(claim, depth=2, chunk=2) as ahead:
+    with ClaimAhead(claim, chunk=2, max_depth=2) as ahead:
         assert [ahead.take(), ahead.take()] != [None, None]
         with pytest.raises(RuntimeError, match="went away"):
             ahead.take()
 
 
 def test_bad_sizes_are_refused() -> None:
-    with pytest.raises(ValueError, match="chunk <= depth"):
-        ClaimAhead(FakeLedger(1).claim, depth=2, chunk=3)
+    with pytest.raises(ValueError, match="chunk <= max_depth"):
+        ClaimAhead(FakeLedger(1).claim, chunk=3, max_depth=2)
 
 
 def test_two_workers_claiming_ahead_on_one_sqlite_ledger_take_every_batch_once(
@@ -137,7 +151,7 @@ def test_two_workers_claiming_ahead_on_one_sqlite_ledger_take_every_batch_once(
     taken: dict[str, list[int]] = {}
 
     def work(owner: str) -> None:
-        ahead = ClaimAhead(lambda n: claim_many(db, "p", owner, 60.0, n), depth=6, chunk=2)
+        ahead = ClaimAhead(lambda n: claim_many(db, "p", owner, 60.0, n), chunk=2, max_depth=6)
         with ahead:
             while (lease := ahead.take()) is not None:
                 taken.setdefault(owner, []).append(lease.batch_no)

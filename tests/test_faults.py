@@ -196,10 +196,11 @@ def test_a_worker_killed_holding_a_lease_has_its_batches_done_once_by_another(
     run = h.start()
     h.completed_at_least(_random_point(seeded, 5, 100), run)
     workers = run.workers()
-    victim = workers[_random_point(seeded, 0, 2) % len(workers)]
+    victim, held = faults.stop_one_holding_a_lease(
+        db, workers, _random_point(seeded, 0, 2) % len(workers)
+    )
+    assert held, f"no worker was caught holding a lease {seeded}"
     owner = faults.owner_of(victim)
-    held = faults.stop_holding_a_lease(db, victim)
-    assert held, f"the worker was never caught holding a lease {seeded}"
     faults.kill(victim)
     h.finish(run)  # the run fails (a worker died); the other one takes over its leases first
     ledger = _ledger(db)
@@ -219,11 +220,12 @@ def test_a_worker_stopped_past_its_lease_has_its_late_ack_refused(
     run = h.start()
     h.completed_at_least(_random_point(seeded, 5, 100), run)
     workers = run.workers()
-    sleeper = workers[_random_point(seeded, 0, 2) % len(workers)]
+    sleeper, held = faults.stop_one_holding_a_lease(
+        db, workers, _random_point(seeded, 0, 2) % len(workers)
+    )
+    assert held, f"no worker was caught holding a lease {seeded}"
     owner = faults.owner_of(sleeper)
     assert owner is not None
-    held = faults.stop_holding_a_lease(db, sleeper)
-    assert held, f"the worker was never caught holding a lease {seeded}"
 
     def taken_over() -> bool:
         ledger = _ledger(db)

@@ -49,12 +49,11 @@ from fabric_pipelines.lib.tasks.store import flat_tokens
 
 T = TypeVar("T")
 
-# Batches claimed per transaction, in multiples of those in flight, and how many such chunks
-# are kept claimed ahead: enough to ride out a claim that waits for SQLite's write lock while
-# the GPU drains (24 MiniLM batches: ~0.2 s on an H200), few enough that workers sharing a plan
-# end close together.
-CLAIM_CHUNK_IN_FLIGHTS = 2
-CLAIM_AHEAD_CHUNKS = 3
+# Claims ahead of the submit loop (broker/claim_ahead.py): a chunk of as many batches as are in
+# flight per transaction, ready for this long at the pace batches are taken (~25 MiniLM batches
+# on an H200, ~6 BERT-base ones), never more than this many.
+CLAIM_AHEAD_S = 0.25
+CLAIM_AHEAD_MAX_BATCHES = 64
 
 
 @dataclass
@@ -304,9 +303,13 @@ def run_worker(
         shapes = engine.shapes_for(shapes)
     with heartbeat:
         writer = WriteBehind(db, written, before_write=hidden_states_to_shard)
-        # Claims run ahead on their own thread (broker/claim_ahead.py), a few chunks ready.
-        chunk = CLAIM_CHUNK_IN_FLIGHTS * max_in_flight
-        ahead = ClaimAhead(claim, depth=CLAIM_AHEAD_CHUNKS * chunk, chunk=chunk)
+        # Claims run ahead on their own thread (broker/claim_ahead.py).
+        ahead = ClaimAhead(
+            claim,
+            chunk=max_in_flight,
+            max_depth=max(max_in_flight, CLAIM_AHEAD_MAX_BATCHES),
+            ahead_s=CLAIM_AHEAD_S,
+        )
         try:
             with (
                 ahead,

@@ -353,8 +353,24 @@ def stop_holding_a_lease(db: Engine, pid: int, timeout: float = 60) -> list[tupl
             if held:
                 return held
         _signal(pid, signal.SIGCONT)
-        time.sleep(0.1)  # long enough to leave the transaction it was stopped in
+        # Long enough to leave a short transaction; short enough to try many times: a worker's
+        # writers, claims and heartbeat keep one of its sessions in a transaction much of the
+        # time, and a small plan ends within seconds.
+        time.sleep(0.03)
     return []
+
+
+def stop_one_holding_a_lease(
+    db: Engine, pids: list[int], first: int, timeout: float = 60
+) -> tuple[int, list[tuple[str, int]]]:
+    """`stop_holding_a_lease` on the workers in turn, starting with `pids[first]`, until one
+    is caught; returns its pid and leases ((0, []) if none was). Near a plan's end a worker may
+    hold nothing while another runs the last batches it claimed: that one is caught instead."""
+    for pid in pids[first:] + pids[:first]:
+        held = stop_holding_a_lease(db, pid, timeout)
+        if held:
+            return pid, held
+    return 0, []
 
 
 def stop_past_lease(pid: int, lease_seconds: float) -> bool:

@@ -6,30 +6,47 @@ holds for most of each group it commits. A claim made on the submit loop's threa
 (SQLite's busy handler sleeps 1-100 ms between tries), and meanwhile the GPU ran dry: on one
 H200, MiniLM-L6's submit loop spent 7 of its 13 s pulling window waiting to claim.
 
-`ClaimAhead` keeps up to `depth` leases claimed and ready, topping up `chunk` at a time on its
-thread, so a slow claim delays the ready supply, not the GPU. Leases waiting here are renewed by
-the worker's heartbeat like those in flight (the `claim` function given hands them to it). The
-first empty claim ends the supply: `take` then returns None, and the worker falls back to its own
+`ClaimAhead` keeps leases claimed and ready, topping up `chunk` at a time on its thread, so a
+slow claim delays the ready supply, not the GPU. How many it keeps follows the pace at which the
+submit loop takes them: enough for `ahead_s` seconds of batches (at least one chunk, at most
+`max_depth`). Fast batches (MiniLM: ~100 a second) need a deep supply to ride out a claim that
+waits; slow ones do not, and every lease kept ready is one that another worker sharing the plan
+cannot take when the plan's queue runs empty. Leases waiting here are renewed by the worker's
+heartbeat like those in flight (the `claim` function given hands them to it). The first empty
+claim ends the supply: `take` then returns None, and the worker falls back to its own
 end-of-plan claims (failed batches re-queued, other workers' expired leases).
 """
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 
 from fabric_pipelines.lib.broker.ledger import Lease
 
+PACE_WINDOW = 32  # leases whose take times give the pace
+
 
 class ClaimAhead:
     """Leases claimed by `claim(count)` on a background thread, handed out in claim order."""
 
-    def __init__(self, claim: Callable[[int], list[Lease]], depth: int, chunk: int) -> None:
-        if not 1 <= chunk <= depth:
-            raise ValueError(f"claim-ahead needs 1 <= chunk <= depth, got {chunk} and {depth}")
+    def __init__(
+        self,
+        claim: Callable[[int], list[Lease]],
+        chunk: int,
+        max_depth: int,
+        ahead_s: float = 0.25,
+    ) -> None:
+        if not 1 <= chunk <= max_depth:
+            raise ValueError(
+                f"claim-ahead needs 1 <= chunk <= max_depth, got {chunk} and {max_depth}"
+            )
         self._claim = claim
-        self._depth, self._chunk = depth, chunk
+        self._chunk, self._max_depth, self._ahead_s = chunk, max_depth, ahead_s
+        self._taken_at: deque[float] = deque(maxlen=PACE_WINDOW)  # when the last leases went
         self._ready: deque[Lease] = deque()
         self._changed = threading.Condition()
         self._exhausted = False  # a claim came back empty: no more from this supply
@@ -46,6 +63,7 @@ class ClaimAhead:
                 self._changed.wait()
             if self._ready:
                 lease = self._ready.popleft()
+                self._taken_at.append(time.monotonic())
                 self._changed.notify_all()  # room for another chunk, perhaps
                 return lease
             if self._error is not None:
@@ -70,11 +88,21 @@ class ClaimAhead:
     def __exit__(self, *_exc: object) -> None:
         self.close()
 
+    def depth(self) -> int:
+        """How many leases to keep ready: `ahead_s` of batches at the pace they were taken
+        lately; two chunks until that pace is known. Called with the condition held."""
+        if len(self._taken_at) < 2:
+            return min(2 * self._chunk, self._max_depth)
+        span = self._taken_at[-1] - self._taken_at[0]
+        per_s = (len(self._taken_at) - 1) / span if span > 0 else math.inf
+        wanted = per_s * self._ahead_s
+        return self._max_depth if wanted >= self._max_depth else max(self._chunk, math.ceil(wanted))
+
     def _run(self) -> None:
         while True:
             with self._changed:
                 # Top up once a whole chunk fits: a few large claims, not many small ones.
-                while not self._closed and len(self._ready) > self._depth - self._chunk:
+                while not self._closed and len(self._ready) > self.depth() - self._chunk:
                     self._changed.wait()
                 if self._closed:
                     return
