@@ -87,6 +87,18 @@ def test_slow_batches_are_claimed_only_a_little_ahead() -> None:
     ahead.close()
 
 
+def test_a_slow_supply_does_not_shrink_itself() -> None:
+    """Claims slower than the taker: it waits for each, but the pace is the taker's own (its
+    waits left out), so the supply it asks for is deep, not as shallow as what it got."""
+    ledger = FakeLedger(1000, delay_s=0.02)
+    ahead = ClaimAhead(ledger.claim, chunk=2, max_depth=30, ahead_s=0.25)
+    for _ in range(30):
+        assert ahead.take() is not None  # each take waits for a claim: ~100 a second got
+    with ahead._changed:
+        assert ahead.depth() == 30  # the taker itself needs next to no time per lease
+    ahead.close()
+
+
 def test_leases_claimed_are_taken_while_the_next_claim_is_slow() -> None:
     """The point of claiming ahead: a claim stuck on the write lock does not stall the taker."""
     release = threading.Event()

@@ -46,7 +46,10 @@ class ClaimAhead:
             )
         self._claim = claim
         self._chunk, self._max_depth, self._ahead_s = chunk, max_depth, ahead_s
-        self._taken_at: deque[float] = deque(maxlen=PACE_WINDOW)  # when the last leases went
+        # Between the last takes, the time the taker spent elsewhere (submitting, the GPU busy),
+        # not waiting here for a claim: the pace it could take leases at, not the pace it got.
+        self._gaps: deque[float] = deque(maxlen=PACE_WINDOW)
+        self._returned_at: float | None = None
         self._ready: deque[Lease] = deque()
         self._changed = threading.Condition()
         self._exhausted = False  # a claim came back empty: no more from this supply
@@ -58,12 +61,15 @@ class ClaimAhead:
     def take(self) -> Lease | None:
         """The next lease, waiting for one to be claimed; None once a claim found none. Raises
         what a claim raised."""
+        asked_at = time.monotonic()
         with self._changed:
+            if self._returned_at is not None:
+                self._gaps.append(asked_at - self._returned_at)
             while not self._ready and not self._exhausted and self._error is None:
                 self._changed.wait()
             if self._ready:
                 lease = self._ready.popleft()
-                self._taken_at.append(time.monotonic())
+                self._returned_at = time.monotonic()
                 self._changed.notify_all()  # room for another chunk, perhaps
                 return lease
             if self._error is not None:
@@ -89,12 +95,13 @@ class ClaimAhead:
         self.close()
 
     def depth(self) -> int:
-        """How many leases to keep ready: `ahead_s` of batches at the pace they were taken
-        lately; two chunks until that pace is known. Called with the condition held."""
-        if len(self._taken_at) < 2:
+        """How many leases to keep ready: `ahead_s` of batches at the pace the taker could take
+        them lately (its waits here left out, so a slow supply does not shrink itself); two
+        chunks until that pace is known. Called with the condition held."""
+        if not self._gaps:
             return min(2 * self._chunk, self._max_depth)
-        span = self._taken_at[-1] - self._taken_at[0]
-        per_s = (len(self._taken_at) - 1) / span if span > 0 else math.inf
+        span = sum(self._gaps)
+        per_s = len(self._gaps) / span if span > 0 else math.inf
         wanted = per_s * self._ahead_s
         return self._max_depth if wanted >= self._max_depth else max(self._chunk, math.ceil(wanted))
 
