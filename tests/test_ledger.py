@@ -19,6 +19,8 @@ from fabric_pipelines.lib.broker.ledger import (
     ack,
     ack_many,
     claim,
+    claim_many,
+    hand_back,
     heartbeat_interval,
     register_plan,
     renew_leases,
@@ -94,6 +96,33 @@ def test_an_expired_lease_is_taken_over_and_the_late_ack_refused(db: Engine) -> 
         ack(conn, taken)  # the holder's ack again (a replay after a lost reply) is accepted
     with pytest.raises(StaleLeaseError), db.begin() as conn:
         ack(conn, first)  # the old epoch stays refused after completion
+
+
+def test_unused_leases_handed_back_are_queued_again_without_spending_an_attempt(
+    db: Engine,
+) -> None:
+    """A worker that stops with leases claimed ahead hands them back; one taken over after it
+    expired stays with its new holder."""
+    plan, _ = _setup(db)
+    leases = claim_many(db, plan, "w1", lease_seconds=10, limit=3, now=1000.0)
+    assert len(leases) == 3
+    taken = claim(db, plan, "w2", 10, now=1011.0)  # w1's leases expired: the first is taken
+    assert taken is not None and taken.batch_no == leases[0].batch_no and taken.epoch == 2
+    assert hand_back(db, leases) == 2
+    with db.connect() as conn:
+        rows = {
+            r.batch_no: (r.state, r.lease_owner, r.attempts)
+            for r in conn.execute(
+                select(Batch.batch_no, Batch.state, Batch.lease_owner, Batch.attempts)
+            )
+        }
+    assert rows[leases[0].batch_no] == ("leased", "w2", 2)
+    assert rows[leases[1].batch_no] == (QUEUED, None, 0)
+    assert rows[leases[2].batch_no] == (QUEUED, None, 0)
+    again = claim_many(db, plan, "w3", 10, 2, now=1012.0)
+    assert {lease.batch_no for lease in again} == {leases[1].batch_no, leases[2].batch_no}
+    assert all(lease.epoch == 2 and lease.attempts == 1 for lease in again)
+    assert hand_back(db, []) == 0
 
 
 def test_one_statement_acks_a_group_and_names_only_its_stale_leases(db: Engine) -> None:

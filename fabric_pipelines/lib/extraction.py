@@ -32,6 +32,7 @@ from fabric_pipelines.lib.broker.ledger import (
     Lease,
     StaleLeaseError,
     claim_many,
+    hand_back,
     heartbeat_interval,
     plan_shapes,
     renew_leases,
@@ -301,52 +302,71 @@ def run_worker(
     shapes = db_call(f"reading the shapes of plan {job.plan_id}", lambda: _shapes(db, job))
     if hasattr(engine, "shapes_for"):
         shapes = engine.shapes_for(shapes)
+
+    def hand_back_unused(leases: list[Lease]) -> None:
+        """Leases claimed ahead that never ran (the loop ended early): back to the queue now,
+        not after their lease runs out, and without spending one of their attempts."""
+        for lease in leases:
+            heartbeat.release(lease)
+        try:
+            db_call(f"handing back {len(leases)} unused lease(s)", lambda: hand_back(db, leases))
+        except Exception as error:  # they still come back when their lease runs out
+            report.errors.append(f"could not hand back {len(leases)} unused lease(s): {error}")
+
     with heartbeat:
         writer = WriteBehind(db, written, before_write=hidden_states_to_shard)
-        # Claims run ahead on their own thread (broker/claim_ahead.py).
-        ahead = ClaimAhead(
-            claim,
-            chunk=max_in_flight,
-            max_depth=max(max_in_flight, CLAIM_AHEAD_MAX_BATCHES),
-            ahead_s=CLAIM_AHEAD_S,
-        )
         try:
-            with (
-                ahead,
-                open_runner(
-                    engine,
-                    tokens,
-                    offsets,
-                    on_result,
-                    shapes=shapes,
-                    pad_token_id=job.pad_token_id,
-                    max_in_flight=max_in_flight,
-                ) as runner,
-            ):
+            with open_runner(
+                engine,
+                tokens,
+                offsets,
+                on_result,
+                shapes=shapes,
+                pad_token_id=job.pad_token_id,
+                max_in_flight=max_in_flight,
+            ) as runner:
                 report.warmup_seconds = time.perf_counter() - started
                 report.ready_at = time.time()
+                # Claims run ahead on their own thread (broker/claim_ahead.py).
+                ahead = ClaimAhead(
+                    claim,
+                    chunk=max_in_flight,
+                    max_depth=max(max_in_flight, CLAIM_AHEAD_MAX_BATCHES),
+                    ahead_s=CLAIM_AHEAD_S,
+                )
                 claimed: list[Lease] = []  # the end of the plan's claims, made here
-                while True:
-                    lease = claimed.pop(0) if claimed else ahead.take()
-                    if lease is None:  # the plan's queue ran empty once
-                        runner.finish()  # everything in flight lands; failures may re-queue
-                        writer.flush()  # ... and is acknowledged: only others' leases remain
-                        claimed = claim()
-                        # Batches others hold may come back (a worker died: its lease expires).
-                        while not claimed and wait_for_others and others_hold_leases():
-                            time.sleep(min(1.0, lease_seconds / 4))
+                try:
+                    while True:
+                        if heartbeat.error is not None:  # leases no longer renewed: stop
+                            raise heartbeat.error
+                        lease = claimed.pop(0) if claimed else ahead.take()
+                        if lease is None:  # the plan's queue ran empty once
+                            claimed = claim()  # re-queued failures: no need to drain first
+                        if lease is None and not claimed:
+                            runner.finish()  # everything in flight lands; failures re-queue
+                            writer.flush()  # ... and is acknowledged: others' leases remain
                             claimed = claim()
-                        if not claimed:
-                            break
-                        lease = claimed.pop(0)
-                    rows = job.order[lease.item_start : lease.item_start + lease.item_count]
-                    submitted += 1
-                    in_flight[submitted] = (lease, rows)
-                    runner.submit(submitted, rows, lease.seq_len)
-                    now = time.perf_counter()
-                    if progress is not None and now - last_progress >= progress_every_s:
-                        last_progress = now
-                        progress(report)
+                            # Batches others hold may come back (a worker died: its lease
+                            # expires).
+                            while not claimed and wait_for_others and others_hold_leases():
+                                time.sleep(min(1.0, lease_seconds / 4))
+                                claimed = claim()
+                            if not claimed:
+                                break
+                        if lease is None:
+                            lease = claimed.pop(0)
+                        rows = job.order[lease.item_start : lease.item_start + lease.item_count]
+                        submitted += 1
+                        in_flight[submitted] = (lease, rows)
+                        runner.submit(submitted, rows, lease.seq_len)
+                        now = time.perf_counter()
+                        if progress is not None and now - last_progress >= progress_every_s:
+                            last_progress = now
+                            progress(report)
+                finally:
+                    unused = ahead.close() + claimed
+                    if unused:
+                        hand_back_unused(unused)
                 report.runtime = runner.finish()
         finally:
             writer.close()  # everything queued is written (or the writer's error is raised)

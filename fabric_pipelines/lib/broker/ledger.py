@@ -261,6 +261,33 @@ def renew_leases(
     return [lease for lease in leases if (lease.plan_id, lease.batch_no, lease.epoch) in current]
 
 
+def hand_back(engine: Engine, leases: list[Lease]) -> int:
+    """Put leased batches that never ran back in the queue, as if they had not been claimed
+    (the claim's attempt is taken back). Only where the lease is still this one: a batch taken
+    over meanwhile is left to its new holder. Returns how many went back."""
+    if not leases:
+        return 0
+    with engine.begin() as conn:
+        result = conn.execute(
+            update(Batch)
+            .where(
+                tuple_(Batch.plan_id, Batch.batch_no, Batch.lease_epoch).in_(
+                    [(lease.plan_id, lease.batch_no, lease.epoch) for lease in leases]
+                ),
+                Batch.state == LEASED,
+            )
+            .values(
+                state=QUEUED,
+                lease_owner=None,
+                lease_deadline=None,
+                attempts=func.max(Batch.attempts - 1, 0)
+                if engine.dialect.name == "sqlite"
+                else func.greatest(Batch.attempts - 1, 0),
+            )
+        )
+    return int(result.rowcount)
+
+
 def stale_reason(lease: Lease) -> str:
     return (
         f"batch {lease.batch_no} of plan {lease.plan_id}: lease epoch {lease.epoch} is no longer "

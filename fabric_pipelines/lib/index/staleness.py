@@ -1,7 +1,8 @@
 """Is the newest index of a model still true to its rows? The database decides.
 
-Triggers (store migration 0003) raise a shard's watermark version whenever one of its rows is
-inserted, updated or deleted. The newest receipt records the versions it was built at; a shard
+A shard's watermark version moves whenever one of its rows is inserted, updated or deleted
+(store/watermarks.py: triggers, and on SQLite the writer for the rows it inserts — a row
+inserted there by hand moves none). The newest receipt records the versions it was built at; a shard
 whose version moved since is stale. A served index file that is gone also calls for a rebuild.
 """
 

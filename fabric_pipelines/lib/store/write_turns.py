@@ -25,7 +25,9 @@ class WriteTurns:
     """A first-come, first-served lock with a timeout."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # Re-entrant: a connection dropped unclosed is rolled back by garbage collection, which
+        # may run on a thread already inside acquire or release.
+        self._lock = threading.RLock()
         self._holder: threading.Event | None = None
         self._waiting: deque[threading.Event] = deque()
 
