@@ -141,6 +141,30 @@ def test_a_failed_claim_is_raised_to_the_taker_after_the_leases_before_it() -> N
             ahead.take()
 
 
+def test_closing_stops_a_claim_waiting_to_retry() -> None:
+    """A claim that waits between retries (the database away) watches `stopping`: closing sets
+    it first, so the worker's exit does not wait out the retry budget."""
+    stopping = threading.Event()
+    claims: list[str] = []
+
+    def claim(count: int) -> list[Lease]:
+        claims.append("claimed")
+        if len(claims) == 1:
+            return [_lease(n) for n in range(count)]
+        # The second claim: the database went away; it waits a long back-off to retry.
+        claims[-1] = "stopped" if stopping.wait(120) else "waited it out"
+        return []
+
+    ahead = ClaimAhead(claim, chunk=2, max_depth=4, stopping=stopping)
+    assert ahead.take() is not None
+    while len(claims) < 2:  # the thread is now in the second claim's wait
+        time.sleep(0.01)
+    started = time.monotonic()
+    left = ahead.close()
+    assert time.monotonic() - started < 60 and claims == ["claimed", "stopped"]
+    assert len(left) == 1  # the first chunk's second lease, never taken
+
+
 def test_bad_sizes_are_refused() -> None:
     with pytest.raises(ValueError, match="chunk <= max_depth"):
         ClaimAhead(FakeLedger(1).claim, chunk=3, max_depth=2)

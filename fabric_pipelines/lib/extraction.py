@@ -110,7 +110,7 @@ def gather_padded(
 
 
 class _Stopped(Exception):
-    """The heartbeat was told to stop while it waited to retry."""
+    """The heartbeat, or the claim-ahead thread, was told to stop while it waited to retry."""
 
 
 class LeaseHeartbeat:
@@ -288,12 +288,22 @@ def run_worker(
     def others_hold_leases() -> bool:
         return db_call(f"reading the leases of plan {job.plan_id}", lambda: _leased(db, job)) > 0
 
-    def claim(count: int = max_in_flight) -> list[Lease]:
+    def claim(count: int = max_in_flight, stop: threading.Event | None = None) -> list[Lease]:
+        """Lease up to `count` batches. With `stop` (the claim-ahead thread's), waits between
+        retries end, and no attempt is made, once it is set: the worker is stopping."""
         if heartbeat.error is not None:
             raise heartbeat.error
-        leases = db_call(
+
+        def attempt() -> list[Lease]:
+            if stop is not None and stop.is_set():
+                raise _Stopped
+            return claim_many(db, job.plan_id, owner, lease_seconds, count)
+
+        leases = retry(
             f"claiming batches of plan {job.plan_id}",
-            lambda: claim_many(db, job.plan_id, owner, lease_seconds, count),
+            attempt,
+            budget_s=retry_budget_s,
+            sleep=stop.wait if stop is not None else time.sleep,
         )
         heartbeat.hold(leases)
         return leases
@@ -328,11 +338,13 @@ def run_worker(
                 report.warmup_seconds = time.perf_counter() - started
                 report.ready_at = time.time()
                 # Claims run ahead on their own thread (broker/claim_ahead.py).
+                stop_claiming = threading.Event()
                 ahead = ClaimAhead(
-                    claim,
+                    lambda count: claim(count, stop_claiming),
                     chunk=max_in_flight,
                     max_depth=max(max_in_flight, CLAIM_AHEAD_MAX_BATCHES),
                     ahead_s=CLAIM_AHEAD_S,
+                    stopping=stop_claiming,
                 )
                 claimed: list[Lease] = []  # the end of the plan's claims, made here
                 try:

@@ -39,12 +39,16 @@ class ClaimAhead:
         chunk: int,
         max_depth: int,
         ahead_s: float = 0.25,
+        stopping: threading.Event | None = None,
     ) -> None:
+        """`stopping`, where given, is set as `close` begins: a claim waiting to retry (the
+        database away) should watch it and give up, so that closing does not wait it out."""
         if not 1 <= chunk <= max_depth:
             raise ValueError(
                 f"claim-ahead needs 1 <= chunk <= max_depth, got {chunk} and {max_depth}"
             )
         self._claim = claim
+        self._stopping = stopping
         self._chunk, self._max_depth, self._ahead_s = chunk, max_depth, ahead_s
         # Between the last takes, the time the taker spent elsewhere (submitting, the GPU busy),
         # not waiting here for a claim: the pace it could take leases at, not the pace it got.
@@ -79,6 +83,8 @@ class ClaimAhead:
     def close(self) -> list[Lease]:
         """Stop claiming; returns the leases claimed but never taken (their leases lapse, or
         the caller hands them back)."""
+        if self._stopping is not None:
+            self._stopping.set()
         with self._changed:
             self._closed = True
             self._changed.notify_all()
