@@ -207,6 +207,16 @@ def _fence(lease: Lease):
     )
 
 
+def _fence_many(leases: list[Lease]):
+    """`_fence` for several leases in one statement."""
+    return update(Batch).where(
+        tuple_(Batch.plan_id, Batch.batch_no, Batch.lease_epoch).in_(
+            [(lease.plan_id, lease.batch_no, lease.epoch) for lease in leases]
+        ),
+        Batch.state == LEASED,
+    )
+
+
 def ack(conn: Connection, lease: Lease) -> None:
     """Retire the batch inside the caller's transaction; StaleLeaseError if the lease moved on.
 
@@ -247,13 +257,7 @@ def renew_leases(
     now = time.time() if now is None else now
     with engine.begin() as conn:
         renewed = conn.execute(
-            update(Batch)
-            .where(
-                tuple_(Batch.plan_id, Batch.batch_no, Batch.lease_epoch).in_(
-                    [(lease.plan_id, lease.batch_no, lease.epoch) for lease in leases]
-                ),
-                Batch.state == LEASED,
-            )
+            _fence_many(leases)
             .values(lease_deadline=now + lease_seconds)
             .returning(Batch.plan_id, Batch.batch_no, Batch.lease_epoch)
         ).all()
@@ -269,14 +273,7 @@ def hand_back(engine: Engine, leases: list[Lease]) -> int:
         return 0
     with engine.begin() as conn:
         result = conn.execute(
-            update(Batch)
-            .where(
-                tuple_(Batch.plan_id, Batch.batch_no, Batch.lease_epoch).in_(
-                    [(lease.plan_id, lease.batch_no, lease.epoch) for lease in leases]
-                ),
-                Batch.state == LEASED,
-            )
-            .values(
+            _fence_many(leases).values(
                 state=QUEUED,
                 lease_owner=None,
                 lease_deadline=None,
