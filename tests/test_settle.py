@@ -89,3 +89,78 @@ def test_a_settle_that_meets_another_sessions_vacuum_lock_gives_up_in_time(
 def test_sqlite_needs_no_settling(db: Engine) -> None:
     _write(db, 3)
     assert settle.settle_embeddings(db) is False
+
+
+def _write_more(db: Engine, first: int, n: int) -> None:
+    vector = np.ones(8, "<f4").tobytes()
+    with db.begin() as conn:
+        key = model_id(conn, "m")
+        conn.execute(
+            insert(Embedding),
+            [
+                {"model_id": key, "task_set_id": 1, "record_no": r, "n_tokens": 3, "vector": vector}
+                for r in range(first, first + n)
+            ],
+        )
+
+
+def _vacuums_of_embeddings(db: Engine) -> int:
+    with db.connect() as conn:
+        return int(
+            conn.execute(
+                text("SELECT vacuum_count FROM pg_stat_user_tables WHERE relname = 'embeddings'")
+            ).scalar_one()
+        )
+
+
+@POSTGRES_ONLY
+def test_settling_meanwhile_marks_pages_while_rows_are_written(db: Engine) -> None:
+    """A writer commits batches while the settler vacuums on its own thread: pages are marked
+    visible before the block ends, every row stays, and leaving the block stops the thread."""
+    with db.begin() as conn:
+        conn.execute(text("ALTER TABLE embeddings SET (autovacuum_enabled = false)"))
+    before = _vacuums_of_embeddings(db)
+    with settle.settling_meanwhile(db, every_s=0.05):
+        for batch in range(20):
+            _write_more(db, batch * 200, 200)
+            threading.Event().wait(0.02)
+        deadline = threading.Event()
+        while _vacuums_of_embeddings(db) - before < 2 and not deadline.wait(0.05):
+            pass
+        assert _all_visible_pages(db) > 0  # marked while the block still runs
+    assert not any(t.name == "settle-embeddings" for t in threading.enumerate())
+    with db.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM embeddings")).scalar_one() == 4000
+
+
+@POSTGRES_ONLY
+def test_settling_meanwhile_skips_a_turn_while_another_session_vacuums(db: Engine) -> None:
+    """Another session holds the maintenance lock for the whole block: the settler's turns give
+    up at once instead of queueing behind it, and the block ends without waiting for the lock."""
+    _write(db, 10)
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with db.begin() as conn:
+            conn.execute(text("LOCK TABLE embeddings IN SHARE UPDATE EXCLUSIVE MODE"))
+            holding.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert holding.wait(10)
+        with settle.settling_meanwhile(db, every_s=0.02):
+            threading.Event().wait(0.3)
+        assert holder.is_alive()  # the block ended while the lock was still held
+    finally:
+        release.set()
+        holder.join()
+
+
+@SQLITE_ONLY
+def test_sqlite_settles_nothing_meanwhile(db: Engine) -> None:
+    with settle.settling_meanwhile(db, every_s=0.01):
+        threading.Event().wait(0.05)
+    assert not any(t.name == "settle-embeddings" for t in threading.enumerate())
+    _write(db, 3)

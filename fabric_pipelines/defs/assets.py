@@ -19,7 +19,7 @@ from fabric_pipelines.lib.index import vector_tail
 from fabric_pipelines.lib.index.staleness import latest_receipt
 from fabric_pipelines.lib.preload import INDEX_MODULES, preload
 from fabric_pipelines.lib.progress import TaskProgress, stage
-from fabric_pipelines.lib.store.settle import settle_embeddings
+from fabric_pipelines.lib.store.settle import settle_embeddings, settling_meanwhile
 from fabric_pipelines.lib.tasks.catalog import ingest_task_set
 from fabric_pipelines.lib.tasks.ingest import SubmissionError
 from fabric_pipelines.lib.verify import verify_extraction
@@ -212,9 +212,11 @@ def extraction_outputs(
     # (lib/preload.py).
     preload(INDEX_MODULES)
     try:
-        # The index step's vectors are read while the workers write them (lib/index/vector_tail.py).
+        # The index step's vectors are read while the workers write them (lib/index/vector_tail.py);
+        # PostgreSQL's fresh pages are marked visible as they fill (lib/store/settle.py).
         with (
             vector_tail.following(db, manifest.model_key, task_set),
+            settling_meanwhile(db),
             engine.devices(store.paths(), waiting_for_gpus, task_set) as devices,
         ):
             report = extract_task_set(
