@@ -9,6 +9,7 @@ good and bad records, the rows, failures, task-set row and stored file must be t
 from __future__ import annotations
 
 import sqlite3
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine, func, select, text
 from sqlalchemy.orm import Session
 
 from fabric_gpu.model import DEFAULT_MODEL_ID, load_tokenizer, resolve_model_dir
@@ -24,7 +25,12 @@ from fabric_pipelines.lib.files import sha256_file
 from fabric_pipelines.lib.settings import FabricPaths
 from fabric_pipelines.lib.store.models import Task, TaskFailure, TaskSet
 from fabric_pipelines.lib.tasks import catalog
-from fabric_pipelines.lib.tasks.catalog import IngestSummary, ingest_task_set, write_task_ids
+from fabric_pipelines.lib.tasks.catalog import (
+    IngestSummary,
+    attach_task_ids,
+    ingest_task_set,
+    write_task_ids,
+)
 from fabric_pipelines.lib.tasks.inbox import submit
 from fabric_pipelines.lib.tasks.ingest import TokenisedTasks, ingest
 from fabric_pipelines.lib.tasks.store import read_table, to_table
@@ -221,6 +227,7 @@ def test_task_ids_with_gaps_and_any_characters_are_written_as_given(
     with db.begin() as conn:
         set_id = catalog._insert_set_row(conn, catalog._SetRow("ids", "0" * 64, "m", "0" * 64, 8))
         write_task_ids(conn, set_id, record_no, task_ids)
+        attach_task_ids(conn, set_id)
         rows = conn.execute(
             select(Task.record_no, Task.task_id)
             .where(Task.task_set_id == set_id)
@@ -252,3 +259,53 @@ def test_sqlite_takes_ids_in_any_order_and_with_nul_row_by_row(tmp_path: Path) -
         (2, 0, "nul\x00in"),
         (2, 1, "plain"),
     ]
+
+
+@pytest.mark.parametrize(
+    "db_url", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
+)
+def test_postgres_keeps_each_sets_ids_in_a_partition_that_forgetting_drops(
+    db: Engine, paths: FabricPaths, tmp_path: Path, tokenizer: Any
+) -> None:
+    """Two sets ingested at once, each on its own thread: each gets its own partition (rows
+    written frozen, so already visible to all), and forgetting one drops its partition only."""
+    from fabric_pipelines.lib.tasks.catalog import forget_task_set
+
+    for name, seed in (("left", 3), ("right", 4)):
+        submit(
+            _token_ids_file(tmp_path / f"{name}.parquet", _mixed(300, seed=seed)), paths.inbox, name
+        )
+    with ThreadPoolExecutor(2) as pool:
+        summaries = list(pool.map(lambda name: _ingest(db, paths, name), ["left", "right"]))
+    with db.connect() as conn:
+        ids = {
+            name: conn.execute(select(TaskSet.id).where(TaskSet.name == name)).scalar_one()
+            for name in ("left", "right")
+        }
+        partitions = {
+            row.relname: row.relallvisible
+            for row in conn.execute(
+                text(
+                    "SELECT c.relname, c.relallvisible FROM pg_inherits i "
+                    "JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = 'tasks'::regclass"
+                )
+            )
+        }
+        counts = {
+            name: conn.execute(
+                select(func.count()).select_from(Task).where(Task.task_set_id == set_id)
+            ).scalar_one()
+            for name, set_id in ids.items()
+        }
+    assert set(partitions) == {f"tasks_set_{i}" for i in ids.values()}
+    assert all(pages > 0 for pages in partitions.values())  # COPY FREEZE marked them
+    assert counts == {s.task_set: s.n_tasks for s in summaries}
+    forget_task_set(db, paths, "left")
+    with db.connect() as conn:
+        left = conn.execute(
+            text("SELECT to_regclass(:name)"), {"name": f"tasks_set_{ids['left']}"}
+        ).scalar()
+        right = conn.execute(
+            select(func.count()).select_from(Task).where(Task.task_set_id == ids["right"])
+        ).scalar_one()
+    assert left is None and right == counts["right"]

@@ -25,7 +25,7 @@ TABLES = {
 }  # fmt: skip
 
 
-HEAD = "0006"
+HEAD = "0007"
 
 
 def test_upgrade_from_empty_then_downgrade_one_step(db_url: str) -> None:
@@ -35,7 +35,7 @@ def test_upgrade_from_empty_then_downgrade_one_step(db_url: str) -> None:
     assert current_revision(engine) == HEAD
     assert set(inspect(engine).get_table_names()) >= TABLES
     downgrade(engine, "-1")
-    assert current_revision(engine) == "0005"
+    assert current_revision(engine) == "0006"
     assert set(inspect(engine).get_table_names()) >= TABLES
     upgrade(engine)
     assert current_revision(engine) == HEAD
@@ -224,4 +224,55 @@ def test_sqlite_downgrade_from_0006_counts_inserts_by_trigger_again(tmp_path: Pa
         )
     with engine.connect() as conn:
         assert sum(shards.versions(conn, 1, 4)) == 1
+    engine.dispose()
+
+
+def _task_partitions(engine: Engine) -> list[str]:
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text(
+                "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+                "WHERE i.inhparent = 'tasks'::regclass ORDER BY 1"
+            )
+        ).all()
+    return [r[0] for r in rows]
+
+
+@pytest.mark.parametrize(
+    "db_url", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
+)
+def test_0007_moves_each_sets_task_ids_into_a_partition_and_back(db_url: str) -> None:
+    engine = make_engine(db_url)
+    upgrade(engine, "0006")
+    rows = [(1, r, f"a{r}") for r in range(5)] + [(4, r, f"b{r}") for r in (0, 7, 9)]
+
+    def insert_rows(values: list[tuple[int, int, str]]) -> None:
+        with engine.begin() as conn:
+            conn.execute(
+                text("INSERT INTO tasks (task_set_id, record_no, task_id) VALUES (:s, :r, :i)"),
+                [{"s": s, "r": r, "i": i} for s, r, i in values],
+            )
+
+    def all_rows() -> list[tuple[int, int, str]]:
+        with engine.connect() as conn:
+            found = conn.execute(text("SELECT * FROM tasks ORDER BY 1, 2")).all()
+        return [tuple(r) for r in found]  # type: ignore[misc]
+
+    insert_rows(rows)
+    upgrade(engine, "0007")
+    assert _task_partitions(engine) == ["tasks_set_1", "tasks_set_4"]
+    assert all_rows() == rows
+    with pytest.raises(IntegrityError):  # the set's unique task id holds through the parent
+        insert_rows([(4, 11, "b7")])
+    with pytest.raises(IntegrityError):  # a set without a partition has no place for rows
+        insert_rows([(9, 0, "c0")])
+
+    downgrade(engine, "0006")
+    with engine.connect() as conn:
+        kind = conn.execute(text("SELECT relkind FROM pg_class WHERE relname = 'tasks'")).scalar()
+    assert kind == "r" and all_rows() == rows
+    with pytest.raises(IntegrityError):
+        insert_rows([(1, 3, "x")])  # the primary key is back on the plain table
+    upgrade(engine)
+    assert all_rows() == rows
     engine.dispose()

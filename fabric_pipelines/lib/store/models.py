@@ -54,14 +54,21 @@ class TaskSet(Base):
 
 
 class Task(Base):
-    """The id of every task that became a task (records that failed at ingest are not here)."""
+    """The id of every task that became a task (records that failed at ingest are not here).
+    PostgreSQL: one partition per task set (store/task_partitions.py)."""
 
     __tablename__ = "tasks"
-    __table_args__ = (UniqueConstraint("task_set_id", "task_id", name="uq_tasks_id"),)
+    __table_args__ = (
+        UniqueConstraint("task_set_id", "task_id", name="uq_tasks_id"),
+        {"postgresql_partition_by": "LIST (task_set_id)"},
+    )
 
     task_set_id: Mapped[int] = mapped_column(Integer, primary_key=True)
     record_no: Mapped[int] = mapped_column(BigInteger, primary_key=True)
-    task_id: Mapped[str] = mapped_column(String(256))
+    # PostgreSQL compares ids byte by byte: same equality, faster sorting (migration 0007).
+    task_id: Mapped[str] = mapped_column(
+        String(256).with_variant(String(256, collation="C"), "postgresql")
+    )
 
 
 class Model(Base):

@@ -19,7 +19,6 @@ from typing import Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
 from sqlalchemy import Engine, delete, insert, select, update
 from sqlalchemy.exc import IntegrityError
@@ -33,6 +32,7 @@ from fabric_pipelines.lib.files import (
     stream_content_addressed,
 )
 from fabric_pipelines.lib.settings import FabricPaths
+from fabric_pipelines.lib.store import task_partitions
 from fabric_pipelines.lib.store.db import sqlite_has_json
 from fabric_pipelines.lib.store.models import (
     Batch,
@@ -284,7 +284,18 @@ def _register(
     with db.begin() as conn:
         set_id = _insert_set_row(conn, row)
         write_task_ids(conn, set_id, tasks.record_no, tasks.task_ids)
-        return _complete(conn, set_id, row, tasks, storing)
+        stored = _complete(conn, set_id, row, tasks, storing)
+        attach_task_ids(conn, set_id)
+        return stored
+
+
+def attach_task_ids(conn: Any, set_id: int) -> None:
+    """PostgreSQL: the set's ids, written by `write_task_ids`, become its partition of `tasks`;
+    last in the ingest's transaction, as the lock it takes lasts until the commit. SQLite wrote
+    them into `tasks` itself."""
+    if conn.dialect.name == "postgresql":
+        with conn.connection.driver_connection.cursor() as cursor:
+            task_partitions.attach(cursor, set_id)
 
 
 def _insert_set_row(conn: Any, row: _SetRow) -> int:
@@ -475,32 +486,24 @@ def _check_same(existing: TaskSet, source_sha: str, tok_sha: str, max_seq_len: i
 
 
 def write_task_ids(conn: Any, set_id: int, record_no: np.ndarray, task_ids: list[str]) -> None:
-    """Every task's id, in bulk: PostgreSQL COPY of a CSV that Arrow writes; SQLite an INSERT
-    from a JSON array of ids per statement (SQLite reads it in C, no Python per row)."""
-    if not task_ids:
-        return
+    """Every task's id, in bulk: on PostgreSQL a COPY of a CSV that Arrow writes, into the set's
+    own table (store/task_partitions.py; `attach_task_ids` makes it a partition of `tasks`);
+    on SQLite an INSERT from a JSON array of ids per statement (SQLite reads it in C, no Python
+    per row)."""
     if conn.dialect.name == "postgresql":
-        ids = pa.array(task_ids, type=pa.string())
-        # In id order, the unique index on (set, id) grows at its end instead of everywhere: a
-        # quarter less time for the server.
-        order = pc.sort_indices(ids)
         table = pa.table(
             {
                 "task_set_id": pa.array(np.full(len(task_ids), set_id, dtype=np.int32)),
-                "record_no": pa.array(record_no, type=pa.int64()).take(order),
-                "task_id": ids.take(order),
+                "record_no": pa.array(record_no, type=pa.int64()),
+                "task_id": pa.array(task_ids, type=pa.string()),
             }
         )
         sink = pa.BufferOutputStream()
         pa_csv.write_csv(table, sink, pa_csv.WriteOptions(include_header=False))
-        raw = conn.connection.driver_connection
-        with (
-            raw.cursor() as cur,
-            cur.copy(
-                "COPY tasks (task_set_id, record_no, task_id) FROM STDIN (FORMAT csv)"
-            ) as copy,
-        ):
-            copy.write(memoryview(sink.getvalue()))
+        with conn.connection.driver_connection.cursor() as cursor:
+            task_partitions.copy_into_new_partition(cursor, set_id, memoryview(sink.getvalue()))
+        return
+    if not task_ids:
         return
     cursor = conn.connection.driver_connection.cursor()
     # Ids in no particular order land all over the unique index on (set, id): a page cache that
@@ -565,7 +568,10 @@ def forget_task_set(db: Engine, paths: FabricPaths, task_set: str) -> None:
         set_id = conn.execute(select(TaskSet.id).where(TaskSet.name == task_set)).scalar()
         if set_id is not None:
             conn.execute(delete(Embedding).where(Embedding.task_set_id == set_id))
-            conn.execute(delete(Task).where(Task.task_set_id == set_id))
+            if conn.dialect.name == "postgresql":  # the set's partition, rows and all
+                task_partitions.drop(conn, set_id)
+            else:
+                conn.execute(delete(Task).where(Task.task_set_id == set_id))
         for table in (TaskFailure, Batch, BatchPlan, HiddenStateShard):
             conn.execute(delete(table).where(table.task_set == task_set))
         conn.execute(delete(TaskSet).where(TaskSet.name == task_set))
