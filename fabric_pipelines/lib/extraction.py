@@ -50,9 +50,11 @@ from fabric_pipelines.lib.tasks.store import flat_tokens
 
 T = TypeVar("T")
 
-# Claims ahead of the submit loop (broker/claim_ahead.py): a chunk of as many batches as are in
-# flight per transaction, ready for this long at the pace batches are taken (~25 MiniLM batches
-# on an H200, ~6 BERT-base ones), never more than this many.
+# Claims ahead of the submit loop (broker/claim_ahead.py): a chunk of twice as many batches as
+# are in flight per transaction (on SQLite each claim waits its turn for the write lock: half as
+# many turns as chunks of one in-flight's worth), ready for this long at the pace batches are
+# taken (~25 MiniLM batches on an H200, ~6 BERT-base ones), never more than this many.
+CLAIM_CHUNK_IN_FLIGHTS = 2
 CLAIM_AHEAD_S = 0.25
 CLAIM_AHEAD_MAX_BATCHES = 64
 
@@ -339,10 +341,11 @@ def run_worker(
                 report.ready_at = time.time()
                 # Claims run ahead on their own thread (broker/claim_ahead.py).
                 stop_claiming = threading.Event()
+                chunk = CLAIM_CHUNK_IN_FLIGHTS * max_in_flight
                 ahead = ClaimAhead(
                     lambda count: claim(count, stop_claiming),
-                    chunk=max_in_flight,
-                    max_depth=max(max_in_flight, CLAIM_AHEAD_MAX_BATCHES),
+                    chunk=chunk,
+                    max_depth=max(chunk, CLAIM_AHEAD_MAX_BATCHES),
                     ahead_s=CLAIM_AHEAD_S,
                     stopping=stop_claiming,
                 )
