@@ -159,3 +159,69 @@ def test_two_threads_taking_one_pool_get_it_once(
         for t in threads:
             t.join()
     assert len(taken) == 1
+
+
+def test_a_waiting_worker_reads_its_task_set_once_ingested_before_the_go(
+    db: Engine, paths: FabricPaths, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ingest commits on another thread while the worker waits: the worker reads the stored
+    table before any go, and the job made after the go uses that table."""
+    from fabric_pipelines.lib.tasks import store
+    from fabric_pipelines.lib.tasks.catalog import get_task_set
+    from fabric_pipelines.lib.workers import _job, read_task_set_before_go
+
+    read_before_go = threading.Event()
+    read_table = store.read_table
+
+    def noting_read(path: Path, sha256: str | None) -> object:
+        table = read_table(path, sha256)
+        read_before_go.set()
+        return table
+
+    monkeypatch.setattr(store, "read_table", noting_read)
+    manifest = _manifest(tiny_model_dir)
+    go = paths.root / "go"
+    result: list[object] = []
+    waiter = threading.Thread(
+        target=lambda: result.append(read_task_set_before_go(db, "set", go)), daemon=True
+    )
+    waiter.start()
+    _ingest_and_plan(db, paths, manifest, 40)  # meanwhile, on this thread
+    assert read_before_go.wait(10) and waiter.is_alive()  # read, and still waiting for the go
+    go.write_bytes(b"go\n")
+    waiter.join(10)
+    row = get_task_set(db, "set")
+    early = result[0]
+    assert early is not None and early.content_sha256 == row.content_sha256  # type: ignore[attr-defined]
+    assert early.table.equals(read_table(Path(row.path), row.content_sha256))  # type: ignore[attr-defined]
+    monkeypatch.undo()
+    job = _job(db, paths, "set", manifest, early)  # type: ignore[arg-type]
+    assert job.tasks is early.table  # type: ignore[attr-defined]
+
+
+def test_a_damaged_task_set_is_left_to_the_job_which_says_so(
+    db: Engine, paths: FabricPaths, tiny_model_dir: Path
+) -> None:
+    from fabric_pipelines.lib.files import CorruptFileError
+    from fabric_pipelines.lib.tasks.catalog import get_task_set
+    from fabric_pipelines.lib.workers import _job, read_task_set_before_go
+
+    manifest = _manifest(tiny_model_dir)
+    _ingest_and_plan(db, paths, manifest, 20)
+    stored = Path(get_task_set(db, "set").path)
+    stored.write_bytes(stored.read_bytes()[:-8] + b"damaged!")
+    go = paths.root / "go"
+    threading.Timer(0.3, lambda: go.write_bytes(b"go\n")).start()
+    assert read_task_set_before_go(db, "set", go) is None
+    with pytest.raises(CorruptFileError):
+        _job(db, paths, "set", manifest, None)
+
+
+def test_a_go_that_is_there_already_returns_at_once_without_reading(
+    db: Engine, paths: FabricPaths
+) -> None:
+    from fabric_pipelines.lib.workers import read_task_set_before_go
+
+    go = paths.root / "go"
+    go.write_bytes(b"go\n")
+    assert read_task_set_before_go(db, "never-ingested", go) is None

@@ -217,13 +217,6 @@ def prewarm(engine: Any) -> None:
     engine.capture(engine.shapes_for([(profile.max_batch_tokens, profile.max_batch_items)]))
 
 
-def wait_for_file(path: Path, poll_s: float = 0.01) -> None:
-    """Block until `path` exists (the supervisor's go); the parent watchdog ends a worker
-    whose supervisor dies meanwhile."""
-    while not path.exists():
-        time.sleep(poll_s)
-
-
 def main(argv: list[str] | None = None) -> int:
     """One worker: run the task set's current plan until no batch is left; write a report."""
     parser = argparse.ArgumentParser(prog="fabric worker")
@@ -274,14 +267,15 @@ def main(argv: list[str] | None = None) -> int:
     timeline = {"main_at": main_at, "started_at": time.time()}
     engine = create_engine(manifest)  # first: the slow part a warm worker does ahead of its plan
     timeline["engine_created_at"] = time.time()
+    early: EarlyTaskSet | None = None  # the task set, read while waiting for the go
     try:
         if args.go_file:
             prewarm(engine)
             timeline["engine_ready_at"] = time.time()
             _import_job_modules()  # while the plan is still being made, not after the go
-            wait_for_file(Path(args.go_file))
+            early = read_task_set_before_go(db, args.task_set, Path(args.go_file))
         timeline["go_at"] = time.time()
-        job = _job(db, paths, args.task_set, manifest)
+        job = _job(db, paths, args.task_set, manifest, early)
         timeline["job_loaded_at"] = time.time()
         report = run_worker(
             db, engine, job, owner=args.owner, lease_seconds=args.lease_seconds,
@@ -308,8 +302,52 @@ def _import_job_modules() -> None:
     import fabric_pipelines.lib.tasks.store  # noqa: F401
 
 
-def _job(db: Any, paths: Any, task_set: str, manifest: Any) -> Any:
-    """The extraction job of the set's current plan (its rows read through transient errors)."""
+@dataclass(frozen=True)
+class EarlyTaskSet:
+    """A task set's stored table, read (and its hash checked) before the go."""
+
+    path: str
+    content_sha256: str
+    table: Any  # pa.Table
+
+
+def read_task_set_before_go(
+    db: Any, task_set: str, go_file: Path, poll_s: float = 0.01
+) -> EarlyTaskSet | None:
+    """Wait for the go file; meanwhile, as soon as the set's ingest has committed, read its
+    stored table (a second or so at 1 M tasks, hashing included), which the plan being made
+    meanwhile does not change. Best effort: anything that goes wrong here leaves the reading to
+    `_job`, after the go, where errors are reported."""
+    from fabric_pipelines.lib.tasks.catalog import get_task_set
+    from fabric_pipelines.lib.tasks.store import read_table
+
+    early: EarlyTaskSet | None = None
+    tried = False
+    while not go_file.exists():
+        if not tried:
+            try:
+                row = get_task_set(db, task_set)
+            except LookupError:  # not ingested yet
+                row = None
+            except Exception:  # the database away a moment: `_job` retries it properly
+                row = None
+            if row is not None and row.content_sha256:
+                tried = True
+                try:
+                    table = read_table(Path(row.path), row.content_sha256)
+                    early = EarlyTaskSet(row.path, row.content_sha256, table)
+                except Exception:  # damaged or gone: `_job` says so after the go
+                    early = None
+                continue
+        time.sleep(poll_s)
+    return early
+
+
+def _job(
+    db: Any, paths: Any, task_set: str, manifest: Any, early: EarlyTaskSet | None = None
+) -> Any:
+    """The extraction job of the set's current plan (its rows read through transient errors);
+    the task set's table is `early`'s when that is the stored file the set's row names now."""
     from fabric_pipelines.lib.broker.plans import current_plan, load_plan_order
     from fabric_pipelines.lib.extraction import ExtractionJob
     from fabric_pipelines.lib.tasks.catalog import get_task_set
@@ -317,11 +355,15 @@ def _job(db: Any, paths: Any, task_set: str, manifest: Any) -> Any:
 
     ts = retry(f"reading task set {task_set!r}", lambda: get_task_set(db, task_set))
     plan = retry(f"reading the plan of {task_set!r}", lambda: current_plan(db, task_set))
+    if early is not None and (early.path, early.content_sha256) == (ts.path, ts.content_sha256):
+        tasks = early.table
+    else:
+        tasks = read_table(Path(ts.path), ts.content_sha256)
     return ExtractionJob(
         task_set=task_set,
         plan_id=plan.plan_id,
         model_key=manifest.model_key,
-        tasks=read_table(Path(ts.path), ts.content_sha256),
+        tasks=tasks,
         order=load_plan_order(Path(plan.path), plan.sha256),
         shard_folder=paths.shards,
     )
