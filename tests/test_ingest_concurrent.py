@@ -25,15 +25,15 @@ from fabric_pipelines.lib.files import sha256_file
 from fabric_pipelines.lib.settings import FabricPaths
 from fabric_pipelines.lib.store.models import Task, TaskFailure, TaskSet
 from fabric_pipelines.lib.tasks import catalog
-from fabric_pipelines.lib.tasks import task_ids as task_id_writing
 from fabric_pipelines.lib.tasks.catalog import (
     IngestSummary,
+    attach_task_ids,
     ingest_task_set,
+    write_task_ids,
 )
 from fabric_pipelines.lib.tasks.inbox import submit
 from fabric_pipelines.lib.tasks.ingest import TokenisedTasks, ingest
 from fabric_pipelines.lib.tasks.store import read_table, to_table
-from fabric_pipelines.lib.tasks.task_ids import write_task_ids
 
 MAX = 16
 VOCAB = 30522
@@ -218,7 +218,7 @@ def test_task_ids_with_gaps_and_any_characters_are_written_as_given(
     db: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """SQLite takes them as JSON arrays (a few per statement here), gaps as nulls."""
-    monkeypatch.setattr(task_id_writing, "SQLITE_IDS_PER_STATEMENT", 3)
+    monkeypatch.setattr(catalog, "SQLITE_IDS_PER_STATEMENT", 3)
     task_ids = [
         "a", "tab\there", "ctrl\x01\x1f", "del\x7f", "sep\u2028\u2029", 'q"uote', "b\\s",
         "é😀", "\\u0000", "null", "[1]", "x" * 256, "end",
@@ -227,6 +227,7 @@ def test_task_ids_with_gaps_and_any_characters_are_written_as_given(
     with db.begin() as conn:
         set_id = catalog._insert_set_row(conn, catalog._SetRow("ids", "0" * 64, "m", "0" * 64, 8))
         write_task_ids(conn, set_id, record_no, task_ids)
+        attach_task_ids(conn, set_id)
         rows = conn.execute(
             select(Task.record_no, Task.task_id)
             .where(Task.task_set_id == set_id)
@@ -267,7 +268,7 @@ def test_postgres_keeps_each_sets_ids_in_a_partition_that_forgetting_drops(
     db: Engine, paths: FabricPaths, tmp_path: Path, tokenizer: Any
 ) -> None:
     """Two sets ingested at once, each on its own thread: each gets its own partition (rows
-    keyed by record number and by task id), and forgetting one drops its partition only."""
+    written frozen, so already visible to all), and forgetting one drops its partition only."""
     from fabric_pipelines.lib.tasks.catalog import forget_task_set
 
     for name, seed in (("left", 3), ("right", 4)):
@@ -282,11 +283,10 @@ def test_postgres_keeps_each_sets_ids_in_a_partition_that_forgetting_drops(
             for name in ("left", "right")
         }
         partitions = {
-            row.relname: row.keys
+            row.relname: row.relallvisible
             for row in conn.execute(
                 text(
-                    "SELECT c.relname, (SELECT count(*) FROM pg_index x WHERE x.indrelid = c.oid "
-                    "AND x.indisunique) AS keys FROM pg_inherits i "
+                    "SELECT c.relname, c.relallvisible FROM pg_inherits i "
                     "JOIN pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = 'tasks'::regclass"
                 )
             )
@@ -298,7 +298,7 @@ def test_postgres_keeps_each_sets_ids_in_a_partition_that_forgetting_drops(
             for name, set_id in ids.items()
         }
     assert set(partitions) == {f"tasks_set_{i}" for i in ids.values()}
-    assert all(keys == 2 for keys in partitions.values())  # record number and task id
+    assert all(pages > 0 for pages in partitions.values())  # COPY FREEZE marked them
     assert counts == {s.task_set: s.n_tasks for s in summaries}
     forget_task_set(db, paths, "left")
     with db.connect() as conn:
@@ -309,78 +309,3 @@ def test_postgres_keeps_each_sets_ids_in_a_partition_that_forgetting_drops(
             select(func.count()).select_from(Task).where(Task.task_set_id == ids["right"])
         ).scalar_one()
     assert left is None and right == counts["right"]
-
-
-# ---- ids written while the tokens are read ------------------------------------------------------
-
-
-def test_ids_written_early_are_corrected_to_the_tasks(
-    db: Engine, paths: FabricPaths, tmp_path: Path, tokenizer: Any
-) -> None:
-    """The ids known early (good, not repeated) go in while the tokens are read; the rows that
-    fail are taken out and the tasks that wait for the check (a repeated id whose first row
-    fails, so the second is the task) go in after: the table ends as the ingest made it."""
-    lists: list[list[int] | None] = [
-        [], [101, 1000, 102],  # "a" twice: the first fails (empty), so the second is the task
-        [101, 1001, 102], [101, 1002, 102],  # "b" twice: the second is a duplicate
-        [101, 1003, 102],  # "" fails
-        [101, VOCAB, 102],  # "c" (known early) fails: outside the vocabulary
-        [101, 1004, 102],  # "d" known early, a task
-        None,  # "e" known early, fails: no tokens
-    ]  # fmt: skip
-    ids = ["a", "a", "b", "b", "", "c", "d", "e"]
-    source = _token_ids_file(tmp_path / "early.parquet", lists, ids)
-    expected = ingest(source, tokenizer, max_seq_len=MAX)
-    assert expected.task_ids == ["a", "b", "d"]
-    submit(source, paths.inbox, "early")
-    _assert_stored_as_ingest_makes_it(db, _ingest(db, paths, "early"), expected)
-
-
-def test_parquet_ids_known_early_are_the_good_unrepeated_ones(tmp_path: Path) -> None:
-    from fabric_pipelines.lib.tasks.ingest import parquet_ids_known_early
-
-    lists = [[101, 102]] * 6
-    source = _token_ids_file(tmp_path / "ids.parquet", lists, ["x", "y", "x", "", "z" * 300, "w"])
-    early = parquet_ids_known_early(pa.OSFile(str(source)).read_buffer())
-    assert early is not None and early.token_ids_only
-    assert early.record_no.tolist() == [1, 5] and early.task_ids.to_pylist() == ["y", "w"]
-
-    numbers = tmp_path / "numbers.parquet"
-    pq.write_table(pa.table({"id": pa.array([7, None, 9]), "text": ["a", "b", "c"]}), numbers)
-    early = parquet_ids_known_early(pa.OSFile(str(numbers)).read_buffer())
-    assert early is not None and not early.token_ids_only
-    assert early.record_no.tolist() == [0, 2] and early.task_ids.to_pylist() == ["7", "9"]
-
-    no_id = tmp_path / "no_id.parquet"
-    pq.write_table(pa.table({"text": ["a"]}), no_id)
-    assert parquet_ids_known_early(pa.OSFile(str(no_id)).read_buffer()) is None
-
-
-def test_corrections_keep_only_rows_that_are_tasks_with_the_same_id() -> None:
-    from fabric_pipelines.lib.tasks.task_ids import corrections
-
-    early_rows = np.array([0, 2, 3, 5, 8])
-    early_ids = pa.array(["a", "c", "d", "f", "i"])
-    # 2 failed; 3 became a task under another id (read record by record); 4 and 9 wait for the
-    # check; 8 is beyond every task.
-    task_rows = np.array([0, 3, 4, 5, 9])
-    task_ids = ["a", "d2", "e", "f", "j"]
-    remove, add = corrections(early_rows, early_ids, task_rows, task_ids)
-    assert remove.tolist() == [2, 3, 8]
-    assert add.tolist() == [1, 2, 4]  # positions among the tasks: rows 3, 4 and 9
-    none_early = corrections(np.array([], np.int64), pa.array([], pa.string()), task_rows, task_ids)
-    assert none_early[0].tolist() == [] and none_early[1].tolist() == [0, 1, 2, 3, 4]
-
-
-def test_sqlite_writes_early_only_while_token_ids_are_read(db: Engine, tmp_path: Path) -> None:
-    """SQLite's write lock is held from the first id written: not while text is tokenised.
-    PostgreSQL writes early either way (its lock is the new set's own table)."""
-    from fabric_pipelines.lib.tasks.ingest import EarlyIds
-
-    def source(token_ids_only: bool) -> Any:
-        early = EarlyIds(np.array([0]), pa.array(["a"]), token_ids_only)
-        return catalog._Source(catalog._done("0" * 64), parsing_ids=catalog._done(early))  # type: ignore[arg-type]
-
-    assert catalog._written_early(db, source(True)) is not None
-    text_early = catalog._written_early(db, source(False))
-    assert (text_early is None) == (db.dialect.name == "sqlite")

@@ -24,13 +24,13 @@ from sqlalchemy import Engine, select
 from fabric_gpu.model import DEFAULT_MODEL_ID, load_tokenizer, resolve_model_dir
 from fabric_pipelines.lib.store.models import Task, TaskSet
 from fabric_pipelines.lib.tasks import ingest as ingest_module
+from fabric_pipelines.lib.tasks.catalog import attach_task_ids, write_task_ids
 from fabric_pipelines.lib.tasks.ingest import (
     TokenisedTasks,
     encode_texts,
     ingest,
     ingest_record_by_record,
 )
-from fabric_pipelines.lib.tasks.task_ids import write_task_ids
 
 VOCAB = 30522
 EXAMPLES = settings(
@@ -415,6 +415,7 @@ def test_task_ids_are_written_as_given_on_both_databases(db: Engine) -> None:
             assert isinstance(raw, sqlite3.Connection)
             cache_size = raw.execute("PRAGMA cache_size").fetchone()[0]
         write_task_ids(conn, set_id, record_no, task_ids)
+        attach_task_ids(conn, set_id)
         if db.dialect.name == "sqlite":  # the bigger page cache was for this insert alone
             assert raw.execute("PRAGMA cache_size").fetchone()[0] == cache_size
     with db.connect() as conn:

@@ -35,32 +35,18 @@ def partition_name(set_id: int) -> str:
     return f"tasks_set_{int(set_id)}"
 
 
-def create(cursor: Any, set_id: int) -> None:
-    """A new table for `set_id`'s ids, unkeyed; `cursor`: a psycopg cursor inside the ingest's
-    transaction. Then `copy_rows` (and `remove`), `add_keys`, `attach`."""
+def copy_into_new_partition(cursor: Any, set_id: int, csv_rows: memoryview) -> None:
+    """`csv_rows` (task_set_id, record_no, task_id, no header) into a new table for `set_id`,
+    keyed after the COPY; `attach` makes it part of `tasks`. `cursor`: a psycopg cursor inside
+    the ingest's transaction."""
+    table = partition_name(set_id)
     # The sorts that build the keys, in memory (and in parallel where the server allows it).
     cursor.execute(f"SET LOCAL maintenance_work_mem = '{SORT_MEMORY_MB}MB'")
-    table = partition_name(set_id)
     cursor.execute(f"CREATE TABLE {table} (LIKE tasks, CHECK (task_set_id = {int(set_id)}))")
-
-
-def copy_rows(cursor: Any, set_id: int, csv_rows: memoryview) -> None:
-    """`csv_rows` (task_set_id, record_no, task_id; no header) into the set's new table."""
     with cursor.copy(
-        f"COPY {partition_name(set_id)} (task_set_id, record_no, task_id) "
-        "FROM STDIN (FORMAT csv, FREEZE)"
+        f"COPY {table} (task_set_id, record_no, task_id) FROM STDIN (FORMAT csv, FREEZE)"
     ) as copy:
         copy.write(csv_rows)
-
-
-def remove(cursor: Any, set_id: int, record_no: list[int]) -> None:
-    """Rows of the set's new table that are no tasks after all."""
-    cursor.execute(f"DELETE FROM {partition_name(set_id)} WHERE record_no = ANY(%s)", (record_no,))
-
-
-def add_keys(cursor: Any, set_id: int) -> None:
-    """The primary key and the unique task id, each built by one sort of the filled table."""
-    table = partition_name(set_id)
     cursor.execute(
         f"ALTER TABLE {table} ADD CONSTRAINT {table}_pkey PRIMARY KEY (task_set_id, record_no), "
         f"ADD CONSTRAINT {table}_task_id_key UNIQUE (task_set_id, task_id)"

@@ -10,8 +10,8 @@ verifies is rebuilt from the inbox file when that still hashes to what was inges
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
+import json
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.csv as pa_csv
 from sqlalchemy import Engine, delete, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -32,6 +33,7 @@ from fabric_pipelines.lib.files import (
 )
 from fabric_pipelines.lib.settings import FabricPaths
 from fabric_pipelines.lib.store import task_partitions
+from fabric_pipelines.lib.store.db import sqlite_has_json
 from fabric_pipelines.lib.store.models import (
     Batch,
     BatchPlan,
@@ -49,18 +51,19 @@ from fabric_pipelines.lib.tasks.inbox import (
 )
 from fabric_pipelines.lib.tasks.ingest import (
     SUPPORTED_SUFFIXES,
-    EarlyIds,
     Failure,
     SubmissionError,
     TokenisedTasks,
     ingest,
-    parquet_ids_known_early,
     plain_parquet,
     storable_failure,
 )
 from fabric_pipelines.lib.tasks.store import read_table, single_chunk, to_table, write_ipc
-from fabric_pipelines.lib.tasks.task_ids import TaskIdWriter, corrections
 
+# SQLite page cache while task ids are inserted, in KiB (the default is 2 MiB).
+SQLITE_INSERT_CACHE_KIB = 256 * 1024
+# Task ids per INSERT statement on SQLite (one JSON array each): a few MB of text.
+SQLITE_IDS_PER_STATEMENT = 1 << 18
 # How often a transaction waiting for a thread's work shows its server it is alive, in seconds.
 KEEPALIVE_S = 10.0
 
@@ -108,7 +111,7 @@ def ingest_task_set(
     parsed; and the stored file is written while the rows go into the database."""
     source = submission_path(paths.inbox, task_set)
     existing = _find(db, task_set)
-    with ThreadPoolExecutor(5, thread_name_prefix="ingest") as pool:
+    with ThreadPoolExecutor(4, thread_name_prefix="ingest") as pool:
         read = _read_source(pool, source, parse=existing is None)
         source_sha = read.sha256()
         _check_as_submitted(paths, task_set, source, source_sha, existing)
@@ -117,41 +120,31 @@ def ingest_task_set(
         if existing is not None:
             return _reuse(db, paths, existing, source, source_sha, tok_sha, max_seq_len)
         row = _SetRow(task_set, source_sha, model_id, tok_sha, max_seq_len)
-        # The database takes the ids known early while the tokens are read (tasks/task_ids.py).
-        handed: Future[tuple[TokenisedTasks, Future[StoredFile]]] = Future()
-        registering = pool.submit(_register, db, row, _written_early(db, read), handed)
+        columns = read.columns()
+        tasks = ingest(
+            source,
+            load_tokenizer(model_dir),
+            max_seq_len=max_seq_len,
+            truncate=truncate,
+            progress=progress,
+            columns=columns,
+        )
+        if columns is None:  # the file was read again after it was hashed: still the same?
+            after = sha256_file(source)
+            if after != source_sha:
+                raise SubmissionError(
+                    f"inbox file {source.name} changed while it was read (sha256 "
+                    f"{source_sha} before, {after} after); nothing was ingested: leave the "
+                    "file alone and run again"
+                )
+        del columns
+        read = _Source(_done(source_sha))  # lets go of the file's bytes and columns
+        # The stored file is written, hashed and synced while the rows go into the database.
+        storing = pool.submit(
+            _store, paths, task_set, tasks, source_sha, model_id, tok_sha, max_seq_len
+        )
         try:
-            columns = read.columns()
-            tasks = ingest(
-                source,
-                load_tokenizer(model_dir),
-                max_seq_len=max_seq_len,
-                truncate=truncate,
-                progress=progress,
-                columns=columns,
-            )
-            if columns is None:  # the file was read again after it was hashed: still the same?
-                after = sha256_file(source)
-                if after != source_sha:
-                    raise SubmissionError(
-                        f"inbox file {source.name} changed while it was read (sha256 "
-                        f"{source_sha} before, {after} after); nothing was ingested: leave the "
-                        "file alone and run again"
-                    )
-            del columns
-            read = _Source(_done(source_sha))  # lets go of the file's bytes and columns
-            # The stored file is written, hashed and synced while the rows go into the database.
-            storing = pool.submit(
-                _store, paths, task_set, tasks, source_sha, model_id, tok_sha, max_seq_len
-            )
-        except BaseException as exc:
-            handed.set_exception(exc)  # the registering transaction rolls back
-            with contextlib.suppress(BaseException):
-                registering.result()
-            raise
-        handed.set_result((tasks, storing))
-        try:
-            stored = registering.result()
+            stored = _register(db, row, tasks, storing)
         except IntegrityError:
             # Another run ingested the set first: it counts; this one's file goes unless
             # identical.
@@ -184,7 +177,6 @@ class _Source:
 
     hashing: Future[str]
     parsing: Future[pa.Table | None] | None = None
-    parsing_ids: Future[EarlyIds | None] | None = None
 
     def sha256(self) -> str:
         return self.hashing.result()
@@ -192,16 +184,11 @@ class _Source:
     def columns(self) -> pa.Table | None:
         return None if self.parsing is None else self.parsing.result()
 
-    def early_ids(self) -> EarlyIds | None:
-        """`parquet_ids_known_early` of the file (None for a file ingested record by record)."""
-        return None if self.parsing_ids is None else self.parsing_ids.result()
-
 
 def _read_source(pool: ThreadPoolExecutor, source: Path, *, parse: bool) -> _Source:
     """A Parquet file to ingest is read once, into memory: a thread hashes its bytes while
-    another parses its columns from them and a third its id column alone, which is ready long
-    before the tokens (hashlib and Arrow let go of the GIL). Any other file is only hashed here;
-    ingest reads it itself."""
+    another parses its columns from them (hashlib and Arrow let go of the GIL). Any other file
+    is only hashed here; ingest reads it itself."""
     if not parse or source.suffix.lower() != ".parquet":
         return _Source(_done(sha256_file(source)))
     with pa.OSFile(str(source), "rb") as handle:
@@ -209,19 +196,7 @@ def _read_source(pool: ThreadPoolExecutor, source: Path, *, parse: bool) -> _Sou
     return _Source(
         hashing=pool.submit(lambda: hashlib.sha256(memoryview(data)).hexdigest()),
         parsing=pool.submit(plain_parquet, data),
-        parsing_ids=pool.submit(parquet_ids_known_early, data),
     )
-
-
-def _written_early(db: Engine, read: _Source) -> EarlyIds | None:
-    """The ids to write while the file's tokens are read, if any. On SQLite the transaction
-    that writes them holds the database's one write lock (every other session of the file
-    waits), so only while token ids are decoded (a second or so per million rows), not while
-    text is tokenised."""
-    early = read.early_ids()
-    if early is None or (db.dialect.name == "sqlite" and not early.token_ids_only):
-        return None
-    return early
 
 
 def _done(sha: str) -> Future[str]:
@@ -301,33 +276,26 @@ class _SetRow:
 
 
 def _register(
-    db: Engine,
-    row: _SetRow,
-    early_ids: EarlyIds | None,
-    handed: Future[tuple[TokenisedTasks, Future[StoredFile]]],
+    db: Engine, row: _SetRow, tasks: TokenisedTasks, storing: Future[StoredFile]
 ) -> StoredFile:
-    """The task-set row, every task id and every failure, in one transaction. The ids known
-    early are written while the caller reads the tokens; then the tasks and the stored file's
-    future are `handed` over, the ids corrected, and the row's hash and path filled in last,
-    before the commit, from the stored file, which is written meanwhile."""
+    """The task-set row, every task id and every failure, in one transaction. The row's hash
+    and path are filled in last, before the commit, from the stored file, which is written
+    meanwhile (`storing`)."""
     with db.begin() as conn:
         set_id = _insert_set_row(conn, row)
-        ids = TaskIdWriter(conn, set_id)
-        if early_ids is not None:
-            ids.write(early_ids.record_no, early_ids.task_ids)
-        tasks, storing = _wait(conn, handed)
-        if early_ids is None:
-            ids.write(tasks.record_no, tasks.task_ids)
-        else:
-            remove, add = corrections(
-                early_ids.record_no, early_ids.task_ids, tasks.record_no, tasks.task_ids
-            )
-            ids.remove(remove)
-            ids.write(tasks.record_no[add], [tasks.task_ids[i] for i in add.tolist()])
-        ids.key()
+        write_task_ids(conn, set_id, tasks.record_no, tasks.task_ids)
         stored = _complete(conn, set_id, row, tasks, storing)
-        ids.attach()
+        attach_task_ids(conn, set_id)
         return stored
+
+
+def attach_task_ids(conn: Any, set_id: int) -> None:
+    """PostgreSQL: the set's ids, written by `write_task_ids`, become its partition of `tasks`;
+    last in the ingest's transaction, as the lock it takes lasts until the commit. SQLite wrote
+    them into `tasks` itself."""
+    if conn.dialect.name == "postgresql":
+        with conn.connection.driver_connection.cursor() as cursor:
+            task_partitions.attach(cursor, set_id)
 
 
 def _insert_set_row(conn: Any, row: _SetRow) -> int:
@@ -514,6 +482,74 @@ def _check_same(existing: TaskSet, source_sha: str, tok_sha: str, max_seq_len: i
             f"task set {existing.name!r} was tokenised with another tokenizer or max_seq_len "
             f"({existing.model_id}, {existing.max_seq_len}); submit it under a new name to "
             "tokenise it for this engine"
+        )
+
+
+def write_task_ids(conn: Any, set_id: int, record_no: np.ndarray, task_ids: list[str]) -> None:
+    """Every task's id, in bulk: on PostgreSQL a COPY of a CSV that Arrow writes, into the set's
+    own table (store/task_partitions.py; `attach_task_ids` makes it a partition of `tasks`);
+    on SQLite an INSERT from a JSON array of ids per statement (SQLite reads it in C, no Python
+    per row)."""
+    if conn.dialect.name == "postgresql":
+        table = pa.table(
+            {
+                "task_set_id": pa.array(np.full(len(task_ids), set_id, dtype=np.int32)),
+                "record_no": pa.array(record_no, type=pa.int64()),
+                "task_id": pa.array(task_ids, type=pa.string()),
+            }
+        )
+        sink = pa.BufferOutputStream()
+        pa_csv.write_csv(table, sink, pa_csv.WriteOptions(include_header=False))
+        with conn.connection.driver_connection.cursor() as cursor:
+            task_partitions.copy_into_new_partition(cursor, set_id, memoryview(sink.getvalue()))
+        return
+    if not task_ids:
+        return
+    cursor = conn.connection.driver_connection.cursor()
+    # Ids in no particular order land all over the unique index on (set, id): a page cache that
+    # holds the index saves re-reading its pages (a third less time for 1 M random ids). The
+    # cache size belongs to the pooled connection, so it is put back after.
+    (cache_size,) = cursor.execute("PRAGMA cache_size").fetchone()
+    cursor.execute(f"PRAGMA cache_size = {-SQLITE_INSERT_CACHE_KIB}")
+    try:
+        if sqlite_has_json() and bool(np.all(np.diff(record_no) > 0)):
+            _insert_json_arrays(cursor, set_id, record_no, task_ids)
+        else:
+            _insert_rows(cursor, set_id, record_no, task_ids)
+    finally:
+        cursor.execute(f"PRAGMA cache_size = {int(cache_size)}")
+
+
+def _insert_rows(cursor: Any, set_id: int, record_no: np.ndarray, task_ids: list[str]) -> None:
+    cursor.executemany(
+        "INSERT INTO tasks (task_set_id, record_no, task_id) VALUES (?, ?, ?)",
+        zip([set_id] * len(task_ids), record_no.tolist(), task_ids, strict=True),
+    )
+
+
+def _insert_json_arrays(
+    cursor: Any, set_id: int, record_no: np.ndarray, task_ids: list[str]
+) -> None:
+    """Per statement, a JSON array holding the ids of a run of consecutive record numbers
+    (null for a record that is no task); the array index gives the record number. `record_no`
+    ascends."""
+    for start in range(0, len(task_ids), SQLITE_IDS_PER_STATEMENT):
+        stop = min(start + SQLITE_IDS_PER_STATEMENT, len(task_ids))
+        first = int(record_no[start])
+        span = int(record_no[stop - 1]) - first + 1
+        ids: list[Any] = task_ids[start:stop]
+        if span != stop - start:
+            slots = np.full(span, None, dtype=object)
+            slots[record_no[start:stop] - first] = ids
+            ids = slots.tolist()
+        text = json.dumps(ids, ensure_ascii=False)
+        if "\\u0000" in text:  # a NUL, as SQLite's JSON reader may not give it back: bind it
+            _insert_rows(cursor, set_id, record_no[start:stop], task_ids[start:stop])
+            continue
+        cursor.execute(
+            "INSERT INTO tasks (task_set_id, record_no, task_id) "
+            "SELECT ?, ? + key, value FROM json_each(?) WHERE type = 'text'",
+            (set_id, first, text),
         )
 
 

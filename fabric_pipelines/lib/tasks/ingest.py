@@ -479,44 +479,6 @@ def plain_parquet(source: Path | pa.Buffer) -> pa.Table | None:
     return table
 
 
-@dataclass(frozen=True)
-class EarlyIds:
-    """Rows of a file whose id is known to be their task id, should they become tasks."""
-
-    record_no: np.ndarray  # ascending
-    task_ids: pa.Array  # strings
-    token_ids_only: bool  # the file gives token ids, no text: nothing to tokenise
-
-
-def parquet_ids_known_early(source: pa.Buffer) -> EarlyIds | None:
-    """From the id column alone of a plain Parquet file (`plain_parquet`'s kind): the record
-    numbers and task ids of the rows whose id is good and no other good row's. Each of them is
-    a task with that id unless its own tokens or text fail. None where the file is not of that
-    kind (its rows are then known only once read)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        with pq.ParquetFile(pa.BufferReader(source)) as parquet:
-            schema = parquet.schema_arrow
-            wanted = [c for c in ("id", "text", "token_ids") if c in schema.names]
-            if not _plain_schema(schema, wanted):
-                return None
-            column = parquet.read(columns=["id"]).column("id").combine_chunks()
-        column.validate(full=True)
-    except Exception:  # over 2 GB of ids (one chunk cannot hold them), or not readable
-        return None
-    ids, good = _task_ids(column)
-    rows = np.flatnonzero(good)
-    chosen = ids.filter(pa.array(good))
-    encoded = chosen.dictionary_encode()
-    if len(encoded.dictionary) != len(chosen):  # some ids repeat: those wait for the check
-        codes = encoded.indices.to_numpy()
-        once = np.bincount(codes, minlength=len(encoded.dictionary))[codes] == 1
-        rows, chosen = rows[once], chosen.filter(pa.array(once))
-    return EarlyIds(rows, chosen, token_ids_only="text" not in wanted)
-
-
 def _plain_schema(schema: pa.Schema, wanted: list[str]) -> bool:
     import pyarrow as pa
 
