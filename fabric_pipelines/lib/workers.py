@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import ctypes
 import json
+import math
 import os
 import signal
 import socket
@@ -312,19 +313,21 @@ class EarlyTaskSet:
 
 
 def read_task_set_before_go(
-    db: Any, task_set: str, go_file: Path, poll_s: float = 0.01
+    db: Any, task_set: str, go_file: Path, poll_s: float = 0.01, db_poll_s: float = 0.05
 ) -> EarlyTaskSet | None:
-    """Wait for the go file; meanwhile, as soon as the set's ingest has committed, read its
-    stored table (a second or so at 1 M tasks, hashing included), which the plan being made
-    meanwhile does not change. Best effort: anything that goes wrong here leaves the reading to
-    `_job`, after the go, where errors are reported."""
+    """Wait for the go file (looked for every `poll_s`); meanwhile, as soon as the set's ingest
+    has committed (asked every `db_poll_s`: on SQLite each ask takes the write lock a moment),
+    read its stored table (a second or so at 1 M tasks, hashing included), which the plan being
+    made meanwhile does not change. Best effort: anything that goes wrong here leaves the
+    reading to `_job`, after the go, where errors are reported."""
     from fabric_pipelines.lib.tasks.catalog import get_task_set
     from fabric_pipelines.lib.tasks.store import read_table
 
     early: EarlyTaskSet | None = None
-    tried = False
+    asked_at: float | None = -math.inf  # None once the set's row was found
     while not go_file.exists():
-        if not tried:
+        if asked_at is not None and time.monotonic() - asked_at >= db_poll_s:
+            asked_at = time.monotonic()
             try:
                 row = get_task_set(db, task_set)
             except LookupError:  # not ingested yet
@@ -332,7 +335,7 @@ def read_task_set_before_go(
             except Exception:  # the database away a moment: `_job` retries it properly
                 row = None
             if row is not None and row.content_sha256:
-                tried = True
+                asked_at = None
                 try:
                     table = read_table(Path(row.path), row.content_sha256)
                     early = EarlyTaskSet(row.path, row.content_sha256, table)
