@@ -241,7 +241,9 @@ def _task_partitions(engine: Engine) -> list[str]:
 @pytest.mark.parametrize(
     "db_url", [pytest.param("postgres", marks=pytest.mark.postgres)], indirect=True
 )
-def test_0007_moves_each_sets_task_ids_into_a_partition_and_back(db_url: str) -> None:
+def test_0007_moves_earlier_sets_task_ids_into_one_partition_and_back(
+    db_url: str, tmp_path: Path
+) -> None:
     engine = make_engine(db_url)
     upgrade(engine, "0006")
     rows = [(1, r, f"a{r}") for r in range(5)] + [(4, r, f"b{r}") for r in (0, 7, 9)]
@@ -260,12 +262,28 @@ def test_0007_moves_each_sets_task_ids_into_a_partition_and_back(db_url: str) ->
 
     insert_rows(rows)
     upgrade(engine, "0007")
-    assert _task_partitions(engine) == ["tasks_set_1", "tasks_set_4"]
+    assert _task_partitions(engine) == ["tasks_before_0007_sets"]  # one, however many sets
     assert all_rows() == rows
     with pytest.raises(IntegrityError):  # the set's unique task id holds through the parent
         insert_rows([(4, 11, "b7")])
     with pytest.raises(IntegrityError):  # a set without a partition has no place for rows
         insert_rows([(9, 0, "c0")])
+    # Forgetting an earlier set deletes its rows from the shared partition, the others stay.
+    from fabric_pipelines.lib.settings import FabricPaths
+    from fabric_pipelines.lib.tasks.catalog import forget_task_set
+
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO task_sets (id, name, source_sha256, content_sha256, path, model_id, "
+                "tokenizer_sha256, max_seq_len, n_records, n_tasks, truncated, created_at) "
+                "VALUES (4, 'old', '', '', :path, 'm', '', 8, 3, 3, 0, now())"
+            ),
+            {"path": str(tmp_path / "old.arrow")},
+        )
+    forget_task_set(engine, FabricPaths(tmp_path), "old")
+    rows = [r for r in rows if r[0] != 4]
+    assert all_rows() == rows
 
     downgrade(engine, "0006")
     with engine.connect() as conn:

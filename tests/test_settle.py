@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -124,9 +125,10 @@ def test_settling_meanwhile_marks_pages_while_rows_are_written(db: Engine) -> No
         for batch in range(20):
             _write_more(db, batch * 200, 200)
             threading.Event().wait(0.02)
-        deadline = threading.Event()
-        while _vacuums_of_embeddings(db) - before < 2 and not deadline.wait(0.05):
-            pass
+        deadline = time.monotonic() + 30
+        while _vacuums_of_embeddings(db) - before < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _vacuums_of_embeddings(db) - before >= 2
         assert _all_visible_pages(db) > 0  # marked while the block still runs
     assert not any(t.name == "settle-embeddings" for t in threading.enumerate())
     with db.connect() as conn:
@@ -134,7 +136,9 @@ def test_settling_meanwhile_marks_pages_while_rows_are_written(db: Engine) -> No
 
 
 @POSTGRES_ONLY
-def test_settling_meanwhile_skips_a_turn_while_another_session_vacuums(db: Engine) -> None:
+def test_settling_meanwhile_skips_a_turn_while_another_session_vacuums(
+    db: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Another session holds the maintenance lock for the whole block: the settler's turns give
     up at once instead of queueing behind it, and the block ends without waiting for the lock."""
     _write(db, 10)
@@ -146,6 +150,14 @@ def test_settling_meanwhile_skips_a_turn_while_another_session_vacuums(db: Engin
             holding.set()
             release.wait(10)
 
+    tries: list[bool] = []
+    vacuum = settle._vacuum
+
+    def counted(*args: object) -> bool:
+        tries.append(vacuum(*args))  # type: ignore[arg-type]
+        return tries[-1]
+
+    monkeypatch.setattr(settle, "_vacuum", counted)
     holder = threading.Thread(target=hold)
     holder.start()
     try:
@@ -153,6 +165,7 @@ def test_settling_meanwhile_skips_a_turn_while_another_session_vacuums(db: Engin
         with settle.settling_meanwhile(db, every_s=0.02):
             threading.Event().wait(0.3)
         assert holder.is_alive()  # the block ended while the lock was still held
+        assert tries and not any(tries)  # it tried, and every try gave up at once
     finally:
         release.set()
         holder.join()

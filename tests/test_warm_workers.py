@@ -200,9 +200,10 @@ def test_a_waiting_worker_reads_its_task_set_once_ingested_before_the_go(
 
 
 def test_a_damaged_task_set_is_left_to_the_job_which_says_so(
-    db: Engine, paths: FabricPaths, tiny_model_dir: Path
+    db: Engine, paths: FabricPaths, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from fabric_pipelines.lib.files import CorruptFileError
+    from fabric_pipelines.lib.tasks import store
     from fabric_pipelines.lib.tasks.catalog import get_task_set
     from fabric_pipelines.lib.workers import _job, read_task_set_before_go
 
@@ -211,8 +212,18 @@ def test_a_damaged_task_set_is_left_to_the_job_which_says_so(
     stored = Path(get_task_set(db, "set").path)
     stored.write_bytes(stored.read_bytes()[:-8] + b"damaged!")
     go = paths.root / "go"
+    tried = threading.Event()
+    read_table = store.read_table
+
+    def noting_read(path: Path, sha256: str | None) -> object:
+        tried.set()
+        return read_table(path, sha256)
+
+    monkeypatch.setattr(store, "read_table", noting_read)
     threading.Timer(0.3, lambda: go.write_bytes(b"go\n")).start()
     assert read_task_set_before_go(db, "set", go) is None
+    assert tried.is_set()  # it read the file early, found it damaged, and kept nothing
+    monkeypatch.undo()
     with pytest.raises(CorruptFileError):
         _job(db, paths, "set", manifest, None)
 

@@ -9,9 +9,10 @@ reads the heap once, marks it all-visible and refreshes the planner's row estima
 queries then read the index only (a tenth of the time).
 
 That one VACUUM, run after the last batch, was itself 2.7 s of a 1 M-row run's critical path.
-`settling_meanwhile` runs plain VACUUMs on a thread while the workers write: each marks the pages
+`settling_meanwhile` runs light VACUUMs on a thread while the workers write: each marks the pages
 committed since the one before, and VACUUM skips pages already marked, so the VACUUM (ANALYZE)
-after the run reads only the last few seconds' pages.
+after the run reads only the last few seconds' pages (0.29-0.33 s at 1 M rows on an H200,
+against 2.7 s).
 
 SQLite has no such state: nothing to do there.
 """
@@ -35,6 +36,11 @@ LOCK_WAIT_MS = 2000
 # and one that finds the table busy with another VACUUM skips its turn at once.
 MEANWHILE_EVERY_S = 3.0
 MEANWHILE_LOCK_WAIT_MS = 50
+# Each such VACUUM only marks pages: it leaves the indexes and the table's end alone (truncating
+# the end takes a lock that stops every writer), and it is cut off after this long, so that
+# neither another session queueing for the table nor the step's end waits long for it.
+MEANWHILE_VACUUM = "VACUUM (INDEX_CLEANUP OFF, TRUNCATE OFF) embeddings"
+MEANWHILE_LIMIT_MS = 20_000
 
 
 def settle_embeddings(db: Engine) -> bool:
@@ -59,7 +65,7 @@ def settling_meanwhile(db: Engine, every_s: float = MEANWHILE_EVERY_S) -> Iterat
     def keep_settling() -> None:
         while not stop.wait(every_s):
             try:
-                _vacuum(db, "VACUUM embeddings", MEANWHILE_LOCK_WAIT_MS)
+                _vacuum(db, MEANWHILE_VACUUM, MEANWHILE_LOCK_WAIT_MS, MEANWHILE_LIMIT_MS)
             except Exception as exc:  # a lost server: the run's own code reports that
                 log.warning("VACUUM embeddings during extraction failed: %s", exc)
 
@@ -72,18 +78,23 @@ def settling_meanwhile(db: Engine, every_s: float = MEANWHILE_EVERY_S) -> Iterat
         thread.join()
 
 
-def _vacuum(db: Engine, statement: str, lock_wait_ms: int) -> bool:
-    """`statement` (a VACUUM) with `lock_wait_ms` to get the table's maintenance lock; False
-    where another session held it that long."""
+def _vacuum(db: Engine, statement: str, lock_wait_ms: int, limit_ms: int = 0) -> bool:
+    """`statement` (a VACUUM) with `lock_wait_ms` to get the table's maintenance lock and at
+    most `limit_ms` to run (0: no limit); False where another session held the lock that long
+    or the limit cut it off."""
     with db.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        # VACUUM cannot run inside a transaction block: the session-level timeout is reset after.
+        # VACUUM cannot run inside a transaction block: the session-level timeouts are reset
+        # after.
         conn.execute(text(f"SET lock_timeout = {lock_wait_ms}"))
+        conn.execute(text(f"SET statement_timeout = {limit_ms}"))
         try:
             conn.execute(text(statement))
         except OperationalError as exc:
-            if getattr(exc.orig, "sqlstate", None) != "55P03":  # lock_not_available
+            # lock_not_available, query_canceled (the statement timeout)
+            if getattr(exc.orig, "sqlstate", None) not in ("55P03", "57014"):
                 raise
             return False
         finally:
             conn.execute(text("RESET lock_timeout"))
+            conn.execute(text("RESET statement_timeout"))
     return True

@@ -15,6 +15,7 @@ set's partition:
   belongs to the partition; the attach adopts the two indexes as the parent's.
 
 Nothing else sees the table before the ingest commits, so a failed ingest leaves nothing behind.
+Sets ingested before migration 0007 share one partition; forgetting one deletes its rows there.
 Attaching takes the parent's SHARE UPDATE EXCLUSIVE lock until commit: readers and writers of
 other sets go on, two ingests attach one after the other. SQLite has one plain table.
 """
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection, Engine, text
 
 # Memory for each sort that builds a key (the server's default, 64 MB, spills 1 M ids to disk).
 SORT_MEMORY_MB = 512
@@ -61,7 +62,26 @@ def attach(cursor: Any, set_id: int) -> None:
     )
 
 
-def drop(conn: Connection, set_id: int) -> None:
-    """Drop `set_id`'s partition, where it has one (forgetting a set). This takes the parent's
-    ACCESS EXCLUSIVE lock until the commit: readers of other sets wait that long."""
-    conn.execute(text(f"DROP TABLE IF EXISTS {partition_name(set_id)}"))
+def has_own(conn: Connection, set_id: int) -> bool:
+    """Whether `set_id` has a partition of its own (sets ingested before migration 0007 share
+    one)."""
+    found = conn.execute(text("SELECT to_regclass(:name)"), {"name": partition_name(set_id)})
+    return found.scalar() is not None
+
+
+def drop(db: Engine, set_id: int) -> None:
+    """Drop `set_id`'s own partition, if it has one, once the forgetting of the set has
+    committed. Detached CONCURRENTLY first: a plain DROP would take the parent's ACCESS
+    EXCLUSIVE lock, waiting for every reader of `tasks` and holding up every new one; this way
+    only readers of this partition are waited for."""
+    name = partition_name(set_id)
+    with db.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        if not has_own(conn, set_id):
+            return
+        attached = conn.execute(
+            text("SELECT 1 FROM pg_inherits WHERE inhrelid = to_regclass(:name)"),
+            {"name": name},
+        ).first()
+        if attached is not None:
+            conn.execute(text(f"ALTER TABLE tasks DETACH PARTITION {name} CONCURRENTLY"))
+        conn.execute(text(f"DROP TABLE IF EXISTS {name}"))

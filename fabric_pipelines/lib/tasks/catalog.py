@@ -568,13 +568,14 @@ def forget_task_set(db: Engine, paths: FabricPaths, task_set: str) -> None:
         set_id = conn.execute(select(TaskSet.id).where(TaskSet.name == task_set)).scalar()
         if set_id is not None:
             conn.execute(delete(Embedding).where(Embedding.task_set_id == set_id))
-            if conn.dialect.name == "postgresql":  # the set's partition, rows and all
-                task_partitions.drop(conn, set_id)
-            else:
+            # PostgreSQL: a set's own partition goes after the commit, rows and all.
+            if conn.dialect.name != "postgresql" or not task_partitions.has_own(conn, set_id):
                 conn.execute(delete(Task).where(Task.task_set_id == set_id))
         for table in (TaskFailure, Batch, BatchPlan, HiddenStateShard):
             conn.execute(delete(table).where(table.task_set == task_set))
         conn.execute(delete(TaskSet).where(TaskSet.name == task_set))
+    if set_id is not None and db.dialect.name == "postgresql":
+        task_partitions.drop(db, set_id)
     if stored is not None:
         Path(stored.path).unlink(missing_ok=True)
     (paths.task_sets / f"{task_set}.arrow").unlink(missing_ok=True)  # stored before hash names

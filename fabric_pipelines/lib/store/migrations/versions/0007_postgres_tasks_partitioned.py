@@ -2,12 +2,13 @@
 
 An ingest of 1 M tasks spent most of its database time in one COPY into `tasks`, each row an
 insertion into two B-trees. Now each task set's ids live in a partition of their own, which the
-ingest fills and keys itself before attaching it (store/task_partitions.py). The parent keeps
-the same columns, primary key and unique constraint (their names too); task ids now compare byte
-by byte (COLLATE "C": the same equality, a faster sort for the unique key). Existing rows move
-into one partition per set. SQLite is unchanged.
+ingest fills and keys itself before attaching it (store/task_partitions.py); the sets ingested
+before this revision share one partition. The parent keeps the same columns, primary key and
+unique constraint (their names too); task ids now compare byte by byte (COLLATE "C": the same
+equality, a faster sort for the unique key). SQLite is unchanged.
 
-Downgrade: one plain table again, every row moved back.
+Downgrade: one plain table again, every row moved back (in one transaction, which locks each
+partition: a database with thousands of large sets may need max_locks_per_transaction raised).
 
 Revision ID: 0007
 Revises: 0006
@@ -36,20 +37,27 @@ def upgrade() -> None:
         return
     _set_aside()
     op.execute(f"CREATE TABLE tasks ({COLUMNS}, {KEYS}) PARTITION BY LIST (task_set_id)")
-    set_ids = op.get_bind().execute(text("SELECT DISTINCT task_set_id FROM tasks_before_0007"))
-    for (set_id,) in set_ids.all():
-        # As an ingest builds it (store/task_partitions.py), filled from the old table.
-        table = f"tasks_set_{int(set_id)}"
-        op.execute(f"CREATE TABLE {table} (LIKE tasks, CHECK (task_set_id = {int(set_id)}))")
+    set_ids = op.get_bind().execute(
+        text("SELECT DISTINCT task_set_id FROM tasks_before_0007 ORDER BY 1")
+    )
+    values = ", ".join(str(int(set_id)) for (set_id,) in set_ids.all())
+    if values:
+        # Every set ingested before this revision in one partition (one table, whatever their
+        # number: a partition each would lock four relations per set in this one transaction).
+        # Forgetting one of them deletes its rows (store/task_partitions.py).
+        op.execute("CREATE TABLE tasks_before_0007_sets (LIKE tasks)")
         op.execute(
-            f"INSERT INTO {table} SELECT task_set_id, record_no, task_id FROM tasks_before_0007 "
-            f"WHERE task_set_id = {int(set_id)}"
+            "INSERT INTO tasks_before_0007_sets "
+            "SELECT task_set_id, record_no, task_id FROM tasks_before_0007"
         )
         op.execute(
-            f"ALTER TABLE {table} ADD CONSTRAINT {table}_pkey PRIMARY KEY (task_set_id, "
-            f"record_no), ADD CONSTRAINT {table}_task_id_key UNIQUE (task_set_id, task_id)"
+            "ALTER TABLE tasks_before_0007_sets "
+            "ADD CONSTRAINT tasks_before_0007_sets_pkey PRIMARY KEY (task_set_id, record_no), "
+            "ADD CONSTRAINT tasks_before_0007_sets_task_id_key UNIQUE (task_set_id, task_id)"
         )
-        op.execute(f"ALTER TABLE tasks ATTACH PARTITION {table} FOR VALUES IN ({int(set_id)})")
+        op.execute(
+            f"ALTER TABLE tasks ATTACH PARTITION tasks_before_0007_sets FOR VALUES IN ({values})"
+        )
     op.execute("DROP TABLE tasks_before_0007")
 
 
