@@ -19,7 +19,8 @@ POSTGRES_ONLY = pytest.mark.parametrize(
 SQLITE_ONLY = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 
 
-def _write(db: Engine, n: int) -> None:
+def _write(db: Engine, n: int, first: int = 0) -> None:
+    """Rows `first` .. `first + n - 1` of one set and model, in one transaction."""
     vector = np.ones(8, "<f4").tobytes()
     with db.begin() as conn:
         key = model_id(conn, "m")
@@ -27,18 +28,18 @@ def _write(db: Engine, n: int) -> None:
             insert(Embedding),
             [
                 {"model_id": key, "task_set_id": 1, "record_no": r, "n_tokens": 3, "vector": vector}
-                for r in range(n)
+                for r in range(first, first + n)
             ],
         )
 
 
-def _all_visible_pages(db: Engine) -> int:
+def _embeddings_stat(db: Engine, sql: str) -> int:
     with db.connect() as conn:
-        return int(
-            conn.execute(
-                text("SELECT relallvisible FROM pg_class WHERE relname = 'embeddings'")
-            ).scalar_one()
-        )
+        return int(conn.execute(text(sql)).scalar_one())
+
+
+def _all_visible_pages(db: Engine) -> int:
+    return _embeddings_stat(db, "SELECT relallvisible FROM pg_class WHERE relname = 'embeddings'")
 
 
 @POSTGRES_ONLY
@@ -92,26 +93,10 @@ def test_sqlite_needs_no_settling(db: Engine) -> None:
     assert settle.settle_embeddings(db) is False
 
 
-def _write_more(db: Engine, first: int, n: int) -> None:
-    vector = np.ones(8, "<f4").tobytes()
-    with db.begin() as conn:
-        key = model_id(conn, "m")
-        conn.execute(
-            insert(Embedding),
-            [
-                {"model_id": key, "task_set_id": 1, "record_no": r, "n_tokens": 3, "vector": vector}
-                for r in range(first, first + n)
-            ],
-        )
-
-
 def _vacuums_of_embeddings(db: Engine) -> int:
-    with db.connect() as conn:
-        return int(
-            conn.execute(
-                text("SELECT vacuum_count FROM pg_stat_user_tables WHERE relname = 'embeddings'")
-            ).scalar_one()
-        )
+    return _embeddings_stat(
+        db, "SELECT vacuum_count FROM pg_stat_user_tables WHERE relname = 'embeddings'"
+    )
 
 
 @POSTGRES_ONLY
@@ -123,7 +108,7 @@ def test_settling_meanwhile_marks_pages_while_rows_are_written(db: Engine) -> No
     before = _vacuums_of_embeddings(db)
     with settle.settling_meanwhile(db, every_s=0.05):
         for batch in range(20):
-            _write_more(db, batch * 200, 200)
+            _write(db, 200, first=batch * 200)
             threading.Event().wait(0.02)
         deadline = time.monotonic() + 30
         while _vacuums_of_embeddings(db) - before < 2 and time.monotonic() < deadline:

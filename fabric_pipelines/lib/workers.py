@@ -330,17 +330,14 @@ def read_task_set_before_go(
             asked_at = time.monotonic()
             try:
                 row = get_task_set(db, task_set)
-            except LookupError:  # not ingested yet
-                row = None
-            except Exception:  # the database away a moment: `_job` retries it properly
+            except Exception:  # not ingested yet (LookupError), or the database away a moment
                 row = None
             if row is not None and row.content_sha256:
                 asked_at = None
-                try:
+                # A damaged or missing file is left for `_job` to report after the go.
+                with contextlib.suppress(Exception):
                     table = read_table(Path(row.path), row.content_sha256)
                     early = EarlyTaskSet(row.path, row.content_sha256, table)
-                except Exception:  # damaged or gone: `_job` says so after the go
-                    early = None
                 continue
         time.sleep(poll_s)
     return early

@@ -76,8 +76,6 @@ def drop(db: Engine, set_id: int) -> None:
     only readers of this partition are waited for."""
     name = partition_name(set_id)
     with db.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        if not has_own(conn, set_id):
-            return
         attached = conn.execute(
             text("SELECT 1 FROM pg_inherits WHERE inhrelid = to_regclass(:name)"),
             {"name": name},
