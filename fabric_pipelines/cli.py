@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from sqlalchemy import Engine
 
     from fabric_pipelines.lib.settings import FabricPaths
@@ -72,7 +74,7 @@ def _engine_config(args: argparse.Namespace) -> dict[str, Any]:
         config["hook_layers"] = [int(x) for x in args.hook_layers.split(",") if x.strip()]
     if getattr(args, "manifest", None):
         config["manifest_path"] = str(Path(args.manifest).resolve())
-    for name in ("workers", "lease_seconds", "heartbeat_seconds"):
+    for name in ("workers", "lease_seconds", "heartbeat_seconds", "pool_idle_seconds"):
         value = getattr(args, name, None)
         if value is not None:
             config[name] = value
@@ -90,9 +92,12 @@ def _quiet_dagster() -> None:
     logging.getLogger("dagster").setLevel(logging.WARNING)
 
 
-def run_pipeline(task_set: str, args: argparse.Namespace) -> dict[str, Any]:
+def run_pipeline(
+    task_set: str, args: argparse.Namespace, prepared: Future[tuple[Any, Any]] | None = None
+) -> dict[str, Any]:
     """Materialise the three partitioned assets for `task_set`, then the index; return a summary.
 
+    `prepared`: the definitions and Dagster instance made meanwhile (preload.prepare_pipeline).
     The name is checked before it becomes a partition; a partition this call registered is
     removed again when the set could not even be ingested, so a typo leaves nothing behind."""
     import dagster as dg
@@ -107,8 +112,12 @@ def run_pipeline(task_set: str, args: argparse.Namespace) -> dict[str, Any]:
     validate_task_set_name(task_set)  # InvalidNameError: main() prints it, exit 2
     vector_tail.follow_in_this_process()  # both jobs run here, the index right after extraction
     mark("dagster_imported")
-    definitions = defs()
-    instance = dg.DagsterInstance.get()
+    try:
+        if prepared is None:
+            raise LookupError("nothing prepared")
+        definitions, instance = prepared.result()
+    except Exception:  # not prepared, or it failed there: made here, where a failure is reported
+        definitions, instance = defs(), dg.DagsterInstance.get()
     mark("definitions_loaded")
     registered = _register_partition(instance, TASK_SET_PARTITIONS, task_set)
     run_config = _run_config(args)
@@ -159,6 +168,7 @@ def _warm_workers(task_set: str, args: argparse.Namespace) -> Any:
     submitted, ingested and planned. A no-op when the engine settings cannot be read here (the
     run's own step reports why); the step takes the workers over only if its settings match."""
     from fabric_pipelines.lib.broker.ledger import DEFAULT_LEASE_SECONDS
+    from fabric_pipelines.lib.engine_pool import idle_seconds_setting
     from fabric_pipelines.lib.gpu_pool import visible_gpus
     from fabric_pipelines.lib.run_clock import mark
     from fabric_pipelines.lib.settings import FabricPaths, database_url
@@ -166,6 +176,7 @@ def _warm_workers(task_set: str, args: argparse.Namespace) -> Any:
 
     try:
         manifest = _engine_manifest(args)
+        pool_idle_seconds = idle_seconds_setting(getattr(args, "pool_idle_seconds", None))
     except Exception:  # the extraction step reports the same error, in the run
         return contextlib.nullcontext()
     mark("manifest_read")
@@ -181,6 +192,7 @@ def _warm_workers(task_set: str, args: argparse.Namespace) -> Any:
         visible_gpus=gpus,
         lease_seconds=args.lease_seconds or DEFAULT_LEASE_SECONDS,
         heartbeat_seconds=args.heartbeat_seconds,
+        pool_idle_seconds=pool_idle_seconds,
     )
 
 
@@ -385,16 +397,18 @@ def cmd_submit(args: argparse.Namespace) -> int:
         print(f"fabric submit: {exc}", file=sys.stderr)
         return 2
     # With --run, the engine's workers start loading first, while the rest of this runs; then
-    # Dagster and the definitions import on a thread while the file is submitted.
+    # Dagster's definitions and instance are made on a thread while the file is submitted.
     with _warm_workers(args.task_set, args) if args.run else contextlib.nullcontext():
+        prepared = None
         if args.run:
-            from fabric_pipelines.lib.preload import pipeline_modules, preload
+            from fabric_pipelines.lib.preload import prepare_pipeline
 
-            preload(pipeline_modules())
-        return _submit(args)
+            _prepare_environment()  # DAGSTER_HOME, which the instance is opened from
+            prepared = prepare_pipeline()
+        return _submit(args, prepared)
 
 
-def _submit(args: argparse.Namespace) -> int:
+def _submit(args: argparse.Namespace, prepared: Future[tuple[Any, Any]] | None = None) -> int:
     from fabric_pipelines.lib.names import InvalidNameError
     from fabric_pipelines.lib.run_clock import mark
     from fabric_pipelines.lib.tasks.catalog import is_ingested
@@ -417,7 +431,7 @@ def _submit(args: argparse.Namespace) -> int:
         f"submitted {args.file} as task set {staged.task_set!r} ({staged.path}, sha256 {staged.sha256[:16]}…)"
     )
     if args.run:
-        summary = run_pipeline(staged.task_set, args)
+        summary = run_pipeline(staged.task_set, args, prepared)
         _write_report(args, summary)
         _print_summary(summary)
     else:
@@ -437,11 +451,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"fabric run: {exc}", file=sys.stderr)
         return 2
     with _warm_workers(args.task_set, args):
-        from fabric_pipelines.lib.preload import pipeline_modules, preload
+        from fabric_pipelines.lib.preload import prepare_pipeline
 
-        preload(pipeline_modules())  # Dagster imports while the database opens
+        _prepare_environment()  # DAGSTER_HOME, which the instance is opened from
+        prepared = prepare_pipeline()  # Dagster's definitions and instance while the database opens
         _open_database()[1].dispose()  # the schema first, before two runs' steps race to make it
-        summary = run_pipeline(args.task_set, args)
+        summary = run_pipeline(args.task_set, args, prepared)
     _write_report(args, summary)
     _print_summary(summary)
     return 0 if all(passed for _, passed in summary["checks"]) else 1
@@ -681,6 +696,94 @@ def _worker(argv: list[str]) -> int:
     return worker_main(argv)
 
 
+def cmd_workers(args: argparse.Namespace) -> int:
+    """The warm engine pool: start its workers for a manifest, stop them, or show them."""
+    from fabric_pipelines.lib.engine_pool import describe, pool_states, stop_pool
+
+    root = _prepare_environment()
+    if args.action == "status":
+        states = pool_states(root)
+        if args.json:
+            print(json.dumps([state.__dict__ for state in states], indent=1))
+        elif not states:
+            print("no pool workers (a run starts them; or: fabric workers start --manifest FILE)")
+        for state in states if not args.json else []:
+            print(describe(state))
+        return 0
+    if args.action == "stop":
+        stopped = stop_pool(root)
+        print(
+            f"stopped {len(stopped)} pool worker(s){': ' + ', '.join(stopped) if stopped else ''}"
+        )
+        return 0
+    return _start_pool(root, args)
+
+
+def _start_pool(root: Path, args: argparse.Namespace) -> int:
+    from fabric_pipelines.lib.engine_pool import (
+        START_TIMEOUT_S,
+        describe,
+        idle_seconds_setting,
+        manifest_sha256,
+        pool_folder,
+        pool_states,
+        slots_for,
+        start_pool_worker,
+        stop_pool,
+        wait_until_serving,
+    )
+    from fabric_pipelines.lib.files import write_bytes
+    from fabric_pipelines.lib.gpu_pool import visible_gpus
+    from fabric_pipelines.lib.pool_run import device_of
+
+    try:
+        manifest = _engine_manifest(args)
+        idle = idle_seconds_setting(args.pool_idle_seconds)
+    except (OSError, ValueError) as exc:
+        print(f"fabric workers start: {exc}", file=sys.stderr)
+        return 2
+    if idle <= 0:
+        print(
+            "fabric workers start: the pool is off (idle time 0): give --pool-idle-seconds "
+            "or set FABRIC_POOL_IDLE_SECONDS above 0",
+            file=sys.stderr,
+        )
+        return 2
+    gpus = visible_gpus() if manifest.backend != "cpu" else 0
+    count = args.workers if args.workers is not None else max(1, gpus)
+    if manifest.backend != "cpu" and count > gpus:
+        print(f"fabric workers start: {count} worker(s) but {gpus} GPU(s) visible", file=sys.stderr)
+        return 2
+    sha = manifest_sha256(manifest)
+    manifest_path = pool_folder(root) / f"engine-{sha[:16]}.json"
+    write_bytes(manifest_path, json.dumps(manifest.to_mapping()).encode())
+    slots = slots_for(manifest, list(range(count)) if gpus else None, count)
+    live = {state.slot: state for state in pool_states(root)}
+    replace = [s for s in slots if s in live and live[s].manifest_sha256 != sha]
+    if replace:
+        stop_pool(root, replace)  # a slot serves one manifest: the newest start wins
+    threads = max(1, (os.cpu_count() or 1) // count) if manifest.backend == "cpu" else 0
+    started = {}
+    for slot in slots:
+        if slot not in live or slot in replace:
+            started[slot] = start_pool_worker(
+                root, slot, manifest_path, idle_seconds=idle, device=device_of(slot),
+                threads=threads,
+            )  # fmt: skip
+    for slot, process in started.items():
+        print(f"{slot}: loading {manifest.model_key} (pid {process.pid}) ...", flush=True)
+        if wait_until_serving(root, slot, process, START_TIMEOUT_S) is None:
+            log = pool_folder(root) / f"{slot}.log"
+            tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+            print(
+                f"fabric workers start: {slot} did not come up; its log:\n{tail}", file=sys.stderr
+            )
+            return 1
+    for state in pool_states(root):
+        print(describe(state))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fabric",
@@ -720,6 +823,12 @@ def build_parser() -> argparse.ArgumentParser:
             type=float,
             help="how often a worker renews its leases while it extracts",
         )
+        g.add_argument(
+            "--pool-idle-seconds",
+            type=float,
+            help="keep the warm engine pool's workers this long after their last job "
+            "(default 300, or FABRIC_POOL_IDLE_SECONDS; 0: no pool, the run's own workers)",
+        )
         p.add_argument(
             "--report", metavar="FILE", help="with a run: write its summary here as JSON"
         )
@@ -744,6 +853,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("task_set")
     engine_options(run)
     run.set_defaults(func=cmd_run)
+
+    workers = sub.add_parser(
+        "workers",
+        help="the warm engine pool: start its workers for a manifest, stop them, show them",
+    )
+    workers.add_argument("action", choices=["start", "stop", "status"])
+    workers.add_argument("--json", action="store_true", help="status: machine-readable output")
+    engine_options(workers)
+    workers.set_defaults(func=cmd_workers)
 
     worker = sub.add_parser(
         "worker", help="run one worker process on a task set's current plan", add_help=False

@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Runs use their own workers unless a test turns the warm engine pool on: a pool worker outlives
+# its run (test_engine_pool.py covers the pool, and stops what it starts).
+os.environ.setdefault("FABRIC_POOL_IDLE_SECONDS", "0")
 
 POSTGRES_ADMIN_URL = os.environ.get(
     "FABRIC_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"

@@ -230,6 +230,7 @@ def extraction_outputs(
                 heartbeat_seconds=engine.heartbeat_seconds,
                 devices=devices,
                 on_progress=progress,
+                pool_idle_seconds=engine.pool_idle(),
             )
     finally:
         bar.close()

@@ -16,6 +16,7 @@ from fabric_gpu.model import DEFAULT_MODEL_ID
 from fabric_gpu.profile import ConsumerProfile
 from fabric_pipelines.lib.broker.ledger import DEFAULT_LEASE_SECONDS
 from fabric_pipelines.lib.device_lease import lease_devices
+from fabric_pipelines.lib.engine_pool import idle_seconds_setting
 from fabric_pipelines.lib.gpu_pool import visible_gpus
 from fabric_pipelines.lib.settings import FabricPaths, database_url, default_root, redact_url
 from fabric_pipelines.lib.store.db import create_schema, make_engine
@@ -76,6 +77,13 @@ class EngineConfig(dg.ConfigurableResource):
     # most one lease, however long live workers' batches take.
     lease_seconds: float = DEFAULT_LEASE_SECONDS
     heartbeat_seconds: float | None = None
+    # The warm engine pool (lib/engine_pool.py): worker processes that keep the model loaded
+    # for this long after their last job, for the next run. None: FABRIC_POOL_IDLE_SECONDS,
+    # else 300 s; 0: no pool (each run starts its own workers).
+    pool_idle_seconds: float | None = None
+
+    def pool_idle(self) -> float:
+        return idle_seconds_setting(self.pool_idle_seconds)
 
     @contextmanager
     def devices(

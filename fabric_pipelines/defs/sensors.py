@@ -15,6 +15,7 @@ from fabric_pipelines.defs.assets import (
 from fabric_pipelines.defs.partitions import TASK_SET_PARTITIONS, task_sets
 from fabric_pipelines.defs.resources import ArtifactStore, Database
 from fabric_pipelines.lib.alerts import RunFailure, record_run_failure
+from fabric_pipelines.lib.engine_pool import describe, pool_states
 from fabric_pipelines.lib.gpu_pool import sync_gpu_pool
 from fabric_pipelines.lib.index.staleness import indexed_models, staleness
 from fabric_pipelines.lib.tasks.inbox import record_first_seen, scan
@@ -151,3 +152,18 @@ def _root_cause(error: Any) -> str:
     while error.cause is not None:
         error = error.cause
     return str(error.message).strip()
+
+
+@dg.sensor(
+    minimum_interval_seconds=30,
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    description=(
+        "Shows the warm engine pool (lib/engine_pool.py) in its ticks: each worker's slot, "
+        "model, and whether it runs a task set or idles until it exits. Starts no runs."
+    ),
+)
+def engine_pool_sensor(context: dg.SensorEvaluationContext, store: ArtifactStore) -> dg.SkipReason:
+    states = pool_states(store.paths().root)
+    if not states:
+        return dg.SkipReason("no pool workers: the next run starts them (or fabric workers start)")
+    return dg.SkipReason("; ".join(describe(state) for state in states))

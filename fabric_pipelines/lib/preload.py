@@ -5,7 +5,8 @@ waiting for worker processes, so it imports them then, on a daemon thread, and t
 that follows in the same process (`fabric run`, `fabric submit --run`) finds them loaded.
 
 Likewise `fabric submit --run` imports Dagster and the project's definitions (about 2 s on the
-GPU machine) while it launches the workers, opens the database and copies the submitted file
+GPU machine), builds them and opens the Dagster instance (its storage is created on a first run:
+about 1 s) while it launches the workers, opens the database and copies the submitted file
 (work that mostly waits on the disk and the kernel, not on the interpreter).
 
 The CUDA context is left to the index step. Made here, it is made while the workers make
@@ -19,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import importlib
 import threading
+from concurrent.futures import Future
+from typing import Any
 
 INDEX_MODULES = ("fabric_pipelines.lib.index.publish",)
 
@@ -49,3 +52,25 @@ def preload(modules: tuple[str, ...]) -> threading.Thread:
     thread = threading.Thread(target=load, name="preload", daemon=True)
     thread.start()
     return thread
+
+
+def prepare_pipeline() -> Future[tuple[Any, Any]]:
+    """Import, build and open what a run of the pipeline needs, on a daemon thread: the future's
+    result is (`defs()`, `DagsterInstance.get()`). DAGSTER_HOME must be set before the call. A
+    failure is held in the future; the caller builds them itself then, to report it."""
+    prepared: Future[tuple[Any, Any]] = Future()
+
+    def prepare() -> None:
+        try:
+            for name in pipeline_modules():
+                importlib.import_module(name)
+            import dagster as dg
+
+            from fabric_pipelines.definitions import defs
+
+            prepared.set_result((defs(), dg.DagsterInstance.get()))
+        except BaseException as exc:  # held for the caller, which builds them again to report it
+            prepared.set_exception(exc)
+
+    threading.Thread(target=prepare, name="prepare-pipeline", daemon=True).start()
+    return prepared

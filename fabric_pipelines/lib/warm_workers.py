@@ -25,6 +25,7 @@ from typing import Any
 
 from fabric_pipelines.lib.device_lease import DevicesBusy, lease_devices
 from fabric_pipelines.lib.files import write_bytes
+from fabric_pipelines.lib.pool_run import PoolRun, open_pool_run
 from fabric_pipelines.lib.workers import (
     WorkerProcess,
     WorkerSettings,
@@ -42,6 +43,12 @@ class WarmPool:
     devices: list[int] | None
     workers: list[WorkerProcess] = field(default_factory=list)
     taken: bool = False
+    pool_run: PoolRun | None = None  # the job handed to the warm engine pool, if it serves
+
+    def alive(self) -> bool:
+        """Every worker of the run's own still waits for the go (a pool run's supervision
+        stands in for any pool worker that did not take the job, or was lost)."""
+        return all(w.process.poll() is None for w in self.workers)
 
     @property
     def go_file(self) -> Path:
@@ -71,6 +78,8 @@ class WarmPool:
 
     def __exit__(self, *exc: object) -> None:
         stop_workers(self.workers)
+        if self.pool_run is not None:
+            self.pool_run.close()
 
 
 _pools: dict[str, WarmPool] = {}  # task set -> the pool started for it, until taken or ended
@@ -88,10 +97,12 @@ def warm_workers(
     visible_gpus: int,
     lease_seconds: float,
     heartbeat_seconds: float | None = None,
+    pool_idle_seconds: float = 0.0,
 ) -> Iterator[WarmPool | None]:
-    """Start `count` workers for `task_set` now; on leaving the block, stop any still running
-    and give their devices back. Yields None (and starts nothing) for in-process runs
-    (count 0) or when the GPUs are not all free at once."""
+    """Start `count` workers for `task_set` now (with `pool_idle_seconds` > 0: hand the job to
+    the warm engine pool, starting its missing workers); on leaving the block, stop any of the
+    run's own still running and give their devices back. Yields None (and starts nothing) for
+    in-process runs (count 0) or when the GPUs are not all free at once."""
     if count < 1:
         yield None
         return
@@ -112,9 +123,15 @@ def warm_workers(
         )
         pool = WarmPool(settings, _plain(manifest), count, devices)
         stack.callback(stop_workers, pool.workers)  # runs before the lease is given back
-        pool.workers.extend(
-            launch_workers(settings, count, settings.folder, devices, go_file=pool.go_file)
-        )
+        if pool_idle_seconds > 0:
+            pool.pool_run = open_pool_run(
+                settings, manifest, count, devices, pool_idle_seconds, go_file=pool.go_file
+            )
+            stack.callback(pool.pool_run.close)
+        else:
+            pool.workers.extend(
+                launch_workers(settings, count, settings.folder, devices, go_file=pool.go_file)
+            )
         with _lock:
             _pools[task_set] = pool
         try:
@@ -148,10 +165,13 @@ def take_warm_pool(
         if pool is None or pool.taken:
             return None
         pool.taken = True
-    alive = all(w.process.poll() is None for w in pool.workers)
-    if alive and pool.matches(manifest, count, database_url, lease_seconds, heartbeat_seconds):
+    if pool.alive() and pool.matches(
+        manifest, count, database_url, lease_seconds, heartbeat_seconds
+    ):
         return pool
     stop_workers(pool.workers)
+    if pool.pool_run is not None:
+        pool.pool_run.close()
     return None
 
 

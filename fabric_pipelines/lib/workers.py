@@ -313,9 +313,15 @@ class EarlyTaskSet:
 
 
 def read_task_set_before_go(
-    db: Any, task_set: str, go_file: Path, poll_s: float = 0.01, db_poll_s: float = 0.05
+    db: Any,
+    task_set: str,
+    go_file: Path,
+    poll_s: float = 0.01,
+    db_poll_s: float = 0.05,
+    given_up: Callable[[], bool] | None = None,
 ) -> EarlyTaskSet | None:
-    """Wait for the go file (looked for every `poll_s`); meanwhile, as soon as the set's ingest
+    """Wait for the go file (looked for every `poll_s`; `given_up` returning True ends the wait
+    without it: a pool worker's run went away); meanwhile, as soon as the set's ingest
     has committed (asked every `db_poll_s`: on SQLite each ask takes the write lock a moment),
     read its stored table (a second or so at 1 M tasks, hashing included), which the plan being
     made meanwhile does not change. Best effort: anything that goes wrong here leaves the
@@ -326,6 +332,8 @@ def read_task_set_before_go(
     early: EarlyTaskSet | None = None
     asked_at: float | None = -math.inf  # None once the set's row was found
     while not go_file.exists():
+        if given_up is not None and given_up():
+            break
         if asked_at is not None and time.monotonic() - asked_at >= db_poll_s:
             asked_at = time.monotonic()
             try:
@@ -409,11 +417,14 @@ def extract_task_set(
     devices: list[int] | None = None,
     on_progress: Callable[[Accounting], None] | None = None,
     progress_every_s: float = 5.0,
+    pool_idle_seconds: float = 0.0,
 ) -> ExtractionSummary:
-    """Run the task set's current plan: in this process (workers == 0) or in worker processes.
+    """Run the task set's current plan: in this process (workers == 0) or in worker processes,
+    on the warm engine pool when `pool_idle_seconds` > 0 (pool_run.py; workers it starts stay
+    that long after their last job).
 
-    With worker processes, none is left running when this returns or raises (call it inside
-    the device lease, which must outlive the workers)."""
+    With worker processes, none of the run's own is left running when this returns or raises
+    (call it inside the device lease, which must outlive the workers)."""
     heartbeat_interval(lease_seconds, heartbeat_seconds)  # refuse bad timing before any work
     started = time.perf_counter()
     if workers == 0:
@@ -424,6 +435,7 @@ def extract_task_set(
             )
         ]  # fmt: skip
     else:
+        from fabric_pipelines.lib.pool_run import open_pool_run, supervise_pool_run
         from fabric_pipelines.lib.warm_workers import take_warm_pool
 
         warm = take_warm_pool(
@@ -432,13 +444,27 @@ def extract_task_set(
         )  # fmt: skip
         if warm is not None:  # started while the set was ingested and planned: let them go
             with warm:
-                reports = supervise(warm.go(), db, task_set, on_progress, progress_every_s)
+                started_workers = warm.go()
+                if warm.pool_run is not None:
+                    reports = supervise_pool_run(
+                        warm.pool_run, db, task_set, on_progress, progress_every_s
+                    )
+                else:
+                    reports = supervise(
+                        started_workers, db, task_set, on_progress, progress_every_s
+                    )
         else:
             settings = worker_settings(
                 paths, task_set, manifest, database_url, lease_seconds, heartbeat_seconds
             )
-            with _running(settings, workers, settings.folder, devices) as started_workers:
-                reports = supervise(started_workers, db, task_set, on_progress, progress_every_s)
+            if pool_idle_seconds > 0:
+                run = open_pool_run(settings, manifest, workers, devices, pool_idle_seconds)
+                reports = supervise_pool_run(run, db, task_set, on_progress, progress_every_s)
+            else:
+                with _running(settings, workers, settings.folder, devices) as started_workers:
+                    reports = supervise(
+                        started_workers, db, task_set, on_progress, progress_every_s
+                    )
     superseded = next((r for r in reports if r.get("superseded_by")), None)
     return ExtractionSummary(
         workers=max(workers, 1),

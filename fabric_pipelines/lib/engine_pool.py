@@ -1,0 +1,571 @@
+"""The warm engine pool: long-lived workers that keep their model loaded between runs.
+
+A run's own workers start a Python process, import torch, load the weights and capture their
+graphs, then exit when the plan is done: seconds that dominate a small job. A pool worker does
+that once, then serves extraction jobs one after another until it has been idle for its idle time
+(`FABRIC_POOL_IDLE_SECONDS`, the engine resource's `pool_idle_seconds`; 0 turns the pool off).
+It runs the same `run_worker` loop as a run's own worker: it claims leases from the job's plan
+and acks them, so a pool worker that dies loses nothing (its leases run out and are claimed again).
+
+One pool worker per slot of a data root: a GPU (`gpu0`, ...; the run that uses it holds that
+device's lease, see device_lease.py) or a CPU worker (`cpu0`, ...). Each listens on an abstract
+Unix socket named after the data root and the slot (abstract: nothing on disk to go stale, and
+the name exists exactly as long as the process does) and keeps a state file beside the data
+(`<root>/pool/<slot>.json`: pid, manifest, what it is doing) for `fabric workers status`.
+
+The protocol, one JSON object per line:
+    worker -> run   {"hello": {"pid", "slot", "manifest_sha256", "jobs_done"}}   on accepting
+    run -> worker   {"job": {"task_set", "database_url", "lease_seconds", "heartbeat_seconds",
+                             "max_attempts", "owner", "go_file"}}
+    worker -> run   {"report": {...}} when the plan is done, or {"error": "..."}
+A worker serves one connection at a time: a second run that gets no hello at once starts its own
+workers instead of queueing behind the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fabric_pipelines.lib.files import write_bytes
+
+POOL_IDLE_ENV = "FABRIC_POOL_IDLE_SECONDS"
+DEFAULT_IDLE_SECONDS = 300.0  # a pool worker exits after this long without a job
+START_TIMEOUT_S = 300.0  # a new worker's engine load (weights, graphs) may take this long
+HELLO_TIMEOUT_S = 2.0  # a worker that does not greet within this is busy with another run
+JOB_READ_TIMEOUT_S = 30.0  # a run that connected sends its job within this
+
+
+def idle_seconds_setting(value: float | None = None) -> float:
+    """The pool's idle time: `value` when given, else FABRIC_POOL_IDLE_SECONDS, else 300 s."""
+    if value is None:
+        raw = os.environ.get(POOL_IDLE_ENV, "").strip()
+        try:
+            value = float(raw) if raw else DEFAULT_IDLE_SECONDS
+        except ValueError:
+            raise ValueError(
+                f"{POOL_IDLE_ENV}={raw!r}: give the pool's idle time in seconds (0 turns it off)"
+            ) from None
+    if value < 0:
+        raise ValueError(f"pool_idle_seconds {value}: give 0 (no pool) or more seconds")
+    return value
+
+
+def manifest_sha256(manifest: Any) -> str:
+    """The manifest's identity: the hash of its canonical JSON."""
+    canonical = json.dumps(manifest.to_mapping(), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def slots_for(manifest: Any, devices: list[int] | None, count: int) -> list[str]:
+    """The pool slots a run of `count` workers uses: its leased GPUs, or CPU workers 0..n-1."""
+    if manifest.backend != "cpu" and devices is not None:
+        return [f"gpu{d}" for d in devices]
+    return [f"cpu{i}" for i in range(count)]
+
+
+def socket_address(root: Path, slot: str) -> str:
+    """The abstract socket name of a data root's slot (Linux; no file on disk)."""
+    digest = hashlib.sha256(str(Path(root).resolve()).encode()).hexdigest()[:16]
+    return f"\0fabric-pool-{digest}-{slot}"
+
+
+def pool_folder(root: Path) -> Path:
+    return Path(root) / "pool"
+
+
+# ---- what the runs see ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PoolWorkerState:
+    """A pool worker as its state file describes it."""
+
+    slot: str
+    pid: int
+    manifest_sha256: str
+    model_key: str
+    started_at: float
+    idle_seconds: float
+    busy_with: str  # the task set of the job it runs, "" when idle
+    since: float  # when it last started or finished a job
+    jobs_done: int
+
+    @property
+    def alive(self) -> bool:
+        return _pid_alive(self.pid)
+
+
+def pool_states(root: Path) -> list[PoolWorkerState]:
+    """The pool workers of a data root whose process lives (state files of dead ones are
+    removed on the way: a killed worker leaves its file behind)."""
+    states = []
+    folder = pool_folder(root)
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            data = json.loads(path.read_text())
+            state = PoolWorkerState(**data)
+        except (OSError, ValueError, TypeError):
+            continue  # being replaced at this moment, or not a state file
+        if state.alive:
+            states.append(state)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                _remove_if_pid(path, state.pid)
+    return states
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (exited, not yet reaped by its parent) is not serving anything.
+    try:
+        status = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return status.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def _remove_if_pid(path: Path, pid: int) -> None:
+    """Remove a state file only if it still names `pid` (a new worker may have replaced it)."""
+    try:
+        if json.loads(path.read_text()).get("pid") == pid:
+            path.unlink()
+    except (OSError, ValueError):
+        pass
+
+
+def start_pool_worker(
+    root: Path,
+    slot: str,
+    manifest_path: Path,
+    *,
+    idle_seconds: float,
+    device: int | None = None,
+    threads: int = 0,
+) -> subprocess.Popen[bytes]:
+    """Start a pool worker for `slot`, detached from the caller (its own session: it outlives the
+    run that started it). Its log goes to <root>/pool/<slot>.log."""
+    folder = pool_folder(root)
+    folder.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "FABRIC_HOME": str(root), "HF_HUB_OFFLINE": "1"}
+    if device is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(device)
+    command = [
+        sys.executable, "-m", "fabric_pipelines.lib.engine_pool", "serve",
+        "--slot", slot, "--manifest", str(manifest_path),
+        "--idle-seconds", str(idle_seconds), "--threads", str(threads),
+    ]  # fmt: skip
+    with open(folder / f"{slot}.log", "ab") as log:
+        return subprocess.Popen(
+            command,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+
+def stop_pool(root: Path, slots: list[str] | None = None, grace_s: float = 10.0) -> list[str]:
+    """Ask the pool's workers (those of `slots`, default all) to exit; returns the slots
+    stopped. A worker in the middle of a job stops too: its leases run out and are claimed by
+    the run's other workers or the next run."""
+    stopped = []
+    for state in pool_states(root):
+        if slots is not None and state.slot not in slots:
+            continue
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(state.pid, signal.SIGTERM)
+        stopped.append((state.slot, state.pid))
+    deadline = time.monotonic() + grace_s
+    for _, pid in stopped:
+        while _pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _pid_alive(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    return [slot for slot, _ in stopped]
+
+
+@dataclass
+class PoolJob:
+    """A job for the pool worker of one slot, handed over and answered on a thread of its own
+    (`start`), so that a run never waits on a worker that is still loading its engine.
+
+    `state` ends as one of: "done" (`report` holds the worker's report), "refused" (the worker
+    never took the job: none listens, it is busy with another run, or serves another manifest;
+    nothing was claimed for it), "lost" (it took the job and ended before its report: its
+    leases run out and are claimed again), "failed" (it answered with an error)."""
+
+    root: Path
+    slot: str
+    manifest_sha: str
+    job: dict[str, Any]
+    process: subprocess.Popen[bytes] | None = None  # a worker started for this job
+    start_timeout_s: float = START_TIMEOUT_S
+    hello_timeout_s: float = HELLO_TIMEOUT_S
+    pid: int = 0
+    state: str = "handing"
+    report: dict[str, Any] | None = None
+    error: str = ""
+    done: threading.Event = field(default_factory=threading.Event)
+    _conn: socket.socket | None = None
+    _closed: bool = False
+
+    def start(self) -> PoolJob:
+        threading.Thread(target=self._run, name=f"pool-job-{self.slot}", daemon=True).start()
+        return self
+
+    def close(self) -> None:
+        """Give the job up: a worker still waiting for its go serves the next run instead."""
+        self._closed = True
+        if self._conn is not None:
+            with contextlib.suppress(OSError):
+                # shutdown, not only close: it ends the read blocked on another thread, and
+                # the worker sees the end of the connection.
+                self._conn.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError):
+                self._conn.close()
+
+    def _run(self) -> None:
+        try:
+            self._hand_over_and_wait()
+        finally:
+            self.done.set()
+
+    def _hand_over_and_wait(self) -> None:
+        greeted = _connect(
+            self.root, self.slot, self.process, self.start_timeout_s, self.hello_timeout_s,
+            given_up=lambda: self._closed,
+        )  # fmt: skip
+        if greeted is None:
+            self.state, self.error = "refused", "no free pool worker answered"
+            return
+        conn, hello = greeted
+        self._conn, self.pid = conn, int(hello.get("pid", 0))
+        if hello.get("manifest_sha256") != self.manifest_sha or self._closed:
+            self.state, self.error = "refused", "the pool worker serves another manifest"
+            conn.close()
+            return
+        try:
+            _send(conn, {"job": self.job})
+        except OSError as exc:
+            self.state, self.error = "refused", f"could not send the job: {exc}"
+            conn.close()
+            return
+        self.state = "running"
+        try:
+            answer = _read_message(conn)
+        except (OSError, ValueError) as exc:
+            self.state = "lost"
+            self.error = f"pool worker {self.slot} (pid {self.pid}) ended before its report: {exc}"
+            return
+        finally:
+            with contextlib.suppress(OSError):
+                conn.close()
+        if isinstance(answer.get("report"), dict):
+            self.state, self.report = "done", answer["report"]
+        else:
+            self.state = "failed"
+            self.error = f"pool worker {self.slot} (pid {self.pid}): {answer.get('error')}"
+
+
+def wait_until_serving(
+    root: Path, slot: str, process: subprocess.Popen[bytes], start_timeout_s: float
+) -> dict[str, Any] | None:
+    """The hello of a worker just started, once it listens (None: it died or took too long).
+    The connection is closed at once: the worker goes back to waiting for runs."""
+    greeted = _connect(root, slot, process, start_timeout_s, HELLO_TIMEOUT_S)
+    if greeted is None:
+        return None
+    greeted[0].close()
+    return greeted[1]
+
+
+def _connect(
+    root: Path,
+    slot: str,
+    process: subprocess.Popen[bytes] | None,
+    start_timeout_s: float,
+    hello_timeout_s: float,
+    given_up: Callable[[], bool] = lambda: False,
+) -> tuple[socket.socket, dict[str, Any]] | None:
+    """A connection to the slot's worker and its hello; None when nothing listens (waiting
+    while `process`, a worker starting, lives) or no hello comes in time (busy)."""
+    address = socket_address(root, slot)
+    deadline = time.monotonic() + start_timeout_s
+    while True:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(address)
+            break
+        except OSError:
+            conn.close()
+            starting = process is not None and process.poll() is None
+            if not starting or given_up() or time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
+    try:
+        conn.settimeout(hello_timeout_s)
+        hello = _read_message(conn).get("hello")
+        conn.settimeout(None)
+    except (OSError, ValueError):  # busy with another run (no hello in time), or gone
+        conn.close()
+        return None
+    if not isinstance(hello, dict):
+        conn.close()
+        return None
+    return conn, hello
+
+
+def _send(conn: socket.socket, message: dict[str, Any]) -> None:
+    conn.sendall(json.dumps(message).encode() + b"\n")
+
+
+def _read_message(conn: socket.socket) -> dict[str, Any]:
+    """One newline-terminated JSON object; ConnectionError when the peer closed first."""
+    data = bytearray()
+    while not data.endswith(b"\n"):
+        chunk = conn.recv(65536)
+        if not chunk:
+            raise ConnectionError("connection closed")
+        data += chunk
+    message = json.loads(data)
+    if not isinstance(message, dict):
+        raise ValueError(f"expected a JSON object, got {type(message).__name__}")
+    return message
+
+
+# ---- the pool worker --------------------------------------------------------------------------
+
+
+JOB_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "task_set": str,
+    "database_url": str,
+    "lease_seconds": (int, float),
+    "owner": str,
+    "max_attempts": int,
+}
+
+
+def check_job(job: object) -> dict[str, Any]:
+    """A job as a run sent it, or ValueError naming the field that is wrong."""
+    if not isinstance(job, dict):
+        raise ValueError(f"job: expected a JSON object, got {type(job).__name__}")
+    for name, kind in JOB_FIELDS.items():
+        if not isinstance(job.get(name), kind):
+            raise ValueError(f"job field {name!r}: missing or of the wrong type")
+    if job.get("heartbeat_seconds") is not None and not isinstance(
+        job["heartbeat_seconds"], (int, float)
+    ):
+        raise ValueError("job field 'heartbeat_seconds': a number of seconds or null")
+    if job.get("go_file") is not None and not isinstance(job["go_file"], str):
+        raise ValueError("job field 'go_file': a path or null")
+    return job
+
+
+class _GivenUp(Exception):
+    """The run that sent a job with a go file closed its connection before the go."""
+
+
+def _closed(conn: socket.socket) -> bool:
+    """Whether the run closed its end (a readable socket with nothing to read)."""
+    import select
+
+    readable, _, _ = select.select([conn], [], [], 0)
+    if not readable:
+        return False
+    try:
+        return conn.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
+
+
+class _Server:
+    """One pool worker: an engine loaded once, and the jobs it runs with it."""
+
+    def __init__(self, root: Path, slot: str, manifest_path: Path, idle_seconds: float) -> None:
+        from fabric_gpu.manifest import EngineManifest
+
+        self.root = root
+        self.slot = slot
+        self.manifest = EngineManifest.load(manifest_path)
+        self.manifest_sha = manifest_sha256(self.manifest)
+        self.idle_seconds = idle_seconds
+        self.state_path = pool_folder(root) / f"{slot}.json"
+        self.started_at = time.time()
+        self.jobs_done = 0
+        self._databases: dict[str, Any] = {}
+
+    def write_state(self, busy_with: str = "") -> None:
+        state = PoolWorkerState(
+            self.slot, os.getpid(), self.manifest_sha, self.manifest.model_key, self.started_at,
+            self.idle_seconds, busy_with, time.time(), self.jobs_done,
+        )  # fmt: skip
+        write_bytes(self.state_path, json.dumps(state.__dict__).encode())
+
+    def database(self, url: str) -> Any:
+        from fabric_pipelines.lib.store.db import make_engine
+
+        if url not in self._databases:
+            self._databases[url] = make_engine(url)
+        return self._databases[url]
+
+    def serve(self) -> None:
+        from fabric_gpu.engines import create_engine
+        from fabric_pipelines.lib.workers import _import_job_modules, prewarm
+
+        engine = create_engine(self.manifest)
+        try:
+            prewarm(engine)
+            _import_job_modules()
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            # Bound once the engine is ready: a run that can connect gets a hello at once.
+            listener.bind(socket_address(self.root, self.slot))
+            listener.listen(8)
+            self.write_state()
+            print(f"pool worker {self.slot} (pid {os.getpid()}) serving", flush=True)
+            while True:
+                listener.settimeout(self.idle_seconds)
+                try:
+                    conn, _ = listener.accept()
+                except TimeoutError:
+                    print(f"idle for {self.idle_seconds:g} s: exiting", flush=True)
+                    return
+                with conn:
+                    self.handle(conn, engine)
+        finally:
+            _remove_if_pid(self.state_path, os.getpid())
+            engine.close()
+
+    def handle(self, conn: socket.socket, engine: Any) -> None:
+        try:
+            _send(conn, {"hello": {
+                "pid": os.getpid(), "slot": self.slot, "manifest_sha256": self.manifest_sha,
+                "jobs_done": self.jobs_done,
+            }})  # fmt: skip
+            conn.settimeout(JOB_READ_TIMEOUT_S)
+            message = _read_message(conn)
+        except (OSError, ValueError):
+            return  # the run went away (it gave up waiting for the hello): next one
+        try:
+            job = check_job(message.get("job"))
+        except ValueError as exc:
+            with contextlib.suppress(OSError):
+                _send(conn, {"error": str(exc)})
+            return
+        self.write_state(busy_with=job["task_set"])
+        try:
+            report = self.run_job(job, engine, conn)
+            answer: dict[str, Any] = {"report": report}
+        except _GivenUp:
+            answer = {"error": "the run went away before its go"}
+        except Exception as exc:  # the run reports it; the worker serves the next one
+            answer = {"error": f"{type(exc).__name__}: {exc}"}
+        self.jobs_done += 1
+        self.write_state()
+        with contextlib.suppress(OSError):
+            _send(conn, answer)
+
+    def run_job(self, job: dict[str, Any], engine: Any, conn: socket.socket) -> dict[str, Any]:
+        from fabric_pipelines.lib.extraction import run_worker
+        from fabric_pipelines.lib.settings import FabricPaths
+        from fabric_pipelines.lib.workers import _job, read_task_set_before_go
+
+        timeline = {"started_at": time.time(), "main_at": self.started_at}
+        db = self.database(job["database_url"])
+        paths = FabricPaths(self.root).ensure()
+        early = None
+        if job.get("go_file"):
+            timeline["engine_ready_at"] = time.time()
+            early = read_task_set_before_go(
+                db, job["task_set"], Path(job["go_file"]), given_up=lambda: _closed(conn)
+            )
+            if not Path(job["go_file"]).exists():
+                raise _GivenUp  # the run ended before its plan (ingest failed, say)
+        timeline["go_at"] = time.time()
+        extraction = _job(db, paths, job["task_set"], self.manifest, early)
+        timeline["job_loaded_at"] = time.time()
+        report = run_worker(
+            db, engine, extraction, owner=job["owner"], lease_seconds=job["lease_seconds"],
+            heartbeat_seconds=job.get("heartbeat_seconds"), max_attempts=job["max_attempts"],
+        )  # fmt: skip
+        timeline["done_at"] = timeline["closed_at"] = time.time()
+        summary = {
+            "owner": job["owner"], **asdict(report), "errors": report.errors[:20], **timeline,
+            "pool_slot": self.slot, "pool_pid": os.getpid(), "pool_jobs_before": self.jobs_done,
+        }  # fmt: skip
+        summary.pop("runtime", None)
+        return summary
+
+
+def serve(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="fabric pool worker")
+    parser.add_argument("--slot", required=True, help="gpu<N> or cpu<N>")
+    parser.add_argument("--manifest", required=True, help="engine manifest (JSON or YAML)")
+    parser.add_argument("--idle-seconds", type=float, default=DEFAULT_IDLE_SECONDS)
+    parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: all cores)")
+    args = parser.parse_args(argv)
+    if args.idle_seconds <= 0:
+        parser.error("--idle-seconds must be more than 0")
+    if args.threads > 0:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    sys.setswitchinterval(0.0002)  # as a run's worker: the runtime's threads hand over the GIL
+
+    def stop(*_: object) -> None:
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)  # cleans up (state file, engine) on the way out
+    from fabric_pipelines.lib.settings import default_root
+
+    _Server(default_root(), args.slot, Path(args.manifest), args.idle_seconds).serve()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] != "serve":
+        print("usage: python -m fabric_pipelines.lib.engine_pool serve --slot S --manifest M")
+        return 2
+    return serve(argv[1:])
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip unloading torch and the CUDA context
+
+
+def describe(state: PoolWorkerState, now: float | None = None) -> str:
+    """One line about a pool worker, for `fabric workers status` and the Dagster sensor."""
+    now = time.time() if now is None else now
+    if state.busy_with:
+        doing = f"running task set {state.busy_with!r} for {now - state.since:.0f} s"
+    else:
+        left = state.idle_seconds - (now - state.since)
+        doing = f"idle for {now - state.since:.0f} s (exits in {max(0.0, left):.0f} s)"
+    return (
+        f"{state.slot}: pid {state.pid}, {state.model_key} (manifest {state.manifest_sha256[:12]}), "
+        f"{doing}, {state.jobs_done} job(s) done"
+    )
