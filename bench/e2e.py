@@ -210,6 +210,9 @@ def run_product(
     launched_at, start = time.time(), time.perf_counter()
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
+    from fabric_pipelines.lib.engine_pool import stop_pool
+
+    stop_pool(root)  # the run's pool workers, idle now: their GPUs free for the next run
     if done.returncode != 0 or not report_file.is_file():
         sys.stderr.write(done.stdout[-3000:] + done.stderr[-3000:])
         raise ProductRunFailed(f"the product run failed (exit {done.returncode}) in {root}")

@@ -7,8 +7,10 @@ Each way is timed from launching its command to its vectors stored, tokenisation
            (warm: what a user who keeps a notebook open sees).
   fabric   `fabric submit texts.parquet --task-set small --run --manifest engine.json` in a
            fresh process on a fresh data root, to the vectors stored and the index published
-           (cold: the run starts its own worker).
-  pool     the same with a warm engine pool: not built yet, reported as not available.
+           (cold: no engine pool yet; the run starts one, whose worker loads the model while
+           the texts are tokenised and planned).
+  pool     the same command again on that data root, as a second task set: the warm engine
+           pool's worker, left by the first run, runs it with its model loaded.
 
 The texts are standard-library docstrings (real prose and code comments of varied length; none of
 the project's own data). Parity: the cosine of each stored vector against encode()'s vector of
@@ -115,16 +117,19 @@ def write_manifest(path: Path, model_dir: Path, gpu: bool) -> None:
     path.write_text(json.dumps(manifest.to_mapping(), indent=2))
 
 
-def run_fabric(root: Path, texts_file: Path, manifest_file: Path) -> dict[str, Any]:
-    """`fabric submit … --run` in a fresh process on a fresh data root (SQLite, the default)."""
-    root.mkdir(parents=True)
-    shutil.copy(Path(__file__).resolve().parents[1] / "dagster_home" / "dagster.yaml", root)
+def run_fabric(root: Path, texts_file: Path, manifest_file: Path, task_set: str) -> dict[str, Any]:
+    """`fabric submit … --run` in a fresh process on `root` (SQLite, the default), with the warm
+    engine pool on (its default idle time)."""
+    if not root.exists():
+        root.mkdir(parents=True)
+        shutil.copy(Path(__file__).resolve().parents[1] / "dagster_home" / "dagster.yaml", root)
     env = {**_offline_env(), "FABRIC_HOME": str(root), "DAGSTER_HOME": str(root)}
     env.pop("FABRIC_DATABASE_URL", None)
-    report = root / "report.json"
+    env.pop("FABRIC_POOL_IDLE_SECONDS", None)
+    report = root / f"report-{task_set}.json"
     command = [
         sys.executable, "-c", "from fabric_pipelines.cli import run_command; run_command()",
-        "submit", str(texts_file), "--task-set", TASK_SET, "--run",
+        "submit", str(texts_file), "--task-set", task_set, "--run",
         "--manifest", str(manifest_file), "--truncate", "--report", str(report),
     ]  # fmt: skip
     start = time.perf_counter()
@@ -133,30 +138,37 @@ def run_fabric(root: Path, texts_file: Path, manifest_file: Path) -> dict[str, A
     if done.returncode != 0:
         sys.stderr.write(done.stdout[-3000:] + done.stderr[-3000:])
         raise SystemExit(f"fabric submit --run failed (exit {done.returncode}) in {root}")
-    return {"cold_s": wall, "report": json.loads(report.read_text())}
+    return {"wall_s": wall, "report": json.loads(report.read_text())}
 
 
-def stored_vectors(root: Path, manifest_file: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """The run's vectors by task id, and its exactly-once check, read back from its database."""
+def stored_vectors(
+    root: Path, manifest_file: Path, task_set: str
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """The set's vectors by task id, and its exactly-once check, read back from its database."""
     from sqlalchemy import func, select
 
     from fabric_gpu.manifest import EngineManifest
     from fabric_pipelines.lib.broker.ledger import accounting
     from fabric_pipelines.lib.settings import FabricPaths, database_url
     from fabric_pipelines.lib.store.db import make_engine
-    from fabric_pipelines.lib.store.models import Embedding, Task
+    from fabric_pipelines.lib.store.models import Embedding, Task, TaskSet
 
     manifest = EngineManifest.load(manifest_file)
     db = make_engine(database_url(FabricPaths(root)))
     with db.connect() as conn:
-        counts = accounting(conn, TASK_SET, manifest.model_key)
-        rows = conn.execute(select(func.count()).select_from(Embedding)).scalar_one()
+        counts = accounting(conn, task_set, manifest.model_key)
+        set_id = conn.execute(select(TaskSet.id).where(TaskSet.name == task_set)).scalar_one()
+        rows = conn.execute(
+            select(func.count()).select_from(Embedding).where(Embedding.task_set_id == set_id)
+        ).scalar_one()
         found = conn.execute(
-            select(Task.task_id, Embedding.vector).join(
+            select(Task.task_id, Embedding.vector)
+            .join(
                 Task,
                 (Task.task_set_id == Embedding.task_set_id)
                 & (Task.record_no == Embedding.record_no),
             )
+            .where(Embedding.task_set_id == set_id)
         ).all()
     db.dispose()
     vectors = {task_id: np.frombuffer(vector, dtype="<f4") for task_id, vector in found}
@@ -231,35 +243,62 @@ def main() -> None:
     manifest_file = work / "engine.json"
     write_manifest(manifest_file, model_dir, gpu)
     root = work / f"fabric-{int(time.time())}"
-    fabric = run_fabric(root, texts_file, manifest_file)
-    stored, check = stored_vectors(root, manifest_file)
-    match = parity(stored, np.load(work / "encode.npy"))
-    print(
-        f"fabric submit --run, cold: {fabric['cold_s']:.2f} s = "
-        f"{fabric['cold_s'] / encode['cold_s']:.2f}x encode() cold, "
-        f"{fabric['cold_s'] / encode['warm_s']:.2f}x encode() warm",
-        flush=True,
-    )
-    print("fabric submit --run, warm pool: not available (no warm engine pool yet)")
-    print(
-        f"parity: {match['compared']:,} vectors, min cosine {match['min_cosine']}, "
-        f"mean {match['mean_cosine']}; rows {check['rows']:,} = completed {check['completed']:,} "
-        f"of {check['tasks']:,} (failed {check['failed']}); exactly once: {check['exactly_once']}"
-    )
+    from fabric_pipelines.lib.engine_pool import pool_states, stop_pool
+
+    try:
+        cold = run_fabric(root, texts_file, manifest_file, TASK_SET)
+        pooled = pool_states(root)
+        warm = run_fabric(root, texts_file, manifest_file, f"{TASK_SET}-again")
+        served = [s.jobs_done for s in pool_states(root)]
+    finally:
+        stop_pool(root)  # the pool worker would otherwise idle on for its idle time
+    if not pooled or served != [2]:
+        print(f"warning: the second run was not served by the first run's pool worker ({served})")
+    reference = np.load(work / "encode.npy")
+    checks = {}
+    for name, run in (("cold", cold), ("warm pool", warm)):
+        task_set = TASK_SET if name == "cold" else f"{TASK_SET}-again"
+        stored, check = stored_vectors(root, manifest_file, task_set)
+        match = parity(stored, reference)
+        checks[name] = {**check, **{f"parity_{k}": v for k, v in match.items()}}
+        print(
+            f"fabric submit --run, {name}: {run['wall_s']:.2f} s = "
+            f"{run['wall_s'] / encode['cold_s']:.2f}x encode() cold, "
+            f"{run['wall_s'] / encode['warm_s']:.2f}x encode() warm "
+            f"(encode() warm + {run['wall_s'] - encode['warm_s']:.2f} s); parity: "
+            f"{match['compared']:,} vectors, min cosine {match['min_cosine']}, mean "
+            f"{match['mean_cosine']}; rows {check['rows']:,} = completed {check['completed']:,} of "
+            f"{check['tasks']:,} (failed {check['failed']}); exactly once: {check['exactly_once']}",
+            flush=True,
+        )
+        print(f"  clock: {_clock(run['report'])}", flush=True)
     result = {
         "device": "gpu" if gpu else "cpu",
         "texts": len(texts),
         "tokens": tokens,
         "encode_cold_s": round(encode["cold_s"], 3),
         "encode_warm_s": round(encode["warm_s"], 3),
-        "fabric_cold_s": round(fabric["cold_s"], 3),
-        "fabric_warm_pool_s": None,
-        "fabric_cold_vs_encode_cold": round(fabric["cold_s"] / encode["cold_s"], 3),
-        "fabric_cold_vs_encode_warm": round(fabric["cold_s"] / encode["warm_s"], 3),
-        **{f"parity_{k}": v for k, v in match.items()},
-        **check,
+        "fabric_cold_s": round(cold["wall_s"], 3),
+        "fabric_warm_pool_s": round(warm["wall_s"], 3),
+        "fabric_cold_vs_encode_cold": round(cold["wall_s"] / encode["cold_s"], 3),
+        "fabric_warm_pool_minus_encode_warm_s": round(warm["wall_s"] - encode["warm_s"], 3),
+        "served_by_pool": served == [2],
+        "cold": checks["cold"],
+        "warm_pool": checks["warm pool"],
     }
     print(json.dumps(result))
+
+
+def _clock(report: dict[str, Any]) -> str:
+    """The run's CLI marks and Dagster steps, in seconds from the CLI's start."""
+    clock = report.get("clock", {})
+    marks = clock.get("marks", {})
+    start = marks.get("cli_started", 0.0)
+    events = dict(marks)
+    for step, ends in clock.get("steps", {}).items():
+        events.update({f"{step}:{end}": at for end, at in ends.items()})
+    ordered = sorted(events.items(), key=lambda item: item[1])
+    return ", ".join(f"{name} {at - start:.2f}" for name, at in ordered)
 
 
 if __name__ == "__main__":
