@@ -23,6 +23,7 @@ def test_every_sensor_and_schedule_starts_running() -> None:
     definitions = defs()
     sensors = {s.name: s.default_status for s in definitions.sensors or []}
     assert sensors == {
+        "engine_pool_sensor": dg.DefaultSensorStatus.RUNNING,
         "inbox_sensor": dg.DefaultSensorStatus.RUNNING,
         "index_automation": dg.DefaultSensorStatus.RUNNING,
         "index_staleness_sensor": dg.DefaultSensorStatus.RUNNING,

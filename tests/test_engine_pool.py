@@ -297,3 +297,58 @@ def test_fabric_workers_start_status_and_stop(paths: FabricPaths, tiny_model_dir
     assert "no pool workers" in fabric("status").stdout
     off = fabric("start", "--manifest", str(manifest_path), "--pool-idle-seconds", "0")
     assert off.returncode == 2 and "--pool-idle-seconds" in off.stderr
+
+
+def test_the_dagster_sensor_shows_the_pool_state(paths: FabricPaths) -> None:
+    import dagster as dg
+
+    from fabric_pipelines.defs.resources import ArtifactStore
+    from fabric_pipelines.defs.sensors import engine_pool_sensor
+
+    store = ArtifactStore(root=str(paths.root))
+
+    def tick() -> str:
+        with dg.instance_for_test() as instance:
+            context = dg.build_sensor_context(instance=instance, resources={"store": store})
+            result = engine_pool_sensor(context)
+        assert isinstance(result, dg.SkipReason)
+        return str(result.skip_message)
+
+    assert "no pool workers" in tick()
+    (paths.root / "pool").mkdir()
+    # A process whose command line names the pool module stands in for a pool worker.
+    stand_in = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(120)", "fabric_pipelines.lib.engine_pool"]
+    )
+    state = {
+        "slot": "gpu0", "pid": stand_in.pid, "manifest_sha256": "ab" * 32,
+        "model_key": "m@1:mean", "started_at": time.time() - 60, "idle_seconds": 300.0,
+        "busy_with": "nightly", "since": time.time() - 5, "jobs_done": 3,
+    }  # fmt: skip
+    (paths.root / "pool" / "gpu0.json").write_text(json.dumps(state))
+    try:
+        shown = tick()
+    finally:
+        stand_in.kill()
+        stand_in.wait()
+    assert "gpu0: pid" in shown and "running task set 'nightly'" in shown and "3 job(s)" in shown
+    # Its process gone, the state file is stale: not shown, and removed.
+    assert "no pool workers" in tick() and not (paths.root / "pool" / "gpu0.json").exists()
+
+
+def test_a_stale_state_file_naming_another_process_is_never_signalled(paths: FabricPaths) -> None:
+    """A killed worker's pid given to another process since: not a pool worker, left alone."""
+    (paths.root / "pool").mkdir()
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        state = {
+            "slot": "cpu0", "pid": other.pid, "manifest_sha256": "ab" * 32, "model_key": "m",
+            "started_at": 0.0, "idle_seconds": 300.0, "busy_with": "", "since": 0.0,
+            "jobs_done": 0,
+        }  # fmt: skip
+        (paths.root / "pool" / "cpu0.json").write_text(json.dumps(state))
+        assert pool_states(paths.root) == [] and stop_pool(paths.root) == []
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait()

@@ -106,7 +106,7 @@ class PoolWorkerState:
 
     @property
     def alive(self) -> bool:
-        return _pid_alive(self.pid)
+        return _pid_alive(self.pid) and _is_pool_worker(self.pid)
 
 
 def pool_states(root: Path) -> list[PoolWorkerState]:
@@ -141,6 +141,16 @@ def _pid_alive(pid: int) -> bool:
     except OSError:
         return True
     return status.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def _is_pool_worker(pid: int) -> bool:
+    """Whether `pid` runs a pool worker: a killed worker's state file may name a pid the
+    system has since given to another process, which must never be signalled."""
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return True  # no /proc here: the pid check alone
+    return b"fabric_pipelines.lib.engine_pool" in command
 
 
 def _remove_if_pid(path: Path, pid: int) -> None:
