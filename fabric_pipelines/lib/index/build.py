@@ -10,6 +10,7 @@ they were assigned to, in ascending id order, so FAISS serves and stores the res
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass
@@ -55,6 +56,18 @@ class IndexSpec:
             )
         if min(self.nprobe, self.k, self.recall_queries, self.train_sample, self.shards) < 1:
             raise ValueError("nprobe, k, recall_queries, train_sample and shards must be positive")
+
+
+# "auto" builds an index of fewer rows than this on the CPU: in a process that has not used the
+# GPU yet, making its CUDA context (half a second or more on an H200) costs more than the build.
+AUTO_GPU_MIN_ROWS = 100_000
+
+
+def sized_for(spec: IndexSpec, n: int) -> IndexSpec:
+    """`spec` for a build of `n` rows: "auto" means the CPU below AUTO_GPU_MIN_ROWS rows."""
+    if spec.device == "auto" and n < AUTO_GPU_MIN_ROWS:
+        return dataclasses.replace(spec, device="cpu")
+    return spec
 
 
 def compute_device(spec: IndexSpec) -> str:

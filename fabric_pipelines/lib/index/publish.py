@@ -61,6 +61,7 @@ from fabric_pipelines.lib.index.build import (
     prepare_rows,
     recorded_builder,
     set_nprobe,
+    sized_for,
     tolerance,
     train_rows,
 )
@@ -190,6 +191,7 @@ def build_and_publish(
                 f"no embeddings for model {model_key}: materialise extraction_outputs first"
             )
         counts = check_vectors(source.vectors, spec.metric)
+    spec = sized_for(spec, len(source.ids))
     with ThreadPoolExecutor(WORKERS, thread_name_prefix="index") as pool:
         ids_sha256 = pool.submit(array_sha256, source.ids)
         vectors_sha256 = pool.submit(array_sha256, source.vectors)
