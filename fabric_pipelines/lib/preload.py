@@ -7,9 +7,9 @@ that follows in the same process (`fabric run`, `fabric submit --run`) finds the
 Likewise `fabric submit --run` imports Dagster and the project's definitions (about 2 s on the
 GPU machine), builds them and opens the Dagster instance (its storage is created on a first run:
 about 1 s) while it launches the workers, opens the database and copies the submitted file
-(work that mostly waits on the disk and the kernel, not on the interpreter), and then the index
-step's modules, which a small set's extraction (a second, on a warm engine pool) ends too soon to
-hide.
+(work that mostly waits on the disk and the kernel, not on the interpreter). Importing the index
+step's modules there too was tried on the H200: the run's start then waited about 1.2 s longer
+for the interpreter (a small job on a warm pool gained nothing).
 
 The CUDA context is left to the index step. Made here, it is made while the workers make
 theirs: on an H200 (with the workers also opening theirs early) their engines came up about 4 s
@@ -73,12 +73,6 @@ def prepare_pipeline() -> Future[tuple[Any, Any]]:
             prepared.set_result((defs(), dg.DagsterInstance.get()))
         except BaseException as exc:  # held for the caller, which builds them again to report it
             prepared.set_exception(exc)
-            return
-        # Then the index step's modules (torch, FAISS: a second or more), while the run ingests
-        # and extracts: a small set's extraction ends before they would have loaded otherwise.
-        with contextlib.suppress(Exception):
-            for name in INDEX_MODULES:
-                importlib.import_module(name)
 
     threading.Thread(target=prepare, name="prepare-pipeline", daemon=True).start()
     return prepared
