@@ -271,21 +271,26 @@ def rebuild_index(root: Path, db_url: str, receipt_path: str, cpu: bool) -> dict
     }
 
 
-def exactly_once(db_url: str, manifest_file: Path) -> dict[str, Any]:
-    """Rows = completed tasks (the primary key rules out duplicates), nothing queued or in
-    flight, and tasks = completed + failed."""
+def exactly_once(db_url: str, manifest_file: Path, task_set: str = TASK_SET) -> dict[str, Any]:
+    """The set's rows = its completed tasks (the primary key rules out duplicates), nothing
+    queued or in flight, and tasks = completed + failed."""
     from sqlalchemy import func, select
 
     from fabric_gpu.manifest import EngineManifest
     from fabric_pipelines.lib.broker.ledger import accounting
     from fabric_pipelines.lib.store.db import make_engine
-    from fabric_pipelines.lib.store.models import Embedding
+    from fabric_pipelines.lib.store.models import Embedding, TaskSet
 
     manifest = EngineManifest.load(manifest_file)
     db = make_engine(db_url)
     with db.connect() as conn:
-        counts = accounting(conn, TASK_SET, manifest.model_key)
-        rows = conn.execute(select(func.count()).select_from(Embedding)).scalar_one()
+        counts = accounting(conn, task_set, manifest.model_key)
+        rows = conn.execute(
+            select(func.count())
+            .select_from(Embedding)
+            .join(TaskSet, TaskSet.id == Embedding.task_set_id)
+            .where(TaskSet.name == task_set)
+        ).scalar_one()
     db.dispose()
     balanced = counts.finished and counts.tasks == counts.completed + counts.failed
     return {

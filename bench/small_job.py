@@ -297,8 +297,17 @@ def _clock(report: dict[str, Any]) -> str:
     events = dict(marks)
     for step, ends in clock.get("steps", {}).items():
         events.update({f"{step}:{end}": at for end, at in ends.items()})
+    extraction = report.get("extract", {}).get("extraction_outputs", {})
+    for i, timeline in enumerate(extraction.get("worker_timelines", [])):
+        began = timeline.get("started_at", 0.0)
+        events.update(
+            {f"worker{i}:{k}": began + v for k, v in timeline.items() if k != "started_at"}
+        )
     ordered = sorted(events.items(), key=lambda item: item[1])
-    return ", ".join(f"{name} {at - start:.2f}" for name, at in ordered)
+    stages = {
+        k: extraction.get(k) for k in ("extract_seconds", "pulling_seconds", "verify_seconds")
+    }
+    return ", ".join(f"{name} {at - start:.2f}" for name, at in ordered) + f"; extraction {stages}"
 
 
 if __name__ == "__main__":
