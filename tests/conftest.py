@@ -174,3 +174,46 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for name in ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(source / name, folder / name)
     return folder
+
+
+# What a skipped test needed, matched on its skip reason: the summary names the real parts this
+# run did without and the one command that brings each in.
+REAL_PARTS = (
+    ("chromium", "the UI test (real `dagster dev`, headless chromium)",
+     "apt-get install -y chromium, then the same command"),
+    ("PostgreSQL not reachable", "the PostgreSQL tests",
+     "start PostgreSQL on 127.0.0.1:5432 (user postgres, database test; or set "
+     "FABRIC_TEST_POSTGRES_URL), then the same command"),
+    ("pgserver is not installed", "the pgvector tests (pgserver's PostgreSQL)",
+     "scripts/bootstrap (installs the test extras, pgserver among them)"),
+    ("GPU", "the GPU tests", "on a machine with an NVIDIA GPU: pytest -m gpu"),
+    ("CUDA", "the GPU tests", "on a machine with an NVIDIA GPU: pytest -m gpu"),
+    ("all-MiniLM-L6-v2 is not available", "the real-model GPU check",
+     "FABRIC_MINILM_DIR=<the model folder> pytest -m gpu"),
+)  # fmt: skip
+
+
+def real_parts_skipped(reasons: list[str]) -> dict[str, tuple[int, str]]:
+    """What each skip reason says was missing: {real part: (tests skipped, the command)}."""
+    found: dict[str, tuple[int, str]] = {}
+    for reason in reasons:
+        for needle, part, command in REAL_PARTS:
+            if needle in reason:
+                count, _ = found.get(part, (0, command))
+                found[part] = (count + 1, command)
+                break
+    return found
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    reasons = []
+    for report in terminalreporter.stats.get("skipped", []):
+        longrepr = getattr(report, "longrepr", None)
+        if isinstance(longrepr, tuple) and len(longrepr) == 3:
+            reasons.append(str(longrepr[2]))
+    found = real_parts_skipped(reasons)
+    if not found:
+        return
+    terminalreporter.section("real parts this run did without")
+    for part, (count, command) in found.items():
+        terminalreporter.write_line(f"{part}: {count} test(s) skipped; to run them: {command}")

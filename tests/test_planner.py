@@ -171,7 +171,11 @@ def test_planning_a_finished_set_again_keeps_its_plan(
 
     again = plan_task_set(db, paths, "done", manifest)
     assert (again.plan_id, again.path, again.sha256) == (first.plan_id, first.path, first.sha256)
-    assert (again.outstanding, again.new_batches, again.plan.n_batches) == (0, 0, 0)
+    assert (again.outstanding, again.new_batches) == (0, 0)
+    # Described as it was made (what the asset's metadata shows): the same batches, not none.
+    for field in ("order", "seq_len", "item_start", "item_count", "real_tokens", "padded_tokens"):
+        assert np.array_equal(getattr(again.plan, field), getattr(first.plan, field)), field
+    assert again.padding_by_bucket() == first.padding_by_bucket()
     assert current_plan(db, "done").plan_id == first.plan_id
     with Session(db) as session:
         assert session.scalars(select(BatchPlanRow.plan_id)).all() == [first.plan_id]

@@ -33,11 +33,14 @@ CODE_VERSIONS = {
     "extraction_outputs": f"extract-{CODE_VERSION}",
     "vector_index": f"index-{CODE_VERSION}",
 }
+# One group for the four families: the UI opens a graph of several groups with each group
+# collapsed, and a group of one asset then hides that asset's name.
+PIPELINE_GROUP = "inference_fabric"
 
 
 @dg.asset(
     partitions_def=task_sets,
-    group_name="tasks",
+    group_name=PIPELINE_GROUP,
     kinds={"python", "arrow"},
     code_version=CODE_VERSIONS["tokenised_tasks"],
     description=(
@@ -77,7 +80,7 @@ def tokenised_tasks(
             "failed": summary.n_failed,
             "truncated": summary.truncated,
             "tokens": int(lengths.sum()),
-            "mean_length": float(lengths.mean()) if lengths.size else 0.0,
+            "mean_length": round(float(lengths.mean()), 2) if lengths.size else 0.0,
             "max_length": int(lengths.max()) if lengths.size else 0,
             "reused": summary.reused,
             "seconds": round(time.perf_counter() - started, 3),
@@ -95,7 +98,7 @@ def tokenised_tasks(
 @dg.asset(
     partitions_def=task_sets,
     deps=[tokenised_tasks],
-    group_name="batches",
+    group_name=PIPELINE_GROUP,
     kinds={"numpy", "arrow"},
     code_version=CODE_VERSIONS["shape_batches"],
     description=(
@@ -146,7 +149,7 @@ def shape_batches(
 @dg.asset(
     partitions_def=task_sets,
     deps=[shape_batches],
-    group_name="extraction",
+    group_name=PIPELINE_GROUP,
     kinds={"pytorch", "sql"},
     code_version=CODE_VERSIONS["extraction_outputs"],
     pool="gpu",
@@ -321,7 +324,7 @@ class IndexConfig(dg.Config):
 
 @dg.asset(
     deps=[extraction_outputs],
-    group_name="index",
+    group_name=PIPELINE_GROUP,
     kinds={"faiss"},
     code_version=CODE_VERSIONS["vector_index"],
     automation_condition=dg.AutomationCondition.eager(),

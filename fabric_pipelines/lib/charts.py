@@ -20,15 +20,19 @@ def bar(value: float, largest: float, width: int = WIDTH) -> str:
 
 
 def bar_table(
-    labels: Sequence[str], values: Sequence[float], header: tuple[str, str], fmt: str = "{:,}"
+    labels: Sequence[str],
+    values: Sequence[float],
+    header: tuple[str, str],
+    fmt: str = "{:,}",
+    full: float | None = None,
 ) -> str:
-    """| label | value | bar | for each row; bars scaled to the largest value."""
-    largest = max((float(v) for v in values), default=0.0)
+    """| label | value | bar | for each row; a full bar is `full` (recall: 1.0), else the
+    largest value. A zero gets an empty cell (not an empty code span, which shows as ``)."""
+    largest = full if full is not None else max((float(v) for v in values), default=0.0)
     rows = [f"| {header[0]} | {header[1]} | |", "|---|---:|---|"]
-    rows += [
-        f"| {label} | {fmt.format(value)} | `{bar(float(value), largest)}` |"
-        for label, value in zip(labels, values, strict=True)
-    ]
+    for label, value in zip(labels, values, strict=True):
+        drawn = bar(float(value), largest)
+        rows.append(f"| {label} | {fmt.format(value)} | {f'`{drawn}`' if drawn else ''} |")
     return "\n".join(rows)
 
 

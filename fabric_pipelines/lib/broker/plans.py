@@ -17,8 +17,8 @@ from fabric_pipelines.lib.broker.ledger import outstanding_rows, register_plan
 from fabric_pipelines.lib.broker.planner import BatchPlan, plan_batches, plan_id, prefix_keys
 from fabric_pipelines.lib.settings import FabricPaths
 from fabric_pipelines.lib.store.db import insert_ignoring_duplicates
+from fabric_pipelines.lib.store.models import Batch, TaskSet
 from fabric_pipelines.lib.store.models import BatchPlan as BatchPlanRow
-from fabric_pipelines.lib.store.models import TaskSet
 from fabric_pipelines.lib.tasks.catalog import get_task_set
 from fabric_pipelines.lib.tasks.store import (
     checked_meanwhile,
@@ -83,8 +83,11 @@ def plan_task_set(
     kept = _finished_current_plan(db, ts, manifest.model_key) if rows.size == 0 else None
     if kept is not None:
         # Nothing is left to do: the plan that did the work stays current (an empty plan made
-        # current would hide it from what reads the set's lineage).
-        return PlanSummary(kept.plan_id, task_set, plan, Path(kept.path), kept.sha256, 0, 0)
+        # current would hide it from what reads the set's lineage), and is described as it was
+        # made, from its ledger rows and its file: planning a finished set again shows the same
+        # plan, never an empty one.
+        recorded = recorded_plan(db, kept.plan_id, load_plan_order(Path(kept.path), kept.sha256))
+        return PlanSummary(kept.plan_id, task_set, recorded, Path(kept.path), kept.sha256, 0, 0)
     pid = plan_id(ts.content_sha256, manifest.model_key, profile, rows)
     with Session(db) as session:
         existing = session.get(BatchPlanRow, pid)
@@ -127,6 +130,21 @@ def _finished_current_plan(db: Engine, ts: TaskSet, model_key: str) -> BatchPlan
     with Session(db, expire_on_commit=False) as session:
         row = session.get(BatchPlanRow, ts.current_plan_id)
     return row if row is not None and row.model_key == model_key else None
+
+
+def recorded_plan(db: Engine, plan_id: str, order: np.ndarray) -> BatchPlan:
+    """A plan as its ledger rows record it (every batch, in batch order) with its item order."""
+    with db.connect() as conn:
+        rows = conn.execute(
+            select(
+                Batch.seq_len, Batch.item_start, Batch.item_count, Batch.real_tokens,
+                Batch.padded_tokens,
+            )
+            .where(Batch.plan_id == plan_id)
+            .order_by(Batch.batch_no)
+        ).all()  # fmt: skip
+    columns = np.array(rows, dtype=np.int64).reshape(-1, 5).T
+    return BatchPlan(order, *(np.ascontiguousarray(c) for c in columns))
 
 
 def load_plan_order(path: Path, sha256: str) -> np.ndarray:

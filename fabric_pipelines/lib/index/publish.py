@@ -514,14 +514,16 @@ def recall_curve_chart(quality: dict[str, Any]) -> str:
     """recall@k per nprobe (IVF), and recall@1/10/100, as Markdown bars."""
     curve = quality.get("nprobe_curve", {})
     at = {k: quality[f"recall_at_{k}"] for k in (1, 10, 100) if f"recall_at_{k}" in quality}
-    parts = [bar_table([f"recall@{k}" for k in at], list(at.values()), ("", "recall"), "{:.4f}")]
-    if curve:
+    labels = [f"recall@{k}" for k in at]
+    parts = [bar_table(labels, list(at.values()), ("", "recall"), "{:.4f}", full=1.0)]
+    if curve:  # bars on a 0-1 scale: a recall of 0.68 is drawn two-thirds long
         parts.append(
             bar_table(
                 [f"nprobe {n}" for n in curve],
                 list(curve.values()),
                 ("", f"recall@{quality['k']}"),
                 "{:.4f}",
+                full=1.0,
             )
         )
     return "\n\n".join(parts)
