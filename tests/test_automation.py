@@ -120,6 +120,43 @@ def test_a_failed_run_is_written_to_the_alerts_file(paths: FabricPaths) -> None:
     assert "token id 99999 outside the vocabulary" in alert.reason  # the step's own error
 
 
+@dg.asset(check_specs=[dg.AssetCheckSpec("recall_at_10", asset="index_like", blocking=True)])
+def index_like() -> dg.MaterializeResult:
+    return dg.MaterializeResult(
+        check_results=[
+            dg.AssetCheckResult(
+                check_name="recall_at_10",
+                passed=False,
+                metadata={"recall_at_10": 0.488, "floor": 0.9, "what_to_change": "raise nprobe"},
+            )
+        ]
+    )
+
+
+def test_an_alert_names_what_ran_and_the_failed_checks_numbers(paths: FabricPaths) -> None:
+    """A run of assets (as the UI launches them: a hidden asset job) whose blocking check fails:
+    the alert names the asset, the check's value and floor, with no doubled punctuation."""
+    instance = dg.DagsterInstance.ephemeral()
+    result = dg.materialize([index_like], instance=instance, raise_on_error=False)
+    assert not result.success
+    failure = next(e for e in result.all_events if e.event_type == dg.DagsterEventType.RUN_FAILURE)
+    run = instance.get_run_by_id(result.run_id)
+    assert run is not None and run.job_name.startswith("__")
+    context = dg.build_run_status_sensor_context(
+        sensor_name="run_failure_alerts",
+        dagster_event=failure,
+        dagster_instance=instance,
+        dagster_run=run,
+        resources={"store": ArtifactStore(root=str(paths.root))},
+    ).for_run_failure()
+    run_failure_alerts(context)
+    [alert] = read_run_failures(paths.root)
+    assert alert.job == "materialise index_like"
+    assert "check recall_at_10 of index_like failed" in alert.reason
+    assert "recall_at_10 0.488" in alert.reason and "floor 0.9" in alert.reason
+    assert ".;" not in alert.reason and ".." not in alert.reason
+
+
 def test_the_gpu_pool_is_sized_from_the_visible_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     instance = dg.DagsterInstance.ephemeral()
     assert sync_gpu_pool(instance, visible=2) == 2
