@@ -372,7 +372,8 @@ def vector_index(
     )
     db = database.engine()
     with db.connect() as conn:
-        latest = None if config.full_rebuild else latest_receipt(conn, manifest.model_key)
+        serving = latest_receipt(conn, manifest.model_key)
+    latest = None if config.full_rebuild else serving
     try:
         published = build_and_publish(
             db,
@@ -417,6 +418,26 @@ def vector_index(
         f"vector_index: rebuilt shards {published.rebuilt_shards or 'none'} of {spec.shards}"
     )
     recall = published.recall_at_k
+    if not published.accepted:
+        # Failed before any materialisation is recorded: the asset's latest materialisation stays
+        # the index that is served, so the UI's first line never shows an unpublished one.
+        served = f"receipt {serving[0]}" if serving else "none yet"
+        raise dg.Failure(
+            description=(
+                f"index not published: {published.shortfall}. The index served stays: {served}. "
+                f"The extraction results are committed; only the index was refused."
+            ),
+            metadata={
+                "recall_at_10": recall,
+                "floor": config.min_recall,
+                "nprobe": published.receipt["index"]["params"].get("nprobe", 0),
+                "what_to_change": published.shortfall,
+                "served_index": served,
+                "refused_receipt_path": dg.MetadataValue.path(str(published.receipt_path)),
+                "published": False,
+            },
+            allow_retries=False,
+        )
     return dg.MaterializeResult(
         metadata={
             "receipt_sha256": published.receipt_sha256,
