@@ -759,13 +759,16 @@ def _start_pool(root: Path, args: argparse.Namespace) -> int:
     write_bytes(manifest_path, json.dumps(manifest.to_mapping()).encode())
     slots = slots_for(manifest, list(range(count)) if gpus else None, count)
     live = {state.slot: state for state in pool_states(root)}
-    replace = [s for s in slots if s in live and live[s].manifest_sha256 != sha]
+    busy = [s for s in slots if s in live and live[s].manifest_sha256 != sha and live[s].busy_with]
+    for slot in busy:  # never stopped mid-job: started again once it is free
+        print(f"{slot}: busy with task set {live[slot].busy_with!r} for another model; left as is")
+    replace = [s for s in slots if s in live and live[s].manifest_sha256 != sha and s not in busy]
     if replace:
         stop_pool(root, replace)  # a slot serves one manifest: the newest start wins
     threads = max(1, (os.cpu_count() or 1) // count) if manifest.backend == "cpu" else 0
     started = {}
     for slot in slots:
-        if slot not in live or slot in replace:
+        if (slot not in live or slot in replace) and slot not in busy:
             started[slot] = start_pool_worker(
                 root, slot, manifest_path, idle_seconds=idle, device=device_of(slot),
                 threads=threads,

@@ -2,7 +2,7 @@
 loses nothing and is replaced; two runs at once share one slot safely; an idle worker exits; a
 bad job gets an error naming its field; `fabric workers start|status|stop`.
 
-The pool workers are real `python -m fabric_pipelines.lib.engine_pool serve` processes running
+The pool workers are real `python -m fabric_pipelines.lib.pool_worker` processes running
 the CPU engine on a tiny random BERT with the real tokenizer.
 """
 
@@ -318,7 +318,7 @@ def test_the_dagster_sensor_shows_the_pool_state(paths: FabricPaths) -> None:
     (paths.root / "pool").mkdir()
     # A process whose command line names the pool module stands in for a pool worker.
     stand_in = subprocess.Popen(
-        [sys.executable, "-c", "import time; time.sleep(120)", "fabric_pipelines.lib.engine_pool"]
+        [sys.executable, "-c", "import time; time.sleep(120)", "fabric_pipelines.lib.pool_worker"]
     )
     state = {
         "slot": "gpu0", "pid": stand_in.pid, "manifest_sha256": "ab" * 32,
@@ -352,3 +352,95 @@ def test_a_stale_state_file_naming_another_process_is_never_signalled(paths: Fab
     finally:
         other.kill()
         other.wait()
+
+
+def test_a_busy_worker_says_so_at_once_however_many_runs_knock(
+    sqlite_db: tuple[Engine, str], paths: FabricPaths, tiny_model_dir: Path
+) -> None:
+    """A worker holding a job (waiting for its go) answers every other connection with a busy
+    hello straight away: twenty runs knocking neither wait nor fill the listen backlog."""
+    from fabric_pipelines.lib.engine_pool import PoolJob
+
+    _, url = sqlite_db
+    manifest = _manifest(tiny_model_dir)
+    _worker(paths, manifest, idle=60)
+    job = {
+        "task_set": "never", "database_url": url, "lease_seconds": 30, "owner": "test",
+        "max_attempts": 3, "heartbeat_seconds": None, "go_file": str(paths.root / "no-go"),
+    }  # fmt: skip
+    holder = PoolJob(paths.root, "cpu0", manifest_sha256(manifest), job).start()
+    deadline = time.monotonic() + 30
+    while holder.state != "running" and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert holder.state == "running"
+    started = time.monotonic()
+    knocks = [
+        PoolJob(paths.root, "cpu0", manifest_sha256(manifest), {**job, "owner": f"k{i}"}).start()
+        for i in range(20)
+    ]
+    for knock in knocks:
+        assert knock.done.wait(10)
+    assert all(k.state == "refused" and "busy with 'never'" in k.error for k in knocks)
+    assert time.monotonic() - started < 5
+    holder.close()  # the run goes away before its go: the worker gives the job up
+    assert holder.done.wait(10)
+    deadline = time.monotonic() + 10
+    while pool_states(paths.root)[0].busy_with and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pool_states(paths.root)[0].busy_with == ""
+
+
+def test_a_worker_whose_run_goes_away_mid_job_stops_and_nothing_is_lost(
+    sqlite_db: tuple[Engine, str], paths: FabricPaths, tiny_model_dir: Path
+) -> None:
+    """The run is cancelled while its pool worker extracts: the worker ends (it never goes on
+    for a run that is gone), and the set's next run completes it exactly once."""
+    from fabric_pipelines.lib.pool_run import open_pool_run
+    from fabric_pipelines.lib.workers import worker_settings
+
+    db, url = sqlite_db
+    manifest = _manifest(tiny_model_dir, batch_tokens=64)
+    n = 1500
+    _ingest_and_plan(db, paths, manifest, "cancelled", n)
+    settings = worker_settings(paths, "cancelled", manifest, url, lease_seconds=4)
+    run = open_pool_run(settings, manifest, 1, None, idle_seconds=60)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        with db.connect() as conn:
+            if accounting(conn, "cancelled").completed > 0:
+                break
+        time.sleep(0.05)
+    pid = run.jobs[0].pid
+    run.close()  # the run is cancelled
+    deadline = time.monotonic() + 10
+    while _pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _pid_alive(pid) and pool_states(paths.root) == []
+    with db.connect() as conn:
+        left = accounting(conn, "cancelled")
+    assert 0 < left.completed < n  # stopped mid-job
+    _extract(db, url, paths, manifest, "cancelled", lease_seconds=4)
+    _exactly_once(db, "cancelled", manifest, n)
+
+
+def test_two_workers_started_for_one_slot_leave_one_serving(
+    paths: FabricPaths, tiny_model_dir: Path
+) -> None:
+    manifest = _manifest(tiny_model_dir)
+    manifest_path = paths.root / "engine.json"
+    manifest_path.write_text(json.dumps(manifest.to_mapping()))
+    first, second = (
+        start_pool_worker(paths.root, "cpu0", manifest_path, idle_seconds=60, threads=1)
+        for _ in range(2)
+    )
+    # One of them owns the slot; the other sees that and exits cleanly, at once.
+    exited = None
+    deadline = time.monotonic() + 60
+    while exited is None and time.monotonic() < deadline:
+        exited = next((p for p in (first, second) if p.poll() is not None), None)
+        time.sleep(0.05)
+    assert exited is not None and exited.returncode == 0
+    serving = second if exited is first else first
+    assert wait_until_serving(paths.root, "cpu0", serving, 120) is not None
+    (state,) = pool_states(paths.root)
+    assert state.pid == serving.pid and state.ready

@@ -14,21 +14,22 @@ the name exists exactly as long as the process does) and keeps a state file besi
 (`<root>/pool/<slot>.json`: pid, manifest, what it is doing) for `fabric workers status`.
 
 The protocol, one JSON object per line:
-    worker -> run   {"hello": {"pid", "slot", "manifest_sha256", "jobs_done"}}   on accepting
+    worker -> run   {"hello": {"pid", "slot", "manifest_sha256", "jobs_done", "busy"}}
     run -> worker   {"job": {"task_set", "database_url", "lease_seconds", "heartbeat_seconds",
                              "max_attempts", "owner", "go_file"}}
     worker -> run   {"report": {...}} when the plan is done, or {"error": "..."}
-A worker serves one connection at a time: a second run that gets no hello at once starts its own
-workers instead of queueing behind the first.
+A worker serves one job at a time: a run that connects while it is busy gets a hello that says
+so (`"busy": TASK_SET`) and starts its own worker instead of queueing behind the other run. The
+worker's side is pool_worker.py; this module is what runs, `fabric workers` and the sensor use.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -36,17 +37,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-from fabric_pipelines.lib.files import write_bytes
 
 POOL_IDLE_ENV = "FABRIC_POOL_IDLE_SECONDS"
 DEFAULT_IDLE_SECONDS = 300.0  # a pool worker exits after this long without a job
 START_TIMEOUT_S = 300.0  # a new worker's engine load (weights, graphs) may take this long
-HELLO_TIMEOUT_S = 2.0  # a worker that does not greet within this is busy with another run
-JOB_READ_TIMEOUT_S = 30.0  # a run that connected sends its job within this
+HELLO_TIMEOUT_S = 2.0  # a worker that neither greets nor refuses within this is taken as busy
 
 
 def idle_seconds_setting(value: float | None = None) -> float:
@@ -103,6 +101,7 @@ class PoolWorkerState:
     busy_with: str  # the task set of the job it runs, "" when idle
     since: float  # when it last started or finished a job
     jobs_done: int
+    ready: bool = True  # False while its engine loads
 
     @property
     def alive(self) -> bool:
@@ -123,8 +122,7 @@ def pool_states(root: Path) -> list[PoolWorkerState]:
         if state.alive:
             states.append(state)
         else:
-            with contextlib.suppress(FileNotFoundError):
-                _remove_if_pid(path, state.pid)
+            remove_state_if_pid(path, state.pid)
     return states
 
 
@@ -150,10 +148,10 @@ def _is_pool_worker(pid: int) -> bool:
         command = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return True  # no /proc here: the pid check alone
-    return b"fabric_pipelines.lib.engine_pool" in command
+    return b"fabric_pipelines.lib.pool_worker" in command
 
 
-def _remove_if_pid(path: Path, pid: int) -> None:
+def remove_state_if_pid(path: Path, pid: int) -> None:
     """Remove a state file only if it still names `pid` (a new worker may have replaced it)."""
     try:
         if json.loads(path.read_text()).get("pid") == pid:
@@ -179,7 +177,7 @@ def start_pool_worker(
     if device is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(device)
     command = [
-        sys.executable, "-m", "fabric_pipelines.lib.engine_pool", "serve",
+        sys.executable, "-m", "fabric_pipelines.lib.pool_worker",
         "--slot", slot, "--manifest", str(manifest_path),
         "--idle-seconds", str(idle_seconds), "--threads", str(threads),
     ]  # fmt: skip
@@ -197,21 +195,30 @@ def start_pool_worker(
 def stop_pool(root: Path, slots: list[str] | None = None, grace_s: float = 10.0) -> list[str]:
     """Ask the pool's workers (those of `slots`, default all) to exit; returns the slots
     stopped. A worker in the middle of a job stops too: its leases run out and are claimed by
-    the run's other workers or the next run."""
-    stopped = []
+    the run's other workers or the next run. Each is signalled through a pidfd opened once it
+    was seen to run the pool worker: a pid the system gives to another process meanwhile is
+    never signalled."""
+    stopped: list[tuple[str, int]] = []
     for state in pool_states(root):
         if slots is not None and state.slot not in slots:
             continue
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(state.pid, signal.SIGTERM)
-        stopped.append((state.slot, state.pid))
+        try:
+            handle = os.pidfd_open(state.pid)
+        except (ProcessLookupError, PermissionError):
+            continue
+        if not _is_pool_worker(state.pid):  # the pid changed hands since pool_states looked
+            os.close(handle)
+            continue
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            signal.pidfd_send_signal(handle, signal.SIGTERM)
+        stopped.append((state.slot, handle))
     deadline = time.monotonic() + grace_s
-    for _, pid in stopped:
-        while _pid_alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if _pid_alive(pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+    for _, handle in stopped:
+        # A pidfd reads as readable once its process has exited.
+        select.select([handle], [], [], max(0.0, deadline - time.monotonic()))
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            signal.pidfd_send_signal(handle, signal.SIGKILL)  # a no-op once it has exited
+        os.close(handle)
     return [slot for slot, _ in stopped]
 
 
@@ -229,7 +236,7 @@ class PoolJob:
     slot: str
     manifest_sha: str
     job: dict[str, Any]
-    process: subprocess.Popen[bytes] | None = None  # a worker started for this job
+    starting: Callable[[], bool] | None = None  # while True, a worker for the slot is starting
     start_timeout_s: float = START_TIMEOUT_S
     hello_timeout_s: float = HELLO_TIMEOUT_S
     pid: int = 0
@@ -263,7 +270,7 @@ class PoolJob:
 
     def _hand_over_and_wait(self) -> None:
         greeted = _connect(
-            self.root, self.slot, self.process, self.start_timeout_s, self.hello_timeout_s,
+            self.root, self.slot, self.starting, self.start_timeout_s, self.hello_timeout_s,
             given_up=lambda: self._closed,
         )  # fmt: skip
         if greeted is None:
@@ -271,19 +278,24 @@ class PoolJob:
             return
         conn, hello = greeted
         self._conn, self.pid = conn, int(hello.get("pid", 0))
-        if hello.get("manifest_sha256") != self.manifest_sha or self._closed:
-            self.state, self.error = "refused", "the pool worker serves another manifest"
+        if hello.get("busy") or hello.get("manifest_sha256") != self.manifest_sha or self._closed:
+            self.state = "refused"
+            self.error = (
+                f"the pool worker is busy with {hello['busy']!r}"
+                if hello.get("busy")
+                else "the pool worker serves another manifest"
+            )
             conn.close()
             return
         try:
-            _send(conn, {"job": self.job})
+            send_message(conn, {"job": self.job})
         except OSError as exc:
             self.state, self.error = "refused", f"could not send the job: {exc}"
             conn.close()
             return
         self.state = "running"
         try:
-            answer = _read_message(conn)
+            answer = read_message(conn)
         except (OSError, ValueError) as exc:
             self.state = "lost"
             self.error = f"pool worker {self.slot} (pid {self.pid}) ended before its report: {exc}"
@@ -303,41 +315,47 @@ def wait_until_serving(
 ) -> dict[str, Any] | None:
     """The hello of a worker just started, once it listens (None: it died or took too long).
     The connection is closed at once: the worker goes back to waiting for runs."""
-    greeted = _connect(root, slot, process, start_timeout_s, HELLO_TIMEOUT_S)
+    greeted = _connect(root, slot, lambda: process.poll() is None, start_timeout_s, HELLO_TIMEOUT_S)
     if greeted is None:
         return None
     greeted[0].close()
     return greeted[1]
 
 
+def starting_pid(pid: int) -> Callable[[], bool]:
+    """`starting` for a worker another run started (seen in its state file, not ready yet)."""
+    return lambda: _pid_alive(pid)
+
+
 def _connect(
     root: Path,
     slot: str,
-    process: subprocess.Popen[bytes] | None,
+    starting: Callable[[], bool] | None,
     start_timeout_s: float,
     hello_timeout_s: float,
     given_up: Callable[[], bool] = lambda: False,
 ) -> tuple[socket.socket, dict[str, Any]] | None:
     """A connection to the slot's worker and its hello; None when nothing listens (waiting
-    while `process`, a worker starting, lives) or no hello comes in time (busy)."""
+    while `starting` says a worker is on its way) or nothing answers in time. The connect itself
+    is bounded too: a full listen backlog would otherwise block it until the worker accepts."""
     address = socket_address(root, slot)
     deadline = time.monotonic() + start_timeout_s
     while True:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.settimeout(hello_timeout_s)
         try:
             conn.connect(address)
             break
         except OSError:
             conn.close()
-            starting = process is not None and process.poll() is None
-            if not starting or given_up() or time.monotonic() >= deadline:
+            waiting = starting is not None and starting()
+            if not waiting or given_up() or time.monotonic() >= deadline:
                 return None
             time.sleep(0.02)
     try:
-        conn.settimeout(hello_timeout_s)
-        hello = _read_message(conn).get("hello")
+        hello = read_message(conn).get("hello")
         conn.settimeout(None)
-    except (OSError, ValueError):  # busy with another run (no hello in time), or gone
+    except (OSError, ValueError):  # no answer in time, or gone
         conn.close()
         return None
     if not isinstance(hello, dict):
@@ -346,11 +364,11 @@ def _connect(
     return conn, hello
 
 
-def _send(conn: socket.socket, message: dict[str, Any]) -> None:
+def send_message(conn: socket.socket, message: dict[str, Any]) -> None:
     conn.sendall(json.dumps(message).encode() + b"\n")
 
 
-def _read_message(conn: socket.socket) -> dict[str, Any]:
+def read_message(conn: socket.socket) -> dict[str, Any]:
     """One newline-terminated JSON object; ConnectionError when the peer closed first."""
     data = bytearray()
     while not data.endswith(b"\n"):
@@ -364,213 +382,12 @@ def _read_message(conn: socket.socket) -> dict[str, Any]:
     return message
 
 
-# ---- the pool worker --------------------------------------------------------------------------
-
-
-JOB_FIELDS: dict[str, type | tuple[type, ...]] = {
-    "task_set": str,
-    "database_url": str,
-    "lease_seconds": (int, float),
-    "owner": str,
-    "max_attempts": int,
-}
-
-
-def check_job(job: object) -> dict[str, Any]:
-    """A job as a run sent it, or ValueError naming the field that is wrong."""
-    if not isinstance(job, dict):
-        raise ValueError(f"job: expected a JSON object, got {type(job).__name__}")
-    for name, kind in JOB_FIELDS.items():
-        if not isinstance(job.get(name), kind):
-            raise ValueError(f"job field {name!r}: missing or of the wrong type")
-    if job.get("heartbeat_seconds") is not None and not isinstance(
-        job["heartbeat_seconds"], (int, float)
-    ):
-        raise ValueError("job field 'heartbeat_seconds': a number of seconds or null")
-    if job.get("go_file") is not None and not isinstance(job["go_file"], str):
-        raise ValueError("job field 'go_file': a path or null")
-    return job
-
-
-class _GivenUp(Exception):
-    """The run that sent a job with a go file closed its connection before the go."""
-
-
-def _closed(conn: socket.socket) -> bool:
-    """Whether the run closed its end (a readable socket with nothing to read)."""
-    import select
-
-    readable, _, _ = select.select([conn], [], [], 0)
-    if not readable:
-        return False
-    try:
-        return conn.recv(1, socket.MSG_PEEK) == b""
-    except OSError:
-        return True
-
-
-class _Server:
-    """One pool worker: an engine loaded once, and the jobs it runs with it."""
-
-    def __init__(self, root: Path, slot: str, manifest_path: Path, idle_seconds: float) -> None:
-        from fabric_gpu.manifest import EngineManifest
-
-        self.root = root
-        self.slot = slot
-        self.manifest = EngineManifest.load(manifest_path)
-        self.manifest_sha = manifest_sha256(self.manifest)
-        self.idle_seconds = idle_seconds
-        self.state_path = pool_folder(root) / f"{slot}.json"
-        self.started_at = time.time()
-        self.jobs_done = 0
-        self._databases: dict[str, Any] = {}
-
-    def write_state(self, busy_with: str = "") -> None:
-        state = PoolWorkerState(
-            self.slot, os.getpid(), self.manifest_sha, self.manifest.model_key, self.started_at,
-            self.idle_seconds, busy_with, time.time(), self.jobs_done,
-        )  # fmt: skip
-        write_bytes(self.state_path, json.dumps(state.__dict__).encode())
-
-    def database(self, url: str) -> Any:
-        from fabric_pipelines.lib.store.db import make_engine
-
-        if url not in self._databases:
-            self._databases[url] = make_engine(url)
-        return self._databases[url]
-
-    def serve(self) -> None:
-        from fabric_gpu.engines import create_engine
-        from fabric_pipelines.lib.workers import _import_job_modules, prewarm
-
-        engine = create_engine(self.manifest)
-        try:
-            prewarm(engine)
-            _import_job_modules()
-            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            # Bound once the engine is ready: a run that can connect gets a hello at once.
-            listener.bind(socket_address(self.root, self.slot))
-            listener.listen(8)
-            self.write_state()
-            print(f"pool worker {self.slot} (pid {os.getpid()}) serving", flush=True)
-            while True:
-                listener.settimeout(self.idle_seconds)
-                try:
-                    conn, _ = listener.accept()
-                except TimeoutError:
-                    print(f"idle for {self.idle_seconds:g} s: exiting", flush=True)
-                    return
-                with conn:
-                    self.handle(conn, engine)
-        finally:
-            _remove_if_pid(self.state_path, os.getpid())
-            engine.close()
-
-    def handle(self, conn: socket.socket, engine: Any) -> None:
-        try:
-            _send(conn, {"hello": {
-                "pid": os.getpid(), "slot": self.slot, "manifest_sha256": self.manifest_sha,
-                "jobs_done": self.jobs_done,
-            }})  # fmt: skip
-            conn.settimeout(JOB_READ_TIMEOUT_S)
-            message = _read_message(conn)
-        except (OSError, ValueError):
-            return  # the run went away (it gave up waiting for the hello): next one
-        try:
-            job = check_job(message.get("job"))
-        except ValueError as exc:
-            with contextlib.suppress(OSError):
-                _send(conn, {"error": str(exc)})
-            return
-        self.write_state(busy_with=job["task_set"])
-        try:
-            report = self.run_job(job, engine, conn)
-            answer: dict[str, Any] = {"report": report}
-        except _GivenUp:
-            answer = {"error": "the run went away before its go"}
-        except Exception as exc:  # the run reports it; the worker serves the next one
-            answer = {"error": f"{type(exc).__name__}: {exc}"}
-        self.jobs_done += 1
-        self.write_state()
-        with contextlib.suppress(OSError):
-            _send(conn, answer)
-
-    def run_job(self, job: dict[str, Any], engine: Any, conn: socket.socket) -> dict[str, Any]:
-        from fabric_pipelines.lib.extraction import run_worker
-        from fabric_pipelines.lib.settings import FabricPaths
-        from fabric_pipelines.lib.workers import _job, read_task_set_before_go
-
-        timeline = {"started_at": time.time(), "main_at": self.started_at}
-        db = self.database(job["database_url"])
-        paths = FabricPaths(self.root).ensure()
-        early = None
-        if job.get("go_file"):
-            timeline["engine_ready_at"] = time.time()
-            early = read_task_set_before_go(
-                db, job["task_set"], Path(job["go_file"]), given_up=lambda: _closed(conn)
-            )
-            if not Path(job["go_file"]).exists():
-                raise _GivenUp  # the run ended before its plan (ingest failed, say)
-        timeline["go_at"] = time.time()
-        extraction = _job(db, paths, job["task_set"], self.manifest, early)
-        timeline["job_loaded_at"] = time.time()
-        report = run_worker(
-            db, engine, extraction, owner=job["owner"], lease_seconds=job["lease_seconds"],
-            heartbeat_seconds=job.get("heartbeat_seconds"), max_attempts=job["max_attempts"],
-        )  # fmt: skip
-        timeline["done_at"] = timeline["closed_at"] = time.time()
-        summary = {
-            "owner": job["owner"], **asdict(report), "errors": report.errors[:20], **timeline,
-            "pool_slot": self.slot, "pool_pid": os.getpid(), "pool_jobs_before": self.jobs_done,
-        }  # fmt: skip
-        summary.pop("runtime", None)
-        return summary
-
-
-def serve(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="fabric pool worker")
-    parser.add_argument("--slot", required=True, help="gpu<N> or cpu<N>")
-    parser.add_argument("--manifest", required=True, help="engine manifest (JSON or YAML)")
-    parser.add_argument("--idle-seconds", type=float, default=DEFAULT_IDLE_SECONDS)
-    parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: all cores)")
-    args = parser.parse_args(argv)
-    if args.idle_seconds <= 0:
-        parser.error("--idle-seconds must be more than 0")
-    if args.threads > 0:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    sys.setswitchinterval(0.0002)  # as a run's worker: the runtime's threads hand over the GIL
-
-    def stop(*_: object) -> None:
-        raise SystemExit(0)
-
-    signal.signal(signal.SIGTERM, stop)  # cleans up (state file, engine) on the way out
-    from fabric_pipelines.lib.settings import default_root
-
-    _Server(default_root(), args.slot, Path(args.manifest), args.idle_seconds).serve()
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] != "serve":
-        print("usage: python -m fabric_pipelines.lib.engine_pool serve --slot S --manifest M")
-        return 2
-    return serve(argv[1:])
-
-
-if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # skip unloading torch and the CUDA context
-
-
 def describe(state: PoolWorkerState, now: float | None = None) -> str:
     """One line about a pool worker, for `fabric workers status` and the Dagster sensor."""
     now = time.time() if now is None else now
-    if state.busy_with:
+    if not state.ready:
+        doing = f"loading its engine for {now - state.since:.0f} s"
+    elif state.busy_with:
         doing = f"running task set {state.busy_with!r} for {now - state.since:.0f} s"
     else:
         left = state.idle_seconds - (now - state.since)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from fabric_pipelines.lib.engine_pool import (
     pool_states,
     slots_for,
     start_pool_worker,
+    starting_pid,
     stop_pool,
 )
 from fabric_pipelines.lib.workers import (
@@ -72,6 +74,18 @@ def device_of(slot: str) -> int | None:
     return int(slot[3:]) if slot.startswith("gpu") else None
 
 
+def process_starting(process: subprocess.Popen[bytes]) -> Callable[[], bool]:
+    return lambda: process.poll() is None
+
+
+def free_devices(root: Path, devices: list[int] | None) -> None:
+    """Before a run's own workers start on its leased GPUs (the pool off): the pool workers
+    idling there give the devices' memory back. None of them runs a job: every job comes from
+    the holder of its device's lease, which is this run now."""
+    if devices:
+        stop_pool(root, [f"gpu{d}" for d in devices])
+
+
 def open_pool_run(
     settings: WorkerSettings,
     manifest: Any,
@@ -89,14 +103,19 @@ def open_pool_run(
     threads = max(1, (os.cpu_count() or 1) // count) if manifest.backend == "cpu" else 0
     run = PoolRun(settings, go_file)
     for slot in slots_for(manifest, devices, count):
-        state, process = live.get(slot), None
-        if state is None or (state.manifest_sha256 != sha and not state.busy_with):
+        state, starting = live.get(slot), None
+        if state is not None and state.manifest_sha256 == sha:
+            if not state.ready:  # another run started it: wait for its engine, as for ours
+                starting = starting_pid(state.pid)
+        elif state is None or not state.busy_with:
             if state is not None:
                 stop_pool(root, [slot])  # idle, with another model: the slot is this run's now
             process = start_pool_worker(
                 root, slot, settings.manifest_path, idle_seconds=idle_seconds,
                 device=device_of(slot), threads=threads,
             )  # fmt: skip
+            starting = process_starting(process)
+        # else: busy with another model's run (a CPU slot): it refuses, a stand-in takes over
         job = {
             "task_set": settings.task_set,
             "database_url": settings.database_url,
@@ -106,7 +125,7 @@ def open_pool_run(
             "owner": f"{socket.gethostname()}:{os.getpid()}:pool-{slot}:{time.time_ns()}",
             "go_file": str(go_file) if go_file is not None else None,
         }
-        run.jobs.append(PoolJob(root, slot, sha, job, process).start())
+        run.jobs.append(PoolJob(root, slot, sha, job, starting).start())
     return run
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from fabric_pipelines.lib.device_lease import DevicesBusy, lease_devices
 from fabric_pipelines.lib.files import write_bytes
-from fabric_pipelines.lib.pool_run import PoolRun, open_pool_run
+from fabric_pipelines.lib.pool_run import PoolRun, free_devices, open_pool_run
 from fabric_pipelines.lib.workers import (
     WorkerProcess,
     WorkerSettings,
@@ -129,6 +129,7 @@ def warm_workers(
             )
             stack.callback(pool.pool_run.close)
         else:
+            free_devices(paths.root, devices)
             pool.workers.extend(
                 launch_workers(settings, count, settings.folder, devices, go_file=pool.go_file)
             )

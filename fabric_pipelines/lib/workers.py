@@ -435,7 +435,7 @@ def extract_task_set(
             )
         ]  # fmt: skip
     else:
-        from fabric_pipelines.lib.pool_run import open_pool_run, supervise_pool_run
+        from fabric_pipelines.lib.pool_run import free_devices, open_pool_run, supervise_pool_run
         from fabric_pipelines.lib.warm_workers import take_warm_pool
 
         warm = take_warm_pool(
@@ -461,6 +461,7 @@ def extract_task_set(
                 run = open_pool_run(settings, manifest, workers, devices, pool_idle_seconds)
                 reports = supervise_pool_run(run, db, task_set, on_progress, progress_every_s)
             else:
+                free_devices(paths.root, devices)
                 with _running(settings, workers, settings.folder, devices) as started_workers:
                     reports = supervise(
                         started_workers, db, task_set, on_progress, progress_every_s
