@@ -65,3 +65,25 @@ def test_inbox_sensor_registers_new_sets_once(tmp_path: Path) -> None:
     again = inbox_sensor(dg.build_sensor_context(instance=instance, resources={"store": store}))
     assert again.dynamic_partitions_requests == []
     assert again.run_requests[0].run_key == result.run_requests[0].run_key
+
+
+def test_a_refused_inbox_file_is_alerted_once_per_version(tmp_path: Path) -> None:
+    from fabric_pipelines.lib.alerts import rejections_file
+
+    store = ArtifactStore(root=str(tmp_path / "root"))
+    inbox = store.paths().inbox
+    (inbox / "notes.txt").write_text("not a task set")
+    instance = dg.DagsterInstance.ephemeral()
+
+    def tick() -> None:
+        inbox_sensor(dg.build_sensor_context(instance=instance, resources={"store": store}))
+
+    tick()
+    tick()  # the sensor looks every 15 s: the same file is not alerted again
+    lines = rejections_file(store.paths().root).read_text().splitlines()
+    assert len(lines) == 1
+    record = json.loads(lines[0])
+    assert record["file"] == "notes.txt" and "unsupported type" in record["reason"]
+    (inbox / "notes.txt").write_text("replaced, longer content")  # a new version: said again
+    tick()
+    assert len(rejections_file(store.paths().root).read_text().splitlines()) == 2

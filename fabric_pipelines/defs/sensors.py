@@ -1,6 +1,7 @@
 """Sensors: inbox files become task-set runs, changed rows rebuild their index shards, failed
 runs are written down."""
 
+import contextlib
 from datetime import UTC, datetime
 from typing import Any
 
@@ -14,7 +15,12 @@ from fabric_pipelines.defs.assets import (
 )
 from fabric_pipelines.defs.partitions import TASK_SET_PARTITIONS, task_sets
 from fabric_pipelines.defs.resources import ArtifactStore, Database
-from fabric_pipelines.lib.alerts import RunFailure, record_run_failure
+from fabric_pipelines.lib.alerts import (
+    InboxRejection,
+    RunFailure,
+    record_inbox_rejection,
+    record_run_failure,
+)
 from fabric_pipelines.lib.engine_pool import describe, pool_states
 from fabric_pipelines.lib.gpu_pool import sync_gpu_pool
 from fabric_pipelines.lib.index.staleness import indexed_models, staleness
@@ -48,8 +54,17 @@ def inbox_sensor(context: dg.SensorEvaluationContext, store: ArtifactStore) -> d
         context.log.info(f"gpu pool: {resized} slot(s), one per visible GPU")
     inbox = store.paths().inbox
     accepted, rejected = scan(inbox)
-    for bad in rejected:
-        context.log.warning(f"inbox: ignoring {bad.path.name}: {bad.reason}")
+    for bad in rejected:  # said once per file version, and kept in alerts/inbox_rejections.jsonl
+        with contextlib.suppress(FileNotFoundError):
+            stat = bad.path.stat()
+            rejection = InboxRejection(
+                file=bad.path.name,
+                version=f"{stat.st_size}:{stat.st_mtime_ns}",
+                reason=bad.reason,
+                seen_at=datetime.now(UTC).isoformat(timespec="seconds"),
+            )
+            if record_inbox_rejection(store.paths().root, rejection):
+                context.log.warning(f"inbox: refusing {bad.path.name}: {bad.reason}")
     # A dropped file's hash is recorded when first seen: ingest refuses it if it changes later.
     for found in record_first_seen(inbox, accepted):
         context.log.info(f"inbox: {found.path.name} registered, sha256 {found.sha256[:16]}…")
