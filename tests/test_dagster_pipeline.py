@@ -85,6 +85,10 @@ def test_materialize_the_chain_then_again(paths: FabricPaths, db_url: str, tmp_p
     assert checks["accounting"].passed
     assert checks["accounting"].metadata["completed"].value == 60
     assert checks["accounting"].metadata["failed"].value == 4
+    extracted = _metadata(first, "extraction_outputs")
+    planned = _metadata(first, "shape_batches")
+    assert extracted["plan_id"] == planned["plan_id"]  # names the plan it ran, and its file
+    assert extracted["task_file_sha256"] == _metadata(first, "tokenised_tasks")["sha256"]
 
     index = dg.materialize([vector_index], instance=instance, resources=resources)
     assert index.success

@@ -6,6 +6,7 @@ through resources, and each returns a MaterializeResult with a data version and 
 
 import hashlib
 import time
+from typing import Any
 
 import dagster as dg
 
@@ -20,7 +21,7 @@ from fabric_pipelines.lib.index.staleness import latest_receipt
 from fabric_pipelines.lib.preload import INDEX_MODULES, preload
 from fabric_pipelines.lib.progress import TaskProgress, stage
 from fabric_pipelines.lib.store.settle import settle_embeddings, settling_meanwhile
-from fabric_pipelines.lib.tasks.catalog import ingest_task_set
+from fabric_pipelines.lib.tasks.catalog import get_task_set, ingest_task_set
 from fabric_pipelines.lib.tasks.ingest import SubmissionError
 from fabric_pipelines.lib.verify import verify_extraction
 from fabric_pipelines.lib.workers import extract_task_set
@@ -286,6 +287,11 @@ def extraction_outputs(
             "completed": counts.completed,
             "failed": counts.failed,
             "superseded_by": report.superseded_by or "none",
+            # What this extraction ran: its plan and its task file, by content hash.
+            "plan_id": plan_row.plan_id,
+            "plan_sha256": plan_row.sha256,
+            "plan_path": dg.MetadataValue.path(str(plan_row.path)),
+            **_task_file(database.engine(), context.partition_key),
         },
         data_version=dg.DataVersion(version),
         check_results=[
@@ -499,3 +505,12 @@ def _input_partitions(context: dg.AssetExecutionContext) -> list[dict[str, str]]
             {"partition": partition, "run_id": records[0].run_id, "data_version": version or ""}
         )
     return out
+
+
+def _task_file(db: Any, task_set: str) -> dict[str, Any]:
+    """The set's stored task file and its content hash, for the extraction's metadata."""
+    row = get_task_set(db, task_set)
+    return {
+        "task_file_sha256": row.content_sha256,
+        "task_file_path": dg.MetadataValue.path(str(row.path)),
+    }
