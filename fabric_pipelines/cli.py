@@ -696,6 +696,51 @@ def _worker(argv: list[str]) -> int:
     return worker_main(argv)
 
 
+def cmd_forget(args: argparse.Namespace) -> int:
+    """Remove a task set: its rows (results included), stored files, inbox file and partition."""
+    import dagster as dg
+
+    from fabric_pipelines.defs.partitions import TASK_SET_PARTITIONS
+    from fabric_pipelines.lib.broker.ledger import accounting
+    from fabric_pipelines.lib.names import validate_task_set_name
+    from fabric_pipelines.lib.tasks.catalog import forget_task_set
+    from fabric_pipelines.lib.tasks.inbox import SUPPORTED_SUFFIXES
+
+    name = validate_task_set_name(args.task_set)  # InvalidNameError: main() prints it, exit 2
+    paths, db = _open_database()
+    instance = dg.DagsterInstance.get()
+    partition = instance.has_dynamic_partition(TASK_SET_PARTITIONS, name)
+    in_inbox = any((paths.inbox / f"{name}{suffix}").exists() for suffix in SUPPORTED_SUFFIXES)
+    try:
+        with db.connect() as conn:
+            counts = accounting(conn, name)
+    except LookupError:
+        counts = None
+    if counts is None and not partition and not in_inbox:
+        print(
+            f"fabric forget: no task set named {name!r} (fabric status lists them)", file=sys.stderr
+        )
+        return 2
+    if counts is not None and counts.in_flight and not args.force:
+        print(
+            f"fabric forget: task set {name!r} has {counts.in_flight:,} task(s) in flight: a run "
+            "is extracting it. Wait for it to end, or give --force (its workers' acks are then "
+            "refused and their rows deleted with the rest)",
+            file=sys.stderr,
+        )
+        return 2
+    forget_task_set(db, paths, name)
+    if partition:
+        instance.delete_dynamic_partition(TASK_SET_PARTITIONS, name)
+    done = f"{counts.completed:,} result(s), " if counts is not None else ""
+    print(
+        f"forgot task set {name!r}: {done}its stored files, inbox file and partition. An index "
+        "that held its vectors is stale now: the index staleness sensor rebuilds it (or "
+        "materialise vector_index)."
+    )
+    return 0
+
+
 def cmd_workers(args: argparse.Namespace) -> int:
     """The warm engine pool: start its workers for a manifest, stop them, or show them."""
     from fabric_pipelines.lib.engine_pool import describe, pool_states, stop_pool
@@ -856,6 +901,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("task_set")
     engine_options(run)
     run.set_defaults(func=cmd_run)
+
+    forget = sub.add_parser(
+        "forget", help="remove a task set: its results, files, inbox file and partition"
+    )
+    forget.add_argument("task_set")
+    forget.add_argument("--force", action="store_true", help="even while a run is extracting it")
+    forget.set_defaults(func=cmd_forget)
 
     workers = sub.add_parser(
         "workers",

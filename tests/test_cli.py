@@ -149,6 +149,19 @@ def test_submit_and_run_then_status(tmp_path: Path) -> None:
     assert "text is only whitespace" in status.stdout
     assert (home / "fabric.db").exists()  # the embedded default: SQLite under DAGSTER_HOME
 
+    # Forgetting the set takes its results, files, inbox file and partition; a name it does not
+    # know is refused, naming it.
+    assert _partitions(home) == ["small"]
+    forgot = _fabric(home, "forget", "small")
+    assert forgot.returncode == 0 and "forgot task set 'small': 40 result(s)" in forgot.stdout
+    assert _partitions(home) == []
+    assert not list((home / "inbox").glob("small.*")) and not list(
+        (home / "plans").rglob("*.arrow")
+    )
+    assert "no task sets yet" in _fabric(home, "status").stdout
+    again = _fabric(home, "forget", "small")
+    assert again.returncode == 2 and "no task set named 'small'" in again.stderr
+
 
 def test_demo_set_is_real_varied_text_with_bad_records(tmp_path: Path) -> None:
     path = tmp_path / "demo.jsonl"
