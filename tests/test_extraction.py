@@ -109,8 +109,10 @@ def test_running_twice_writes_no_duplicates_and_accounting_balances(
     assert summary.n_failed == 3
     _, second = run_stages(db, paths, cpu_engine, manifest, source, "twice")
     assert second.batches_done == 0 and second.rows_inserted == 0
-    # Planning again after everything is done plans nothing.
-    assert plan_task_set(db, paths, "twice", manifest).plan.n_batches == 0
+    # Planning again after everything is done plans nothing new: no outstanding item, no ledger
+    # row (the summary describes the plan that did the work).
+    again = plan_task_set(db, paths, "twice", manifest)
+    assert (again.outstanding, again.new_batches) == (0, 0)
     rows, distinct = embedding_counts(db)
     with db.connect() as conn:
         a = accounting(conn, "twice")
