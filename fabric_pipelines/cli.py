@@ -776,6 +776,7 @@ def _start_pool(root: Path, args: argparse.Namespace) -> int:
         start_pool_worker,
         stop_pool,
         wait_until_serving,
+        worker_threads,
     )
     from fabric_pipelines.lib.files import write_bytes
     from fabric_pipelines.lib.gpu_pool import visible_gpus
@@ -810,7 +811,7 @@ def _start_pool(root: Path, args: argparse.Namespace) -> int:
     replace = [s for s in slots if s in live and live[s].manifest_sha256 != sha and s not in busy]
     if replace:
         stop_pool(root, replace)  # a slot serves one manifest: the newest start wins
-    threads = max(1, (os.cpu_count() or 1) // count) if manifest.backend == "cpu" else 0
+    threads = worker_threads(manifest, count)
     started = {}
     for slot in slots:
         if (slot not in live or slot in replace) and slot not in busy:

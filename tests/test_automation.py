@@ -99,10 +99,10 @@ def failing_job() -> None:
     refuses_its_input()
 
 
-def test_a_failed_run_is_written_to_the_alerts_file(paths: FabricPaths) -> None:
-    instance = dg.DagsterInstance.ephemeral()
-    result = failing_job.execute_in_process(instance=instance, raise_on_error=False)
-    assert not result.success
+def _alert_failed_run(
+    instance: dg.DagsterInstance, result: dg.ExecuteInProcessResult, paths: FabricPaths
+) -> None:
+    """Call the run-failure sensor on `result`'s failed run, as the daemon would."""
     failure = next(e for e in result.all_events if e.event_type == dg.DagsterEventType.RUN_FAILURE)
     run = instance.get_run_by_id(result.run_id)
     assert run is not None
@@ -114,6 +114,13 @@ def test_a_failed_run_is_written_to_the_alerts_file(paths: FabricPaths) -> None:
         resources={"store": ArtifactStore(root=str(paths.root))},
     ).for_run_failure()
     run_failure_alerts(context)
+
+
+def test_a_failed_run_is_written_to_the_alerts_file(paths: FabricPaths) -> None:
+    instance = dg.DagsterInstance.ephemeral()
+    result = failing_job.execute_in_process(instance=instance, raise_on_error=False)
+    assert not result.success
+    _alert_failed_run(instance, result, paths)
     [alert] = read_run_failures(paths.root)
     assert alert.run_id == result.run_id and alert.job == "failing_job"
     assert "refuses_its_input" in alert.reason
@@ -139,17 +146,9 @@ def test_an_alert_names_what_ran_and_the_failed_checks_numbers(paths: FabricPath
     instance = dg.DagsterInstance.ephemeral()
     result = dg.materialize([index_like], instance=instance, raise_on_error=False)
     assert not result.success
-    failure = next(e for e in result.all_events if e.event_type == dg.DagsterEventType.RUN_FAILURE)
     run = instance.get_run_by_id(result.run_id)
     assert run is not None and run.job_name.startswith("__")
-    context = dg.build_run_status_sensor_context(
-        sensor_name="run_failure_alerts",
-        dagster_event=failure,
-        dagster_instance=instance,
-        dagster_run=run,
-        resources={"store": ArtifactStore(root=str(paths.root))},
-    ).for_run_failure()
-    run_failure_alerts(context)
+    _alert_failed_run(instance, result, paths)
     [alert] = read_run_failures(paths.root)
     assert alert.job == "materialise index_like"
     assert "check recall_at_10 of index_like failed" in alert.reason

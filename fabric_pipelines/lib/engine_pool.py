@@ -75,6 +75,12 @@ def slots_for(manifest: Any, devices: list[int] | None, count: int) -> list[str]
     return [f"cpu{i}" for i in range(count)]
 
 
+def worker_threads(manifest: Any, count: int) -> int:
+    """CPU threads for each of `count` pool workers: the cores shared out on the CPU engine (as a
+    run's own workers get them); 0, torch's default, for GPU engines."""
+    return max(1, (os.cpu_count() or 1) // count) if manifest.backend == "cpu" else 0
+
+
 def socket_address(root: Path, slot: str) -> str:
     """The abstract socket name of a data root's slot (Linux; no file on disk)."""
     digest = hashlib.sha256(str(Path(root).resolve()).encode()).hexdigest()[:16]

@@ -30,6 +30,7 @@ from fabric_pipelines.lib.engine_pool import (
     start_pool_worker,
     starting_pid,
     stop_pool,
+    worker_threads,
 )
 from fabric_pipelines.lib.workers import (
     WorkerProcess,
@@ -100,7 +101,7 @@ def open_pool_run(
     root = settings.data_root
     sha = manifest_sha256(manifest)
     live = {state.slot: state for state in pool_states(root)}
-    threads = max(1, (os.cpu_count() or 1) // count) if manifest.backend == "cpu" else 0
+    threads = worker_threads(manifest, count)
     run = PoolRun(settings, go_file)
     for slot in slots_for(manifest, devices, count):
         state, starting = live.get(slot), None
