@@ -194,6 +194,43 @@ def _planned_job(
     )
 
 
+def test_batches_finished_by_another_run_while_a_plan_is_computed_are_not_planned_again(
+    db: Engine,
+    paths: FabricPaths,
+    tmp_path: Path,
+    cpu_engine,
+    manifest: EngineManifest,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from fabric_pipelines.lib.broker import plans
+
+    first = _planned_job(db, paths, manifest, _source(tmp_path), "race")
+    real_plan_batches = plans.plan_batches
+    calls = []
+
+    def another_run_finishes_meanwhile(*args, **kwargs):  # type: ignore[no-untyped-def]
+        # The first run drains its plan between the second's read of the outstanding items
+        # and the second's store of its plan (the window two concurrent runs can hit).
+        if not calls:
+            run_worker(db, cpu_engine, first, owner="first run")
+        calls.append(1)
+        return real_plan_batches(*args, **kwargs)
+
+    monkeypatch.setattr(plans, "plan_batches", another_run_finishes_meanwhile)
+    # Another layout, so another plan id: before the fix its batches held every item again.
+    second = plan_task_set(db, paths, "race", manifest, layout="packed")
+    assert len(calls) == 2, "the stale plan must be computed again"
+    assert (second.plan_id, second.outstanding, second.new_batches) == (first.plan_id, 0, 0)
+    with db.connect() as conn:
+        queued = conn.scalars(
+            select(Batch.batch_no).where(Batch.task_set == "race", Batch.state == "queued")
+        ).all()
+        a = accounting(conn, "race")
+    assert queued == [] and a.finished and a.completed == len(TEXTS)
+    rows, distinct = embedding_counts(db)
+    assert rows == distinct == len(TEXTS)
+
+
 @pytest.mark.slow
 def test_every_database_call_of_a_worker_rides_out_transient_errors(
     db: Engine, paths: FabricPaths, tmp_path: Path, cpu_engine, manifest: EngineManifest

@@ -260,6 +260,39 @@ def test_a_replanned_set_names_the_plan_that_superseded_the_old_one(db: Engine) 
         ack(conn, lease)  # the superseded plan's late ack is refused
 
 
+def test_a_plan_registered_again_queues_the_batches_a_later_plan_superseded(db: Engine) -> None:
+    plan, n_batches = _setup(db)
+    old_lease = claim(db, plan, "w", 60)
+    assert old_lease is not None
+    with db.begin() as conn:  # another engine's plan for the same items supersedes plan-1
+        conn.execute(
+            insert(BatchPlan),
+            {
+                "plan_id": "plan-2", "task_set": "set", "model_key": "m2", "profile_json": "{}",
+                "n_batches": 1, "n_items": 40, "real_tokens": 0, "padded_tokens": 0,
+                "path": "p", "sha256": "y",
+            },
+        )  # fmt: skip
+        register_plan(conn, "plan-2", "set", plan_batches(np.full(40, 8), PROFILE))
+        # plan-1 again (nothing finished, so the same id): its batches are the work once more
+        assert register_plan(conn, "plan-1", "set", plan_batches(np.full(40, 8), PROFILE)) == 0
+        states = dict(
+            conn.execute(
+                select(Batch.plan_id, func.count())
+                .where(Batch.state == QUEUED)
+                .group_by(Batch.plan_id)
+            ).all()
+        )
+    assert states == {plan: n_batches}
+    with pytest.raises(StaleLeaseError), db.begin() as conn:
+        ack(conn, old_lease)  # taken before plan-2 superseded it: still refused
+    while (lease := claim(db, plan, "w2", 60)) is not None:
+        with db.begin() as conn:
+            ack(conn, lease)
+    with db.connect() as conn:
+        assert accounting(conn, "set").in_flight == 0
+
+
 def test_heartbeat_timing_is_checked_against_the_lease() -> None:
     assert heartbeat_interval(30.0) == 10.0
     assert heartbeat_interval(30.0, 5.0) == 5.0

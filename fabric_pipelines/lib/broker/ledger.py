@@ -87,9 +87,11 @@ class Accounting:
 
 
 def register_plan(conn: Connection, plan_id: str, task_set: str, plan: BatchPlan) -> int:
-    """Insert one queued ledger row per batch (idempotent: existing rows keep their state).
+    """Insert one queued ledger row per batch; returns how many were inserted.
 
-    Ledger rows of the task set's older plans that were not finished are superseded.
+    Ledger rows of the task set's older plans that were not finished are superseded. A plan
+    registered before (the same outstanding items again) keeps its rows, and those a later plan
+    superseded are queued again: its items are outstanding, so its open batches are the work.
     """
     conn.execute(
         update(Batch)
@@ -101,6 +103,12 @@ def register_plan(conn: Connection, plan_id: str, task_set: str, plan: BatchPlan
         select(func.count()).select_from(Batch).where(Batch.plan_id == plan_id)
     ).scalar_one()
     if existing:
+        conn.execute(
+            update(Batch)
+            .where(Batch.plan_id == plan_id, Batch.state == SUPERSEDED)
+            # A lease taken before stays stale: acks need the batch leased, claims raise its epoch.
+            .values(state=QUEUED, lease_owner=None, lease_deadline=None)
+        )
         return 0
     rows = [
         {

@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session
 
 from fabric_gpu.manifest import EngineManifest
 from fabric_gpu.model import resolve_model_dir, tokenizer_sha256
+from fabric_gpu.profile import ConsumerProfile
 from fabric_pipelines.lib.broker.ledger import outstanding_rows, register_plan
 from fabric_pipelines.lib.broker.planner import BatchPlan, plan_batches, plan_id, prefix_keys
 from fabric_pipelines.lib.settings import FabricPaths
@@ -73,22 +74,64 @@ def plan_task_set(
     with checked_meanwhile(Path(ts.path), ts.content_sha256) as table:
         tokens, offsets = flat_tokens(table)
         lengths = np.diff(offsets)
-        with db.connect() as conn:
-            rows = outstanding_rows(
-                conn, task_set, manifest.model_key, table.column("record_no").to_numpy()
-            )
+        record_no = table.column("record_no").to_numpy()
         # Items sharing their first tokens run together (padded engines; packed keep arrival
         # order).
-        plan = plan_batches(lengths, profile, rows, keys=prefix_keys(tokens, offsets))
-    kept = _finished_current_plan(db, ts, manifest.model_key) if rows.size == 0 else None
-    if kept is not None:
-        # Nothing is left to do: the plan that did the work stays current (an empty plan made
-        # current would hide it from what reads the set's lineage), and is described as it was
-        # made, from its ledger rows and its file: planning a finished set again shows the same
-        # plan, never an empty one.
-        recorded = recorded_plan(db, kept.plan_id, load_plan_order(Path(kept.path), kept.sha256))
-        return PlanSummary(kept.plan_id, task_set, recorded, Path(kept.path), kept.sha256, 0, 0)
-    pid = plan_id(ts.content_sha256, manifest.model_key, profile, rows)
+        keys = prefix_keys(tokens, offsets)
+        with db.connect() as conn:
+            rows = outstanding_rows(conn, task_set, manifest.model_key, record_no)
+        plan = plan_batches(lengths, profile, rows, keys=keys)
+    # Another run of this set may finish batches while the plan is computed; a plan holding an
+    # item that meanwhile got its result would do it twice, so storing checks, under the write
+    # lock, that the outstanding items are still the planned ones, and otherwise plans again.
+    for _ in range(_STORE_ATTEMPTS):
+        if rows.size == 0:
+            kept = _finished_current_plan(db, ts, manifest.model_key)
+            if kept is not None:
+                # Nothing is left to do: the plan that did the work stays current (an empty
+                # plan made current would hide it from what reads the set's lineage), and is
+                # described as it was made, from its ledger rows and its file: planning a
+                # finished set again shows the same plan, never an empty one.
+                order = load_plan_order(Path(kept.path), kept.sha256)
+                recorded = recorded_plan(db, kept.plan_id, order)
+                return PlanSummary(
+                    kept.plan_id, task_set, recorded, Path(kept.path), kept.sha256, 0, 0
+                )
+        try:
+            return _store_plan(db, paths, ts, manifest.model_key, profile, rows, plan, record_no)
+        except _OutstandingChanged:
+            with db.connect() as conn:
+                rows = outstanding_rows(conn, task_set, manifest.model_key, record_no)
+            plan = plan_batches(lengths, profile, rows, keys=keys)
+    raise RuntimeError(
+        f"task set {task_set!r}: its outstanding items changed each of {_STORE_ATTEMPTS} times "
+        "a plan was stored (other runs of the set are finishing batches); run it again"
+    )
+
+
+# Each retry follows batches finished by another run in the meantime; that run's own plan is
+# superseded by the first store that passes, so a few attempts always suffice in practice.
+_STORE_ATTEMPTS = 5
+
+
+class _OutstandingChanged(Exception):
+    """The set's outstanding items are no longer those the plan was computed from."""
+
+
+def _store_plan(
+    db: Engine,
+    paths: FabricPaths,
+    ts: TaskSet,
+    model_key: str,
+    profile: ConsumerProfile,
+    rows: np.ndarray,
+    plan: BatchPlan,
+    record_no: np.ndarray,
+) -> PlanSummary:
+    """Write the plan's file and ledger rows and make it current; _OutstandingChanged (and
+    nothing stored but the file) if the outstanding items moved on since `rows` was read."""
+    task_set = ts.name
+    pid = plan_id(ts.content_sha256, model_key, profile, rows)
     with Session(db) as session:
         existing = session.get(BatchPlanRow, pid)
     if existing is not None:
@@ -108,7 +151,7 @@ def plan_task_set(
             {
                 "plan_id": pid,
                 "task_set": task_set,
-                "model_key": manifest.model_key,
+                "model_key": model_key,
                 "profile_json": json.dumps(profile.__dict__, sort_keys=True),
                 "n_batches": plan.n_batches,
                 "n_items": int(plan.item_count.sum()),
@@ -118,7 +161,12 @@ def plan_task_set(
                 "sha256": sha,
             },
         )
+        # Superseding the older plans' open batches comes first: from here on none of them can
+        # be acked (PostgreSQL: their rows are locked; SQLite: this transaction holds the write
+        # lock), so the read below sees every batch that will ever finish under an older plan.
         new = register_plan(conn, pid, task_set, plan)
+        if not np.array_equal(outstanding_rows(conn, task_set, model_key, record_no), rows):
+            raise _OutstandingChanged  # rolls the transaction back
         conn.execute(update(TaskSet).where(TaskSet.name == task_set).values(current_plan_id=pid))
     return PlanSummary(pid, task_set, plan, path, sha, int(rows.size), new)
 
