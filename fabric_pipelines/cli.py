@@ -701,43 +701,21 @@ def cmd_forget(args: argparse.Namespace) -> int:
     import dagster as dg
 
     from fabric_pipelines.defs.partitions import TASK_SET_PARTITIONS
-    from fabric_pipelines.lib.broker.ledger import accounting
     from fabric_pipelines.lib.names import validate_task_set_name
-    from fabric_pipelines.lib.tasks.catalog import forget_task_set
-    from fabric_pipelines.lib.tasks.inbox import SUPPORTED_SUFFIXES
+    from fabric_pipelines.lib.tasks.forget import ForgetRefused, forget
 
     name = validate_task_set_name(args.task_set)  # InvalidNameError: main() prints it, exit 2
     paths, db = _open_database()
     instance = dg.DagsterInstance.get()
     partition = instance.has_dynamic_partition(TASK_SET_PARTITIONS, name)
-    in_inbox = any((paths.inbox / f"{name}{suffix}").exists() for suffix in SUPPORTED_SUFFIXES)
     try:
-        with db.connect() as conn:
-            counts = accounting(conn, name)
-    except LookupError:
-        counts = None
-    if counts is None and not partition and not in_inbox:
-        print(
-            f"fabric forget: no task set named {name!r} (fabric status lists them)", file=sys.stderr
-        )
+        forgotten = forget(db, paths, name, has_partition=partition, force=args.force)
+    except ForgetRefused as exc:
+        print(f"fabric forget: {exc}", file=sys.stderr)
         return 2
-    if counts is not None and counts.in_flight and not args.force:
-        print(
-            f"fabric forget: task set {name!r} has {counts.in_flight:,} task(s) in flight: a run "
-            "is extracting it. Wait for it to end, or give --force (its workers' acks are then "
-            "refused and their rows deleted with the rest)",
-            file=sys.stderr,
-        )
-        return 2
-    forget_task_set(db, paths, name)
     if partition:
         instance.delete_dynamic_partition(TASK_SET_PARTITIONS, name)
-    done = f"{counts.completed:,} result(s), " if counts is not None else ""
-    print(
-        f"forgot task set {name!r}: {done}its stored files, inbox file and partition. An index "
-        "that held its vectors is stale now: the index staleness sensor rebuilds it (or "
-        "materialise vector_index)."
-    )
+    print(forgotten.message())
     return 0
 
 

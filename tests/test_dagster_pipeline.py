@@ -98,8 +98,12 @@ def test_materialize_the_chain_then_again(paths: FabricPaths, db_url: str, tmp_p
     assert receipt_path.read_bytes() == canonical_json(receipt)
     assert meta["receipt_sha256"] == receipt_sha256(receipt) == receipt_path.stem
     assert receipt["source"]["rows"] == 60
-    assert meta["receipt"] == receipt  # the whole receipt, in the materialisation's metadata
+    # The essentials, hashes in full; the whole receipt is the file.
+    assert f"`{meta['receipt_sha256']}`" in str(meta["receipt"])
+    assert f"`{receipt['index_sha256']}`" in str(meta["receipt"])
+    assert meta["input mixed"] == dg.MetadataValue.dagster_run(first.run_id).value  # a run link
     assert "nprobe" in str(meta["recall_curve"]) or "recall@10" in str(meta["recall_curve"])
+    assert "data:image/png;base64," in str(meta["recall_curve"])  # a plot beside the numbers
     assert "| vectors_nan | 0 |" in str(meta["cluster_health"])
     assert receipt["inputs"][0]["partition"] == "mixed"
     assert receipt["inputs"][0]["run_id"] == first.run_id
@@ -193,7 +197,8 @@ def test_the_recall_check_blocks_a_bad_index(paths: FabricPaths) -> None:
     event = good.get_asset_materialization_events()[0].materialization
     link = event.metadata["receipt_path"]
     assert isinstance(link, dg.PathMetadataValue) and Path(link.path).is_file()
-    assert json.loads(Path(link.path).read_text()) == event.metadata["receipt"].value
+    receipt = json.loads(Path(link.path).read_text())
+    assert receipt_sha256(receipt) == event.metadata["receipt_sha256"].value
     with engine.connect() as conn:
         assert conn.execute(select(func.count()).select_from(IndexReceipt)).scalar_one() == 1
     engine.dispose()
@@ -219,3 +224,43 @@ def test_a_replaced_inbox_file_fails_without_retries(paths: FabricPaths, tmp_pat
     assert not result.success
     failure = next(e for e in result.all_events if e.is_step_failure)
     assert "immutable" in str(failure.event_specific_data)
+
+
+def test_forget_job_removes_a_set_and_a_partition_added_without_a_file(
+    paths: FabricPaths, db_url: str, tmp_path: Path
+) -> None:
+    from fabric_pipelines.defs.forget import forget_job
+
+    instance = dg.DagsterInstance.ephemeral()
+    instance.add_dynamic_partitions("task_set", ["kept", "doomed", "no-file"])
+    resources = _resources(paths, db_url)
+    for name in ("kept", "doomed"):
+        submit(_task_set(tmp_path), paths.inbox, name)
+        result = dg.materialize(
+            [tokenised_tasks], partition_key=name, instance=instance, resources=resources
+        )
+        assert result.success
+
+    def forget(name: str, **config: object) -> dg.ExecuteInProcessResult:
+        return forget_job.execute_in_process(
+            run_config={"ops": {"forget_task_set_op": {"config": {"task_set": name, **config}}}},
+            instance=instance,
+            resources={k: v for k, v in resources.items() if k != "engine"},
+            raise_on_error=False,
+        )
+
+    assert forget("doomed").success
+    assert forget("no-file").success  # the UI's "Add a partition" with no file behind it
+    assert instance.get_dynamic_partitions("task_set") == ["kept"]
+    assert not list(paths.inbox.glob("doomed.*")) and not (paths.task_sets / "doomed").exists()
+    missing = forget("doomed")  # nothing left by that name: refused, naming it
+    assert not missing.success
+    failure = next(e for e in missing.all_events if e.is_step_failure)
+    assert "no task set named 'doomed'" in str(failure.step_failure_data.error)
+    engine = make_engine(db_url)
+    with engine.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(Embedding)).scalar_one() == 0
+    from fabric_pipelines.lib.tasks.catalog import list_task_sets
+
+    assert list_task_sets(engine) == ["kept"]
+    engine.dispose()

@@ -42,6 +42,8 @@ def test_definitions_have_the_four_asset_families() -> None:
     verify_job = definitions.resolve_job_def("verify_job")
     assert [node.name for node in verify_job.nodes] == ["verify_everything"]
     assert verify_job.description and "fabric verify" in verify_job.description
+    forget_job = definitions.resolve_job_def("forget_job")  # fabric forget, from the launchpad
+    assert [node.name for node in forget_job.nodes] == ["forget_task_set_op"]
 
 
 def test_dagster_cli_validates_the_workspace(tmp_path: Path) -> None:

@@ -178,7 +178,6 @@ def test_a_dropped_task_set_runs_to_an_index_in_the_real_ui(
     entries = {e["label"]: e for e in node["assetMaterializations"][0]["metadataEntries"]}
     receipt_file = Path(entries["receipt_path"]["path"])
     receipt = json.loads(receipt_file.read_text())
-    assert json.loads(entries["receipt"]["jsonString"]) == receipt
     assert receipt["source"]["rows"] == 40
     assert receipt["inputs"][0]["run_id"] == extraction["runId"]
     checks = {c["name"]: c for c in node["assetChecksOrError"]["checks"]}

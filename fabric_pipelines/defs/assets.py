@@ -15,9 +15,10 @@ from fabric_pipelines.defs.partitions import TASK_SET_PARTITIONS, task_sets
 from fabric_pipelines.defs.resources import ArtifactStore, Database, EngineConfig
 from fabric_pipelines.lib.broker.ledger import Accounting, accounting
 from fabric_pipelines.lib.broker.plans import current_plan, plan_task_set
-from fabric_pipelines.lib.charts import bar_table, length_histogram
+from fabric_pipelines.lib.charts import power_of_two_bins
 from fabric_pipelines.lib.index import vector_tail
 from fabric_pipelines.lib.index.staleness import latest_receipt
+from fabric_pipelines.lib.plots import chart_and_table
 from fabric_pipelines.lib.preload import INDEX_MODULES, preload
 from fabric_pipelines.lib.progress import TaskProgress, stage
 from fabric_pipelines.lib.store.settle import settle_embeddings, settling_meanwhile
@@ -87,7 +88,13 @@ def tokenised_tasks(
             "seconds": round(time.perf_counter() - started, 3),
             "path": dg.MetadataValue.path(str(summary.path)),
             "sha256": summary.content_sha256,
-            "length_histogram": dg.MetadataValue.md(length_histogram(lengths)),
+            "length_histogram": dg.MetadataValue.md(
+                chart_and_table(
+                    *power_of_two_bins(lengths), ("tokens", "tasks"), title="tasks per length"
+                )
+                if lengths.size
+                else "no tasks"
+            ),
             "failures": dg.MetadataValue.md(
                 "| record | id | reason |\n|---|---|---|\n" + failures if failures else "none"
             ),
@@ -133,12 +140,16 @@ def shape_batches(
             "padding_fraction": round(plan.padding_fraction, 5),
             "shapes": len(plan.shapes()),
             "padding_by_bucket": dg.MetadataValue.md(
-                bar_table(
+                chart_and_table(
                     [f"{k} tokens" for k in by_bucket],
                     [100 * v for v in by_bucket.values()],
                     ("bucket", "padding %"),
-                    "{:.3f}",
+                    title="padding per bucket (% of padded tokens)",
+                    fmt="{:.3f}",
+                    full=100.0,
                 )
+                if by_bucket
+                else "no batches"
             ),
             "path": dg.MetadataValue.path(str(summary.path)),
             "seconds": round(time.perf_counter() - started, 3),
@@ -361,7 +372,9 @@ def vector_index(
         EmptySourceError,
         build_and_publish,
         cluster_health_table,
+        cluster_sizes_chart,
         recall_curve_chart,
+        receipt_summary,
     )
 
     manifest = engine.manifest()
@@ -458,6 +471,7 @@ def vector_index(
             "cluster_health": dg.MetadataValue.md(
                 cluster_health_table(published.receipt["quality"])
             ),
+            "cluster_sizes": dg.MetadataValue.md(cluster_sizes_chart(published.receipt["quality"])),
             "published": published.accepted,
             "builder": published.receipt["training"].get("builder", ""),
             "nprobe": published.receipt["index"]["params"].get("nprobe", 0),
@@ -470,7 +484,11 @@ def vector_index(
             "phase_seconds": dg.MetadataValue.json(
                 {k: round(v, 3) for k, v in published.seconds.items()}
             ),
-            "receipt": dg.MetadataValue.json(published.receipt),
+            # The essentials; the whole receipt is the file at receipt_path.
+            "receipt": dg.MetadataValue.md(
+                receipt_summary(published.receipt, published.receipt_sha256)
+            ),
+            **_input_links(published.receipt["inputs"]),
         },
         data_version=dg.DataVersion(published.receipt_sha256),
         check_results=[
@@ -505,6 +523,24 @@ def _input_partitions(context: dg.AssetExecutionContext) -> list[dict[str, str]]
             {"partition": partition, "run_id": records[0].run_id, "data_version": version or ""}
         )
     return out
+
+
+# Links to the runs the index was built from; a receipt with more inputs names the rest in its file.
+MAX_INPUT_LINKS = 20
+
+
+def _input_links(inputs: list[dict[str, str]]) -> dict[str, Any]:
+    """One metadata entry per input: a link to the extraction run that made its embeddings."""
+    links: dict[str, Any] = {
+        f"input {entry['partition']}": dg.MetadataValue.dagster_run(entry["run_id"])
+        for entry in inputs[:MAX_INPUT_LINKS]
+        if entry.get("run_id")
+    }
+    if len(inputs) > MAX_INPUT_LINKS:
+        links["inputs not linked"] = (
+            f"{len(inputs) - MAX_INPUT_LINKS} more: see the receipt's inputs at receipt_path"
+        )
+    return links
 
 
 def _task_file(db: Any, task_set: str) -> dict[str, Any]:

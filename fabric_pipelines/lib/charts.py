@@ -36,12 +36,19 @@ def bar_table(
     return "\n".join(rows)
 
 
+def power_of_two_bins(values: np.ndarray, first: int = 8) -> tuple[list[str], list[int]]:
+    """Counts per range 1-first, then up to each next power of two (1-8, 9-16, 17-32, ...)."""
+    if values.size == 0:
+        return [], []
+    top = int(np.ceil(np.log2(max(int(values.max()), first))))
+    edges = [0] + [2**e for e in range(int(np.log2(first)), top + 1)]
+    counts, _ = np.histogram(values, bins=[e + 1 for e in edges])  # [lo + 1, hi + 1)
+    labels = [f"{lo + 1}–{hi}" for lo, hi in itertools.pairwise(edges)]
+    return labels, [int(c) for c in counts]
+
+
 def length_histogram(lengths: np.ndarray) -> str:
     """Tasks per length range, in powers of two (1-8, 9-16, 17-32, ...)."""
     if lengths.size == 0:
         return "no tasks"
-    top = int(np.ceil(np.log2(max(int(lengths.max()), 8))))
-    edges = [0] + [2**e for e in range(3, top + 1)]
-    counts, _ = np.histogram(lengths, bins=[e + 1 for e in edges])  # [lo + 1, hi + 1)
-    labels = [f"{lo + 1}–{hi}" for lo, hi in itertools.pairwise(edges)]
-    return bar_table(labels, [int(c) for c in counts], ("tokens", "tasks"))
+    return bar_table(*power_of_two_bins(lengths), ("tokens", "tasks"))

@@ -37,7 +37,6 @@ import numpy as np
 import torch
 from sqlalchemy import Engine
 
-from fabric_pipelines.lib.charts import bar_table
 from fabric_pipelines.lib.files import (
     CHUNK_BYTES,
     CorruptFileError,
@@ -75,6 +74,7 @@ from fabric_pipelines.lib.index.receipt import (
     receipt_sha256,
 )
 from fabric_pipelines.lib.index.vectors import VectorSet, check_vectors, load_vectors
+from fabric_pipelines.lib.plots import chart_and_table
 from fabric_pipelines.lib.store.db import insert_ignoring_duplicates
 from fabric_pipelines.lib.store.keys import model_id
 from fabric_pipelines.lib.store.models import IndexReceipt
@@ -511,22 +511,64 @@ def _reusable(
 
 
 def recall_curve_chart(quality: dict[str, Any]) -> str:
-    """recall@k per nprobe (IVF), and recall@1/10/100, as Markdown bars."""
+    """recall@1/10/100 and recall@k per nprobe (IVF), as plots on a 0-1 scale beside tables."""
     curve = quality.get("nprobe_curve", {})
     at = {k: quality[f"recall_at_{k}"] for k in (1, 10, 100) if f"recall_at_{k}" in quality}
-    labels = [f"recall@{k}" for k in at]
-    parts = [bar_table(labels, list(at.values()), ("", "recall"), "{:.4f}", full=1.0)]
-    if curve:  # bars on a 0-1 scale: a recall of 0.68 is drawn two-thirds long
+    parts = [
+        chart_and_table(
+            [f"recall@{k}" for k in at],
+            list(at.values()),
+            ("", "recall"),
+            title="recall against exact search",
+            fmt="{:.4f}",
+            full=1.0,
+        )
+    ]
+    if curve:
         parts.append(
-            bar_table(
+            chart_and_table(
                 [f"nprobe {n}" for n in curve],
                 list(curve.values()),
                 ("", f"recall@{quality['k']}"),
-                "{:.4f}",
+                title=f"recall@{quality['k']} per nprobe",
+                fmt="{:.4f}",
                 full=1.0,
             )
         )
     return "\n\n".join(parts)
+
+
+def receipt_summary(receipt: dict[str, Any], receipt_sha: str) -> str:
+    """The receipt's essentials as a Markdown table (hashes in full, in code spans so they wrap
+    as a unit); the whole receipt is the file it names."""
+    quality, index, model = receipt["quality"], receipt["index"], receipt["model"]
+    rows = [
+        ("receipt sha256", f"`{receipt_sha}`"),
+        ("index sha256", f"`{receipt['index_sha256']}`"),
+        ("vectors", f"{receipt['source']['rows']:,}"),
+        ("task sets", f"{len(receipt['source']['task_sets']):,}"),
+        ("model", f"{model.get('model_id', '')} (`{model['model_key']}`), dim {model['dim']}"),
+        ("weights sha256", f"`{model.get('weights_sha256', '')}`"),
+        ("index", f"{index['factory']}, {index['metric']}, {index['shards']} shards"),
+        ("nprobe", str(index["params"].get("nprobe", 0))),
+        (f"recall@{quality['k']}", f"{quality['recall_at_k']:.4f}"),
+        ("built on", f"{receipt['build_device']} ({receipt['training'].get('builder', '')})"),
+        ("inputs", f"{len(receipt['inputs'])} extraction run(s), linked below"),
+    ]
+    return "| | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
+
+
+def cluster_sizes_chart(quality: dict[str, Any]) -> str:
+    """Inverted lists per size range (IVF indexes), or a note where there are none."""
+    ranges = quality.get("lists", {}).get("size_ranges")
+    if not ranges:
+        return "not an IVF index: no lists"
+    return chart_and_table(
+        [f"{r} vectors" for r in ranges],
+        list(ranges.values()),
+        ("list size", "lists"),
+        title="inverted lists per size",
+    )
 
 
 def cluster_health_table(quality: dict[str, Any]) -> str:
@@ -539,7 +581,7 @@ def cluster_health_table(quality: dict[str, Any]) -> str:
         if key in quality:
             value = quality[key]
             rows.update(
-                {f"lists_{k}": v for k, v in value.items()}
+                {f"lists_{k}": v for k, v in value.items() if k != "size_ranges"}
                 if isinstance(value, dict)
                 else {key: value}
             )

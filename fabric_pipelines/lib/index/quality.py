@@ -15,6 +15,7 @@ from typing import Any
 import faiss
 import numpy as np
 
+from fabric_pipelines.lib.charts import power_of_two_bins
 from fabric_pipelines.lib.index import metrics
 from fabric_pipelines.lib.index.build import (
     IndexSpec,
@@ -87,6 +88,9 @@ def measure(
         out["lists"] = {
             "count": int(sizes.size),
             "imbalance": round(float(sizes.max() / max(sizes.mean(), 1e-12)), 4),
+            # How many lists hold 1-8, 9-16, ... vectors (empty lists are counted apart).
+            "empty": int((sizes == 0).sum()),
+            "size_ranges": dict(zip(*power_of_two_bins(sizes[sizes > 0]), strict=True)),
         }
         out["cluster_health"] = _cluster_health(index, vectors, spec)
         # Around the recall queries, against every row (their exact neighbours are known).

@@ -10,6 +10,7 @@ verifies is rebuilt from the inbox file when that still hashes to what was inges
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -582,6 +583,8 @@ def forget_task_set(db: Engine, paths: FabricPaths, task_set: str) -> None:
     for folder in (paths.task_sets / task_set, paths.plans / task_set):
         for path in folder.glob("*.arrow"):
             path.unlink()
+        with contextlib.suppress(FileNotFoundError, OSError):  # absent, or holds a stray file
+            folder.rmdir()
     for suffix in SUPPORTED_SUFFIXES:  # not a glob: set "a" must not take "a.b.jsonl" with it
         (paths.inbox / f"{task_set}{suffix}").unlink(missing_ok=True)
     forget_submitted(paths.inbox, task_set)
