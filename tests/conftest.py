@@ -205,15 +205,20 @@ def real_parts_skipped(reasons: list[str]) -> dict[str, tuple[int, str]]:
     return found
 
 
-def pytest_terminal_summary(terminalreporter: Any) -> None:
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """After pytest's own summary line, so the run ends with it: the real parts the run did
+    without, and the one command that brings each in."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None:
+        return
     reasons = []
-    for report in terminalreporter.stats.get("skipped", []):
+    for report in reporter.stats.get("skipped", []):
         longrepr = getattr(report, "longrepr", None)
         if isinstance(longrepr, tuple) and len(longrepr) == 3:
             reasons.append(str(longrepr[2]))
     found = real_parts_skipped(reasons)
     if not found:
         return
-    terminalreporter.section("real parts this run did without")
+    reporter.write_sep("=", "real parts this run did without")
     for part, (count, command) in found.items():
-        terminalreporter.write_line(f"{part}: {count} test(s) skipped; to run them: {command}")
+        reporter.write_line(f"{part}: {count} test(s) skipped; to run them: {command}")
