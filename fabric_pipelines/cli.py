@@ -507,9 +507,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             print("no failures")
         # One failure a line, the reason in full: it names the record and what to do.
         for f in failures:
-            print(
-                f"{f.task_set}  record {f.record_no}  id {f.task_id or '-'}  {f.stage}: {f.reason}"
-            )
+            print(f"{f.task_set}  id {f.task_id or '-'}  {f.stage}: {f.reason}")
     return 0
 
 

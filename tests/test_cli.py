@@ -80,7 +80,7 @@ def test_status_failures_prints_each_reason_in_full(
     monkeypatch.delenv("FABRIC_DATABASE_URL", raising=False)
     db = make_engine(database_url(paths))
     create_schema(db)
-    reason = "record 3: " + "a reason long enough to need every one of its words " * 4 + "END"
+    reason = "line 4: " + "a reason long enough to need every one of its words " * 4 + "END"
     with db.begin() as conn:
         conn.execute(
             insert(TaskSet),
@@ -95,7 +95,7 @@ def test_status_failures_prints_each_reason_in_full(
     db.dispose()
     assert main(["status", "s", "--failures"]) == 0
     out = capsys.readouterr().out
-    assert len(reason) > 200 and f"s  record 3  id r3  ingest: {reason}" in out
+    assert len(reason) > 200 and f"s  id r3  ingest: {reason}" in out
 
 
 def test_engine_options_reach_the_engine_resource() -> None:

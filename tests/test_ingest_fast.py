@@ -228,7 +228,7 @@ def test_reasons_name_the_row_and_the_field(tmp_path: Path, tokenizer) -> None: 
     assert tasks.task_ids == ["ok", "k"]
     reasons = {f.record_no: f.reason for f in tasks.failures}
     assert reasons == {
-        1: "row 1: duplicate id 'ok' (first at record 0); ids must be unique within a task set",
+        1: "row 1: duplicate id 'ok' (first at row 0); ids must be unique within a task set",
         2: "row 2: 'id' must be 1..256 characters, got 0",
         3: "row 3: 'id' holds a NUL character (\\x00) at position 1; ids cannot hold NUL or "
         "unpaired surrogates: fix the id",
@@ -262,8 +262,8 @@ def test_a_duplicate_of_a_bad_row_is_not_a_duplicate(tmp_path: Path, tokenizer) 
     tasks = both_ways(path, tokenizer, max_seq_len=8)
     assert tasks.task_ids == ["a"] and tasks.record_no.tolist() == [1]
     reasons = {f.record_no: f.reason for f in tasks.failures}
-    assert "duplicate id 'b' (first at record 2)" in reasons[3]
-    assert "duplicate id 'c' (first at record 4)" in reasons[5]
+    assert "duplicate id 'b' (first at row 2)" in reasons[3]
+    assert "duplicate id 'c' (first at row 4)" in reasons[5]
 
 
 def test_good_rows_left_to_the_record_reader_still_count(  # type: ignore[no-untyped-def]
@@ -286,8 +286,8 @@ def test_good_rows_left_to_the_record_reader_still_count(  # type: ignore[no-unt
     tasks = both_ways(path, tokenizer, max_seq_len=3, truncate=True)
     assert tasks.task_ids == ["t", "x", "y"] and tasks.truncated == 2
     assert [f.reason for f in tasks.failures] == [
-        "row 2: duplicate id 't' (first at record 0); ids must be unique within a task set",
-        "row 4: duplicate id 'x' (first at record 1); ids must be unique within a task set",
+        "row 2: duplicate id 't' (first at row 0); ids must be unique within a task set",
+        "row 4: duplicate id 'x' (first at row 1); ids must be unique within a task set",
         "row 5: text is only whitespace",
     ]
     assert_tokens_as_encoded_one_by_one(tasks, table, tokenizer, 3)

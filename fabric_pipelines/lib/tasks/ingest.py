@@ -151,7 +151,7 @@ def read_records(path: Path) -> tuple[int, list[Record], list[Failure]]:
         )
     records: list[Record] = []
     failures: list[Failure] = []
-    first_seen: dict[str, int] = {}
+    first_seen: dict[str, str] = {}  # id -> where its first record is
     n = 0
     try:
         for record_no, where, row, parse_error in raw:
@@ -163,7 +163,7 @@ def read_records(path: Path) -> tuple[int, list[Record], list[Failure]]:
             if checked.task_id in first_seen:
                 failures.append(_duplicate(checked, first_seen[checked.task_id]))
                 continue
-            first_seen[checked.task_id] = record_no
+            first_seen[checked.task_id] = where
             records.append(checked)
     except OSError as exc:
         raise SubmissionError(
@@ -184,11 +184,12 @@ def _check_row(
     return record
 
 
-def _duplicate(record: Record, first: int) -> Failure:
+def _duplicate(record: Record, first_where: str) -> Failure:
+    """`first_where` is how the user finds the first record with the id ("line 3", "row 2")."""
     return Failure(
         record.record_no,
         record.task_id,
-        f"{record.where}: duplicate id {record.task_id!r} (first at record {first}); ids must be "
+        f"{record.where}: duplicate id {record.task_id!r} (first at {first_where}); ids must be "
         "unique within a task set",
     )
 
@@ -585,7 +586,9 @@ def _fail_repeated(task_ids: pa.Array, valid: np.ndarray, failures: list[Failure
     repeat = first_of != np.arange(len(rows))
     for row, first_row in zip(rows[repeat].tolist(), rows[first_of[repeat]].tolist(), strict=True):
         task_id = task_ids[row].as_py()
-        failures.append(_duplicate(Record(row, task_id, None, None, f"row {row}"), first_row))
+        failures.append(
+            _duplicate(Record(row, task_id, None, None, f"row {row}"), f"row {first_row}")
+        )
     repeated = np.zeros(len(valid), dtype=bool)
     repeated[rows[repeat]] = True
     return repeated
