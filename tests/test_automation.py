@@ -175,3 +175,20 @@ def test_the_inbox_sensor_sizes_the_gpu_pool(paths: FabricPaths) -> None:
         inbox_sensor(context)
     expected = gpu_slots(visible_gpus())
     assert instance.event_log_storage.get_concurrency_info(GPU_POOL).slot_count == expected
+
+
+def test_the_index_follows_a_good_set_while_a_bad_set_has_no_output() -> None:
+    """A set whose run failed (no extraction_outputs partition) must not hold back the index
+    build that a good set's new output asks for."""
+    from fabric_pipelines.definitions import defs
+
+    instance = dg.DagsterInstance.ephemeral()
+    instance.add_dynamic_partitions("task_set", ["good", "bad"])
+    assets = defs()
+    before = dg.evaluate_automation_conditions(defs=assets, instance=instance)
+    assert before.get_num_requested(dg.AssetKey("vector_index")) == 0  # nothing to index yet
+    instance.report_runless_asset_event(
+        dg.AssetMaterialization("extraction_outputs", partition="good")
+    )
+    after = dg.evaluate_automation_conditions(defs=assets, instance=instance, cursor=before.cursor)
+    assert after.get_num_requested(dg.AssetKey("vector_index")) == 1

@@ -353,7 +353,11 @@ class IndexConfig(dg.Config):
     group_name=PIPELINE_GROUP,
     kinds={"faiss"},
     code_version=CODE_VERSIONS["vector_index"],
-    automation_condition=dg.AutomationCondition.eager(),
+    # Rebuilt when any set's extraction updates, even while another set has no output (a bad
+    # set must not hold back the index of the good ones).
+    automation_condition=dg.AutomationCondition.eager()
+    .without(~dg.AutomationCondition.any_deps_missing())
+    .with_label("eager, allowing sets without output"),
     check_specs=[
         dg.AssetCheckSpec(
             "recall_at_10",
