@@ -106,6 +106,9 @@ def dagster_dev(tmp_path: Path) -> Iterator[tuple[Dagster, Path]]:
                         + (tmp_path / "dagster-dev.log").read_text()
                     ) from None
                 time.sleep(1)
+        # What the community dialog's "Skip" sends: seen once per instance, so the screenshots
+        # show the pages, not the dialog over them.
+        dagster.query("mutation { setNuxSeen }")
         yield dagster, home
     finally:
         os.killpg(process.pid, signal.SIGTERM)
@@ -325,6 +328,7 @@ def test_the_ui_tells_the_truth_about_sets_plans_and_indexes(
         "SUCCEEDED"
     )
     served_run = node["assetMaterializations"][0]["runId"]
+    receipt_sha = Path(entries["receipt_path"]["path"]).stem
 
     # One bad set next to a good one: only its partition is red, everywhere.
     for family in ("tokenised_tasks", "shape_batches", "extraction_outputs"):
@@ -359,6 +363,7 @@ def test_the_ui_tells_the_truth_about_sets_plans_and_indexes(
         assert family in graph, f"{family} not on the asset page"
     index_page = browser.page("/assets/vector_index", "vector_index.png")
     assert f"/runs/{extraction['runId']}" in index_page  # the input, rendered as a run link
+    assert receipt_sha in index_page  # the metadata shown is the served index's
     run_page = browser.page(f"/runs/{extraction['runId']}", "input_run.png")
     assert extraction["runId"][:8] in run_page and "extract_task_set" in run_page
     browser.page("/assets/tokenised_tasks?view=partitions", "partitions.png")
