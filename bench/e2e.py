@@ -211,8 +211,10 @@ def run_product(
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
     from fabric_pipelines.lib.engine_pool import stop_pool
+    from fabric_pipelines.lib.warm_runner import stop_runners
 
     stop_pool(root)  # the run's pool workers, idle now: their GPUs free for the next run
+    stop_runners(root)  # and the warm runner it left: its loading would share the next run's CPUs
     if done.returncode != 0 or not report_file.is_file():
         sys.stderr.write(done.stdout[-3000:] + done.stderr[-3000:])
         raise ProductRunFailed(f"the product run failed (exit {done.returncode}) in {root}")

@@ -74,6 +74,7 @@ def main() -> None:
     from fabric_gpu.profile import ConsumerProfile
     from fabric_pipelines.lib.engine_pool import pool_states, stop_pool
     from fabric_pipelines.lib.settings import FabricPaths, database_url
+    from fabric_pipelines.lib.warm_runner import stop_runners
 
     n = args.tasks or (3000 if args.cpu else 300_000)
     reference = load_reference(args.reference)
@@ -140,6 +141,7 @@ def main() -> None:
         )
     finally:
         stop_pool(root)
+        stop_runners(root)
     print(
         f"killed pool worker {result['killed_pid']} with {result['completed_when_killed']:,} of "
         f"{n:,} tasks done; the run exited {result['run_exit']} {result['seconds_after_kill']} s "

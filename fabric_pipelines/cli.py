@@ -215,11 +215,14 @@ def _write_report(args: argparse.Namespace, summary: dict[str, Any]) -> None:
         return
     from fabric_pipelines.lib.files import write_bytes
     from fabric_pipelines.lib.run_clock import mark, marks
+    from fabric_pipelines.lib.warm_runner import IN_RUNNER
 
     mark("report_written")
     plain = {key: value for key, value in summary.items() if key != "run_ids"}
     plain.setdefault("clock", {})["marks"] = marks()
     plain["run_ids"] = list(summary["run_ids"])
+    # Whether a warm runner's child ran it (lib/warm_runner.py), and which process.
+    plain["process"] = {"pid": os.getpid(), "warm_runner": bool(os.environ.get(IN_RUNNER))}
     write_bytes(Path(args.report), json.dumps(plain, default=str, indent=1).encode())
 
 
@@ -720,21 +723,31 @@ def cmd_forget(args: argparse.Namespace) -> int:
 def cmd_workers(args: argparse.Namespace) -> int:
     """The warm engine pool: start its workers for a manifest, stop them, or show them."""
     from fabric_pipelines.lib.engine_pool import describe, pool_states, stop_pool
+    from fabric_pipelines.lib.warm_runner import runner_states, stop_runners
 
     root = _prepare_environment()
     if args.action == "status":
         states = pool_states(root)
-        if args.json:
+        runners = runner_states(root)
+        if args.json:  # the pool workers (a list, as before); runners are shown as text
             print(json.dumps([state.__dict__ for state in states], indent=1))
-        elif not states:
+            return 0
+        if not states:
             print("no pool workers (a run starts them; or: fabric workers start --manifest FILE)")
-        for state in states if not args.json else []:
+        for state in states:
             print(describe(state))
+        for runner in runners:
+            print(
+                f"warm runner {runner['key']}: pid {runner['pid']}, up "
+                f"{time.time() - float(runner['started']):.0f} s (serves the next fabric run)"
+            )
         return 0
     if args.action == "stop":
         stopped = stop_pool(root)
+        runner_pids = stop_runners(root)
         print(
             f"stopped {len(stopped)} pool worker(s){': ' + ', '.join(stopped) if stopped else ''}"
+            f" and {len(runner_pids)} warm runner(s)"
         )
         return 0
     return _start_pool(root, args)
@@ -961,14 +974,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, started_at: float | None = None) -> int:
+    """The `fabric` command. `started_at`: when the command started, where a warm runner's child
+    runs it for a `fabric` process started earlier (lib/warm_runner.py)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["worker"]:  # its own parser (fabric_pipelines.lib.workers), options and all
         return _worker(argv[1:])
     from fabric_pipelines.lib.run_clock import begin
 
-    begin("cli_started")
+    begin("cli_started", at=started_at)
     args = build_parser().parse_args(argv)
+    runs_pipeline = args.command in ("run", "demo") or (args.command == "submit" and args.run)
+    environment = None
+    if runs_pipeline:
+        _prepare_environment()
+        environment = dict(os.environ)  # before the run changes it: the next run's runner key
+        code = _in_warm_runner(argv, args)
+        if code is not None:
+            return code
     _quiet_dagster()
     from fabric_pipelines.lib.names import InvalidNameError
 
@@ -977,7 +1000,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     except InvalidNameError as exc:
         print(f"fabric {args.command}: {exc}", file=sys.stderr)
         return 2
+    if environment is not None:
+        _leave_warm_runner(args, environment)
     return result
+
+
+def _in_warm_runner(argv: list[str], args: argparse.Namespace) -> int | None:
+    """Run the command in a warm runner of this data root, code and settings, if one serves:
+    its exit code; None to run it here."""
+    from fabric_pipelines.lib.run_clock import marks
+    from fabric_pipelines.lib.warm_runner import enabled, forward
+
+    if not enabled() or _pool_idle_seconds(args) <= 0:
+        return None
+    return forward(argv, _prepare_environment(), marks()["cli_started"])
+
+
+def _leave_warm_runner(args: argparse.Namespace, environment: dict[str, str]) -> None:
+    """After a run made here, start a warm runner for the next (idle exit as the engine pool)."""
+    from fabric_pipelines.lib.warm_runner import enabled, start_in_background
+
+    if not enabled():
+        return
+    with contextlib.suppress(Exception):  # a run that worked is not failed for its successor
+        start_in_background(_prepare_environment(), _pool_idle_seconds(args), environment)
+
+
+def _pool_idle_seconds(args: argparse.Namespace) -> float:
+    from fabric_pipelines.lib.engine_pool import idle_seconds_setting
+
+    try:
+        return idle_seconds_setting(getattr(args, "pool_idle_seconds", None))
+    except ValueError:
+        return 0.0  # the run itself reports the bad setting
 
 
 def run_command() -> None:

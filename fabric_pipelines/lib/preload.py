@@ -56,6 +56,15 @@ def preload(modules: tuple[str, ...]) -> threading.Thread:
     return thread
 
 
+_DEFINITIONS: Any = None  # built once by a warm runner (lib/warm_runner.py) before it forks
+
+
+def use_definitions(definitions: Any) -> None:
+    """Runs in this process (and its forks) take these definitions instead of building them."""
+    global _DEFINITIONS
+    _DEFINITIONS = definitions
+
+
 def prepare_pipeline() -> Future[tuple[Any, Any]]:
     """Import, build and open what a run of the pipeline needs, on a daemon thread: the future's
     result is (`defs()`, `DagsterInstance.get()`). DAGSTER_HOME must be set before the call. A
@@ -70,7 +79,8 @@ def prepare_pipeline() -> Future[tuple[Any, Any]]:
 
             from fabric_pipelines.definitions import defs
 
-            prepared.set_result((defs(), dg.DagsterInstance.get()))
+            definitions = _DEFINITIONS if _DEFINITIONS is not None else defs()
+            prepared.set_result((definitions, dg.DagsterInstance.get()))
         except BaseException as exc:  # held for the caller, which builds them again to report it
             prepared.set_exception(exc)
 

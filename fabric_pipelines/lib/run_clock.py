@@ -12,10 +12,11 @@ from typing import Any
 _MARKS: dict[str, float] = {}
 
 
-def begin(name: str) -> None:
-    """A new command starts: forget the marks of any earlier one in this process, note `name`."""
+def begin(name: str, at: float | None = None) -> None:
+    """A new command starts: forget the marks of any earlier one in this process, note `name`
+    (at `at`, a `time.time()` value, where the command started in another process)."""
     _MARKS.clear()
-    mark(name)
+    _MARKS[name] = time.time() if at is None else at
 
 
 def mark(name: str) -> None:
