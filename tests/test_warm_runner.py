@@ -204,3 +204,37 @@ def test_the_key_follows_the_settings_and_the_code(
     assert warm_runner.runner_key(tmp_path / "other", env) != key
     module.write_text("x = 22\n")  # the code changed: a runner of the old code is not used
     assert warm_runner.runner_key(tmp_path, env) != key
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_runs_served_by_the_runner_use_the_torch_engine(
+    home: Path, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """The runner never touches CUDA, so its forked children can: a torch-engine run through
+    it works like one on its own (on a machine without a GPU this is skipped)."""
+    import torch
+
+    from fabric_gpu import probe_gpu
+    from fabric_gpu.manifest import HookSpec, manifest_for_model
+    from fabric_gpu.profile import ConsumerProfile
+
+    status = probe_gpu()
+    if not (status.available and torch.cuda.is_available()):
+        pytest.skip("no GPU: " + (status.reason or "torch sees no CUDA device"))
+    manifest = manifest_for_model(
+        str(tiny_model_dir), backend="torch", dtype="float16",
+        profile=ConsumerProfile(4096, 64, 64, 8), hooks=HookSpec((), "mean"),
+    )  # fmt: skip
+    manifest_file = tmp_path / "engine.json"
+    manifest_file.write_text(json.dumps(manifest.to_mapping()))
+    for name in ("g1", "g2"):
+        source = str(_write_set(tmp_path / f"{name}.jsonl", name, 200))
+        report = tmp_path / f"{name}.json"
+        command = _fabric(home, "submit", source, "--task-set", name, "--run", "--manifest",
+                          str(manifest_file), "--truncate", "--report", str(report))  # fmt: skip
+        code, out, err = _finish(command)
+        assert code == 0, out + err
+        if name == "g1":
+            _serving_runner(home)
+        else:
+            assert _report(report)["process"]["warm_runner"] is True
