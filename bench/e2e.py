@@ -202,6 +202,9 @@ def run_product(
     report_file = root / "report.json"
     env = {**os.environ, "FABRIC_HOME": str(root), "DAGSTER_HOME": str(root)}
     env["FABRIC_DATABASE_URL"] = db_url
+    # Each run has a fresh data root, which no warm runner can serve: leave none behind, whose
+    # imports would share the next run's CPUs.
+    env["FABRIC_WARM_RUNNER"] = "0"
     command = [
         sys.executable, "-c", "from fabric_pipelines.cli import run_command; run_command()",
         "submit", str(tasks_file), "--task-set", TASK_SET, "--run",
@@ -211,10 +214,8 @@ def run_product(
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
     from fabric_pipelines.lib.engine_pool import stop_pool
-    from fabric_pipelines.lib.warm_runner import stop_runners
 
     stop_pool(root)  # the run's pool workers, idle now: their GPUs free for the next run
-    stop_runners(root)  # and the warm runner it left: its loading would share the next run's CPUs
     if done.returncode != 0 or not report_file.is_file():
         sys.stderr.write(done.stdout[-3000:] + done.stderr[-3000:])
         raise ProductRunFailed(f"the product run failed (exit {done.returncode}) in {root}")
@@ -256,6 +257,9 @@ def rebuild_index(root: Path, db_url: str, receipt_path: str, cpu: bool) -> dict
     with no GPU visible (CUDA_VISIBLE_DEVICES empty) as a CPU-only machine would."""
     env = {**os.environ, "FABRIC_HOME": str(root), "DAGSTER_HOME": str(root)}
     env["FABRIC_DATABASE_URL"] = db_url
+    # Each run has a fresh data root, which no warm runner can serve: leave none behind, whose
+    # imports would share the next run's CPUs.
+    env["FABRIC_WARM_RUNNER"] = "0"
     if cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
     command = [

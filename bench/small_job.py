@@ -261,7 +261,7 @@ def main() -> None:
         warm = run_fabric(root, texts_file, manifest_file, f"{TASK_SET}-again", runner=False)
         served = [s.jobs_done for s in pool_states(root)]
         deadline = time.monotonic() + 120
-        while not runner_states(root) and time.monotonic() < deadline:
+        while not any(r["serving"] for r in runner_states(root)) and time.monotonic() < deadline:
             time.sleep(0.5)  # the runner the first run left is still importing
         runner = run_fabric(root, texts_file, manifest_file, f"{TASK_SET}-runner")
     finally:

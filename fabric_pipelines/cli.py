@@ -737,10 +737,8 @@ def cmd_workers(args: argparse.Namespace) -> int:
         for state in states:
             print(describe(state))
         for runner in runners:
-            print(
-                f"warm runner {runner['key']}: pid {runner['pid']}, up "
-                f"{time.time() - float(runner['started']):.0f} s (serves the next fabric run)"
-            )
+            doing = "serves the next fabric run" if runner["serving"] else "loading"
+            print(f"warm runner {runner['key']}: pid {runner['pid']}, {doing}")
         return 0
     if args.action == "stop":
         stopped = stop_pool(root)

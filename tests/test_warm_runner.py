@@ -75,9 +75,9 @@ def _finish(command: subprocess.Popen[str]) -> tuple[int, str, str]:
 def _serving_runner(root: Path, timeout: float = 120) -> int:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        states = warm_runner.runner_states(root)
-        if states:
-            return int(states[0]["pid"])
+        serving = [state for state in warm_runner.runner_states(root) if state["serving"]]
+        if serving:
+            return int(serving[0]["pid"])
         time.sleep(0.5)
     logs = "".join(p.read_text() for p in (root / "pool" / "runners").glob("*.log"))
     raise AssertionError(f"no warm runner served within {timeout:.0f} s; its log:\n{logs}")
@@ -238,3 +238,19 @@ def test_on_a_gpu_runs_served_by_the_runner_use_the_torch_engine(
             _serving_runner(home)
         else:
             assert _report(report)["process"]["warm_runner"] is True
+
+
+def test_a_runner_still_loading_is_stopped_too(tmp_path: Path) -> None:
+    root = tmp_path / "home"
+    root.mkdir()
+    process = warm_runner.start_in_background(root, 60, _env(root))
+    assert process is not None
+    deadline = time.monotonic() + 30
+    while not warm_runner.runner_states(root) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (state,) = warm_runner.runner_states(root)
+    assert state["pid"] == process.pid and state["serving"] is False  # still importing
+    assert warm_runner.stop_runners(root) == [process.pid]
+    assert process.wait(timeout=30) == 0
+    assert warm_runner.runner_states(root) == []
+    assert not list((root / "pool" / "runners").glob("*.json"))  # its state went with it

@@ -90,12 +90,13 @@ def socket_address(key: str) -> str:
     return f"\0fabric-runner-{key}"
 
 
-def state_path(root: Path, key: str) -> Path:
-    return Path(root) / "pool" / "runners" / f"{key}.json"
+def state_path(root: Path, key: str, pid: int) -> Path:
+    return Path(root) / "pool" / "runners" / f"{key}-{pid}.json"
 
 
 def runner_states(root: Path) -> list[dict[str, Any]]:
-    """The data root's runners whose process lives: {"pid", "key", "started"} each."""
+    """The data root's runners whose process lives: {"pid", "key", "started", "serving"} each
+    (serving: False while it still imports)."""
     from fabric_pipelines.lib.engine_pool import _pid_alive
 
     states = []
@@ -223,45 +224,56 @@ def load_everything() -> None:
 
 def serve(root: Path, key: str, idle_seconds: float) -> int:
     """Serve forks of this process until idle for `idle_seconds` with no run in progress."""
-    load_everything()
-    if key != runner_key(root):  # the code or settings changed while it loaded: serve nothing
-        print(f"runner {key}: the code or settings changed while loading; exiting", flush=True)
-        return 0
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    state = state_path(root, key, os.getpid())
+    signal.signal(signal.SIGTERM, _exit_on_term)  # `fabric workers stop`, loading or serving
     try:
-        listener.bind(socket_address(key))
-    except OSError:
-        print(f"runner {key}: another runner serves this key; exiting", flush=True)
+        # Said before loading, so that `fabric workers stop` finds a runner still importing.
+        _write_state(state, key, serving=False)
+        load_everything()
+        if key != runner_key(root):  # the code or settings changed while it loaded
+            print(f"runner {key}: the code or settings changed while loading; exiting", flush=True)
+            return 0
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(socket_address(key))
+        except OSError:
+            print(f"runner {key}: another runner serves this key; exiting", flush=True)
+            return 0
+        with listener:
+            listener.listen(16)
+            _write_state(state, key, serving=True)
+            print(f"runner {key}: serving (pid {os.getpid()}, idle exit {idle_seconds:g} s)",
+                  flush=True)  # fmt: skip
+            _serve_forks(listener, key, idle_seconds)
         return 0
-    listener.listen(16)
-    state = state_path(root, key)
-    write_bytes(
-        state, json.dumps({"pid": os.getpid(), "key": key, "started": time.time()}).encode()
-    )
-    print(f"runner {key}: serving (pid {os.getpid()}, idle exit {idle_seconds:g} s)", flush=True)
-    children: set[int] = set()
-    last_active = time.monotonic()
-    signal.signal(signal.SIGTERM, _exit_on_term)  # `fabric workers stop`
-    try:
-        while True:
-            children -= _reaped(children)
-            if children:
-                last_active = time.monotonic()
-            elif time.monotonic() - last_active > idle_seconds:
-                print(f"runner {key}: idle {idle_seconds:g} s; exiting", flush=True)
-                return 0
-            ready, _, _ = select.select([listener], [], [], 1.0)
-            if not ready:
-                continue
-            conn, _ = listener.accept()
-            last_active = time.monotonic()
-            pid = _fork_for(conn, listener)
-            if pid:
-                children.add(pid)
     finally:
-        listener.close()
         with contextlib.suppress(FileNotFoundError):
             state.unlink()
+
+
+def _write_state(path: Path, key: str, *, serving: bool) -> None:
+    state = {"pid": os.getpid(), "key": key, "started": time.time(), "serving": serving}
+    write_bytes(path, json.dumps(state).encode())
+
+
+def _serve_forks(listener: socket.socket, key: str, idle_seconds: float) -> None:
+    children: set[int] = set()
+    last_active = time.monotonic()
+    while True:
+        children -= _reaped(children)
+        if children:
+            last_active = time.monotonic()
+        elif time.monotonic() - last_active > idle_seconds:
+            print(f"runner {key}: idle {idle_seconds:g} s; exiting", flush=True)
+            return
+        ready, _, _ = select.select([listener], [], [], 1.0)
+        if not ready:
+            continue
+        conn, _ = listener.accept()
+        last_active = time.monotonic()
+        pid = _fork_for(conn, listener)
+        if pid:
+            children.add(pid)
 
 
 def _exit_on_term(_signum: int, _frame: Any) -> None:
@@ -315,9 +327,11 @@ def _run_child(conn: socket.socket, request: dict[str, Any], fds: list[int]) -> 
             os.dup2(fd, target)
             os.close(fd)
         # New text streams over the new descriptors (line-buffered on a terminal, as at start).
+        old_streams = (sys.stdout, sys.stderr)
         sys.stdin = open(0, closefd=False)  # noqa: SIM115
         sys.stdout = open(1, "w", buffering=1 if os.isatty(1) else -1, closefd=False)  # noqa: SIM115
         sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+        _log_handlers_to(old_streams, sys.stdout, sys.stderr)
         os.environ.clear()
         os.environ.update(request["env"])
         os.environ[IN_RUNNER] = "1"
@@ -341,6 +355,18 @@ def _run_child(conn: socket.socket, request: dict[str, Any], fds: list[int]) -> 
         with contextlib.suppress(OSError):
             conn.sendall(json.dumps({"exit": code}).encode() + b"\n")
         os._exit(code)
+
+
+def _log_handlers_to(old: tuple[Any, Any], stdout: Any, stderr: Any) -> None:
+    """Logging handlers made at import (in the runner) write to the runner's streams: point
+    them at the command's."""
+    import logging
+
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    for logger in loggers:
+        for handler in getattr(logger, "handlers", []):
+            if isinstance(handler, logging.StreamHandler) and handler.stream in old:
+                handler.setStream(stdout if handler.stream is old[0] else stderr)
 
 
 def _main(argv: list[str], started_at: float) -> int:
