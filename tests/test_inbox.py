@@ -109,6 +109,33 @@ def test_a_dropped_file_is_recorded_once_when_first_seen(paths: FabricPaths) -> 
     assert [a.task_set for a in again] == ["drop"]  # the record folder is not a submission
 
 
+def test_a_scan_hashes_only_files_that_changed_since_the_last(
+    paths: FabricPaths, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fabric_pipelines.lib.files import sha256_file
+    from fabric_pipelines.lib.tasks import inbox
+
+    hashed: list[str] = []
+
+    def counting(path: Path) -> str:
+        hashed.append(path.name)
+        return sha256_file(path)
+
+    monkeypatch.setattr(inbox, "sha256_file", counting)
+    for name in ("a", "b"):
+        (paths.inbox / f"{name}.jsonl").write_text(f'{{"id": 1, "text": "{name}"}}\n')
+    first, _ = scan(paths.inbox)
+    assert sorted(hashed) == ["a.jsonl", "b.jsonl"]
+    hashed.clear()
+    again, _ = scan(paths.inbox)
+    assert hashed == [] and again == first  # unchanged: nothing read again
+    (paths.inbox / "b.jsonl").write_text('{"id": 1, "text": "c"}\n')  # same size, new content
+    changed, _ = scan(paths.inbox)
+    assert hashed == ["b.jsonl"]
+    assert changed[0] == first[0] and changed[1].sha256 == sha256_file(paths.inbox / "b.jsonl")
+    assert changed[1].sha256 != first[1].sha256
+
+
 def test_scan_rejects_links_out_of_the_inbox_and_bad_names(
     paths: FabricPaths, tmp_path: Path
 ) -> None:

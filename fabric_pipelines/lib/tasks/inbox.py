@@ -6,11 +6,15 @@ point inside the inbox.
 
 The sha256 of each submitted file is recorded beside it, in `.submitted/<task set>.sha256` (by
 `submit`, or by the sensor when it first sees a dropped file), so that ingest can refuse a file that
-changed after it was submitted instead of reading it silently. Dot-folders are not scanned.
+changed after it was submitted instead of reading it silently; beside it, `<task set>.stat` keeps
+the file's size, times and inode when it was last hashed, so a scan hashes only files that
+changed. Dot-folders are not scanned.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import re
 import shutil
 from collections.abc import Callable, Iterable
@@ -74,8 +78,26 @@ def scan(inbox: Path) -> tuple[list[InboxFile], list[Rejected]]:
         except (InvalidNameError, SubmissionError) as exc:
             rejected.append(Rejected(path, str(exc)))
             continue
-        accepted.append(InboxFile(name, path, sha256_file(path)))
+        accepted.append(InboxFile(name, path, _known_sha256(inbox, name, path)))
     return accepted, rejected
+
+
+def _known_sha256(inbox: Path, task_set: str, path: Path) -> str:
+    """The file's sha256, hashed again only when the file changed since it was last hashed:
+    the sensor scans every 15 s and files stay in the inbox, so re-reading each one every scan
+    would cost ever more. A change of content changes the file's ctime (which no user call
+    can set back), a replacement its inode."""
+    stat = path.stat()
+    seen = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "ctime_ns": stat.st_ctime_ns,
+            "ino": stat.st_ino}  # fmt: skip
+    record = inbox / SUBMITTED / f"{task_set}.stat"
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        cached = json.loads(record.read_text())
+        if {k: cached.get(k) for k in seen} == seen and _SHA256.fullmatch(cached["sha256"]):
+            return str(cached["sha256"])
+    sha = sha256_file(path)
+    write_bytes(record, json.dumps({**seen, "sha256": sha}).encode())
+    return sha
 
 
 def submit(
@@ -157,6 +179,7 @@ def record_first_seen(inbox: Path, files: Iterable[InboxFile]) -> list[InboxFile
 
 def forget_submitted(inbox: Path, task_set: str) -> None:
     submitted_path(inbox, task_set).unlink(missing_ok=True)
+    (inbox / SUBMITTED / f"{task_set}.stat").unlink(missing_ok=True)
 
 
 def _check_inside(inbox: Path, path: Path) -> None:
