@@ -465,6 +465,44 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0 if all(passed for _, passed in summary["checks"]) else 1
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """A task set's pooled embeddings as a Parquet file (lib/export.py), with a progress bar."""
+    from tqdm import tqdm
+
+    from fabric_pipelines.lib.broker.ledger import accounting
+    from fabric_pipelines.lib.export import ExportError, export_task_set
+    from fabric_pipelines.lib.names import validate_task_set_name
+
+    name = validate_task_set_name(args.task_set)
+    out = Path(args.out or f"{name}.parquet")
+    if out.exists() and not args.force:
+        print(f"fabric export: {out} exists; give --force to replace it", file=sys.stderr)
+        return 2
+    _, db = _open_database()
+    try:
+        with db.connect() as conn:
+            total = accounting(conn, name, args.model_key).completed
+    except LookupError:
+        total = None  # export names the missing set
+    with tqdm(total=total, unit=" rows", desc=f"export {name}", disable=None) as bar:
+        try:
+            done = export_task_set(
+                db, name, out, model_key=args.model_key, progress=lambda n: _advance(bar, n)
+            )
+        except ExportError as exc:
+            print(f"fabric export: {exc}", file=sys.stderr)
+            return 2
+    print(
+        f"exported {done.rows:,} vectors of {done.model_key} (dim {done.dim}) from {name!r} to "
+        f"{done.path} (sha256 {done.sha256[:16]}…)"
+    )
+    return 0
+
+
+def _advance(bar: Any, done: int) -> None:
+    bar.update(done - bar.n)
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     import pandas as pd
     from sqlalchemy import select
@@ -943,6 +981,17 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("task_set", nargs="?")
     status.add_argument("--failures", action="store_true", help="list every failed record and why")
     status.set_defaults(func=cmd_status)
+
+    export = sub.add_parser(
+        "export", help="a task set's embeddings as a Parquet file (id, record_no, n_tokens, vector)"
+    )
+    export.add_argument("task_set")
+    export.add_argument("--out", help="the Parquet file to write (default: TASK_SET.parquet)")
+    export.add_argument(
+        "--model-key", help="whose embeddings (default: the model of the set's current plan)"
+    )
+    export.add_argument("--force", action="store_true", help="replace --out if it exists")
+    export.set_defaults(func=cmd_export)
 
     verify = sub.add_parser(
         "verify",

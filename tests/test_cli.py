@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import dagster as dg
+import pyarrow.parquet as pq
 import pytest
 from sqlalchemy.exc import IntegrityError
 
@@ -148,6 +149,14 @@ def test_submit_and_run_then_status(tmp_path: Path) -> None:
     assert line.split()[1:7] == ["41", "40", "1", "0", "0", "True"]
     assert "text is only whitespace" in status.stdout
     assert (home / "fabric.db").exists()  # the embedded default: SQLite under DAGSTER_HOME
+
+    # Its results as Parquet, for other tools; an existing file is kept unless --force.
+    exported = home / "small.parquet"
+    done = _fabric(home, "export", "small", "--out", str(exported))
+    assert done.returncode == 0 and "exported 40 vectors" in done.stdout, done.stderr
+    assert pq.read_metadata(exported).num_rows == 40
+    kept = _fabric(home, "export", "small", "--out", str(exported))
+    assert kept.returncode == 2 and "give --force" in kept.stderr
 
     # Forgetting the set takes its results, files, inbox file and partition; a name it does not
     # know is refused, naming it.

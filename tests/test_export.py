@@ -1,0 +1,63 @@
+"""`fabric export`: a set's embeddings as Parquet, equal to what is stored, in record order,
+streamed in blocks; refusals name what is missing; the CLI keeps an existing file unless told."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from sqlalchemy import Engine
+
+from fabric_gpu.manifest import EngineManifest
+from fabric_pipelines.lib import export
+from fabric_pipelines.lib.export import ExportError, export_task_set
+from fabric_pipelines.lib.files import sha256_file
+from fabric_pipelines.lib.settings import FabricPaths
+from tests.pipeline_helpers import run_stages, stored_embeddings
+
+
+def _source(tmp_path: Path) -> Path:
+    rows = [{"id": f"doc-{i}", "text": f"Document {i} is about topic {i % 5}."} for i in range(23)]
+    rows.insert(5, {"id": "blank", "text": "   "})  # fails at ingest: not exported
+    path = tmp_path / "set.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_the_export_is_the_stored_embeddings_in_record_order(
+    db: Engine,
+    paths: FabricPaths,
+    tmp_path: Path,
+    cpu_engine,  # type: ignore[no-untyped-def]
+    manifest: EngineManifest,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    run_stages(db, paths, cpu_engine, manifest, _source(tmp_path), "ex")
+    monkeypatch.setattr(export, "BLOCK_ROWS", 7)  # several blocks, a short last one
+    seen: list[int] = []
+    out = tmp_path / "out" / "ex.parquet"
+    out.parent.mkdir()
+    done = export_task_set(db, "ex", out, progress=seen.append)
+    assert seen == [7, 14, 21, 23] and done.rows == 23 and done.model_key == manifest.model_key
+    assert done.sha256 == sha256_file(out) and list(out.parent.iterdir()) == [out]
+    table = pq.read_table(out)
+    assert table.column_names == ["id", "record_no", "n_tokens", "vector"]
+    record_no = table.column("record_no").to_pylist()
+    assert record_no == sorted(record_no) and 5 not in record_no  # the blank record failed
+    stored = stored_embeddings(db, "ex", manifest.model_key)
+    vectors = table.column("vector").to_numpy(zero_copy_only=False)
+    for task_id, vector in zip(table.column("id").to_pylist(), vectors, strict=True):
+        np.testing.assert_array_equal(np.asarray(vector, np.float32), stored[task_id])
+    assert done.dim == len(vectors[0]) == stored["doc-0"].size
+
+
+def test_refusals_name_the_set_and_write_nothing(db: Engine, tmp_path: Path) -> None:
+    from fabric_pipelines.lib.store.db import create_schema
+
+    create_schema(db)
+    with pytest.raises(ExportError, match="no task set named 'nope'"):
+        export_task_set(db, "nope", tmp_path / "x.parquet")
+    assert not list(tmp_path.glob("*.parquet*"))
