@@ -514,10 +514,10 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     _, db = _open_database()
     names = [args.task_set] if args.task_set else list_task_sets(db)
-    if not names:
+    if not names and not args.json:
         print("no task sets yet: fabric submit FILE --task-set NAME, or fabric demo")
         return 0
-    rows = []
+    rows: list[dict[str, Any]] = []
     with db.connect() as conn:
         for name in names:
             try:
@@ -534,15 +534,26 @@ def cmd_status(args: argparse.Namespace) -> int:
                     "in_flight": a.in_flight,
                     "queued": a.queued,
                     "balanced": a.balanced,
+                    "finished": a.finished,
                 }
             )
-    print(pd.DataFrame(rows).to_string(index=False))
+    failures = []
     if args.failures:
         with Session(db) as session:
             query = select(TaskFailure).where(TaskFailure.task_set.in_(names))
             failures = list(
                 session.scalars(query.order_by(TaskFailure.task_set, TaskFailure.record_no))
             )
+    if args.json:  # for scripts and monitoring: the same accounting, and the failures if asked
+        listed = [
+            {"task_set": f.task_set, "record_no": f.record_no, "id": f.task_id, "stage": f.stage,
+             "reason": f.reason}
+            for f in failures
+        ]  # fmt: skip
+        print(json.dumps({"task_sets": rows, **({"failures": listed} if args.failures else {})}))
+        return 0
+    print(pd.DataFrame(rows).drop(columns="finished").to_string(index=False))
+    if args.failures:
         print()
         if not failures:
             print("no failures")
@@ -980,6 +991,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     status.add_argument("task_set", nargs="?")
     status.add_argument("--failures", action="store_true", help="list every failed record and why")
+    status.add_argument(
+        "--json", action="store_true", help="machine-readable: one JSON object on stdout"
+    )
     status.set_defaults(func=cmd_status)
 
     export = sub.add_parser(

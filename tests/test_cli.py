@@ -31,6 +31,8 @@ def test_status_of_an_empty_home_and_bad_submissions(tmp_path: Path) -> None:
     home = tmp_path / "home"
     out = _fabric(home, "status")
     assert out.returncode == 0 and "no task sets yet" in out.stdout
+    machine = _fabric(home, "status", "--json")
+    assert machine.returncode == 0 and json.loads(machine.stdout) == {"task_sets": []}
     source = tmp_path / "x.jsonl"
     source.write_text('{"id": 1, "text": "hi"}\n')
     bad = _fabric(home, "submit", str(source), "--task-set", "../escape")
@@ -97,6 +99,13 @@ def test_status_failures_prints_each_reason_in_full(
     assert main(["status", "s", "--failures"]) == 0
     out = capsys.readouterr().out
     assert len(reason) > 200 and f"s  id r3  ingest: {reason}" in out
+    assert main(["status", "s", "--failures", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    (row,) = data["task_sets"]
+    assert (row["task_set"], row["tasks"], row["failed"], row["balanced"]) == ("s", 1, 1, True)
+    assert data["failures"] == [
+        {"task_set": "s", "record_no": 3, "id": "r3", "stage": "ingest", "reason": reason}
+    ]
 
 
 def test_engine_options_reach_the_engine_resource() -> None:
