@@ -51,6 +51,7 @@ KEYED_PREFIXES = ("FABRIC_", "DAGSTER_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", 
 KEYED_NAMES = ("PATH", "VIRTUAL_ENV", "HOME")
 RUNNER_SETTING = "FABRIC_WARM_RUNNER"  # "0": runs start in their own process, none is left
 CONNECT_TIMEOUT_S = 0.5
+PID_TIMEOUT_S = 60.0  # a runner that accepted forks at once; longer means it is stuck
 MAX_REQUEST_BYTES = 1 << 20
 
 
@@ -141,18 +142,26 @@ def forward(argv: Sequence[str], root: Path, started_at: float) -> int | None:
     conn.settimeout(CONNECT_TIMEOUT_S)
     try:
         conn.connect(socket_address(runner_key(root)))
-        request = {
-            "argv": list(argv),
-            "env": dict(os.environ),
-            "cwd": os.getcwd(),
-            "started_at": started_at,
-        }
-        socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
-        reader = conn.makefile("rb")
-        first = reader.readline()  # the child's pid, sent before anything runs
     except OSError:
         conn.close()
-        return None
+        return None  # no runner of this key
+    # From here a child may run the command: no more falling back on a timeout, which could
+    # run it twice. A runner that ends before forking closes the connection (nothing ran).
+    conn.settimeout(PID_TIMEOUT_S)
+    request = {"argv": list(argv), "env": dict(os.environ), "cwd": os.getcwd(),
+               "started_at": started_at}  # fmt: skip
+    reader = conn.makefile("rb")
+    try:
+        socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
+        first = reader.readline()  # the child's pid, sent before anything runs
+    except TimeoutError:
+        conn.close()
+        print(f"fabric: the warm runner did not answer within {PID_TIMEOUT_S:.0f} s; "
+              "fabric workers stop ends it, FABRIC_WARM_RUNNER=0 runs without it",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    except OSError:
+        first = b""
     if not first:
         conn.close()
         return None  # the runner ended before forking: nothing ran
