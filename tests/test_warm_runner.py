@@ -19,7 +19,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import dagster as dg
 import pytest
+from dagster._core.instance.ref import InstanceRef
 from sqlalchemy import func, select
 
 from fabric_pipelines.lib import warm_runner
@@ -117,6 +119,11 @@ def test_runs_after_the_first_are_served_by_a_warm_runner(home: Path, tmp_path: 
     assert report["process"]["warm_runner"] is True and report["process"]["pid"] != second.pid
     assert "wall time" in out and "receipt sha256" in out
     assert report["clock"]["marks"]["cli_started"] < report["clock"]["marks"]["submitted"]
+    # Its runs are recorded in the data root's Dagster instance (the runner opened it once).
+    with dg.DagsterInstance.from_ref(InstanceRef.from_dir(str(home))) as instance:
+        for run_id in report["run_ids"]:
+            run = instance.get_run_by_id(run_id)
+            assert run is not None and run.is_success, run_id
 
     # Two at once through one runner: each set done exactly once.
     sets = {n: str(_write_set(tmp_path / f"{n}.jsonl", n, 60)) for n in ("c", "d")}

@@ -56,13 +56,15 @@ def preload(modules: tuple[str, ...]) -> threading.Thread:
     return thread
 
 
-_DEFINITIONS: Any = None  # built once by a warm runner (lib/warm_runner.py) before it forks
+# Made once by a warm runner (lib/warm_runner.py) before it forks; None: made by each run.
+_DEFINITIONS: Any = None
+_INSTANCE: Any = None
 
 
-def use_definitions(definitions: Any) -> None:
-    """Runs in this process (and its forks) take these definitions instead of building them."""
-    global _DEFINITIONS
-    _DEFINITIONS = definitions
+def use_prepared(definitions: Any, instance: Any | None) -> None:
+    """Runs in this process (and its forks) take these instead of making them."""
+    global _DEFINITIONS, _INSTANCE
+    _DEFINITIONS, _INSTANCE = definitions, instance
 
 
 def prepare_pipeline() -> Future[tuple[Any, Any]]:
@@ -80,7 +82,8 @@ def prepare_pipeline() -> Future[tuple[Any, Any]]:
             from fabric_pipelines.definitions import defs
 
             definitions = _DEFINITIONS if _DEFINITIONS is not None else defs()
-            prepared.set_result((definitions, dg.DagsterInstance.get()))
+            instance = _INSTANCE if _INSTANCE is not None else dg.DagsterInstance.get()
+            prepared.set_result((definitions, instance))
         except BaseException as exc:  # held for the caller, which builds them again to report it
             prepared.set_exception(exc)
 

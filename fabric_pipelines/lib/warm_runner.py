@@ -2,6 +2,9 @@
 that forks one child per `fabric run` / `fabric submit --run`, so a run starts at once instead of
 after the seconds those imports take (4.6 s on a 2-core machine; about 2 s on the GPU machine).
 
+The runner also opens the Dagster instance when its storages are SQLite's (which hold no
+connection open between calls, so none is shared across a fork).
+
 The `fabric` command stays the user's process. It connects to the runner's abstract socket and
 sends its arguments, environment and folder as one JSON line, with its stdin, stdout and stderr
 attached (SCM_RIGHTS). The runner forks; the child makes those descriptors its own 0-2 (so output,
@@ -65,7 +68,8 @@ def runner_key(root: Path, env: dict[str, str] | None = None) -> str:
     for name in sorted(env):
         if name != IN_RUNNER and (name.startswith(KEYED_PREFIXES) or name in KEYED_NAMES):
             digest.update(f"{name}={env[name]}\0".encode())
-    for path in _code_files():
+    # The code, and the Dagster instance's settings (a runner opened the instance beforehand).
+    for path in [*_code_files(), *[p for p in [Path(root) / "dagster.yaml"] if p.is_file()]]:
         stat = path.stat()
         digest.update(f"{path}:{stat.st_size}:{stat.st_mtime_ns}\0".encode())
     return digest.hexdigest()[:16]
@@ -221,14 +225,25 @@ def start_in_background(
 
 
 def load_everything() -> None:
-    """Import what a run needs and build the definitions, on this (the only) thread."""
+    """Import what a run needs, build the definitions and open the Dagster instance, on this
+    (the only) thread."""
+    import dagster as dg
+
     from fabric_pipelines.lib import preload
 
     for name in (*preload.pipeline_modules(), *preload.INDEX_MODULES, "fabric_pipelines.cli"):
         importlib.import_module(name)
     from fabric_pipelines.definitions import defs
 
-    preload.use_definitions(defs())
+    instance = dg.DagsterInstance.get()
+    # Handed to the children only where its storages hold no connection open between calls
+    # (SQLite's open one per call): a pooled connection must never be shared across a fork.
+    kept = all(type(storage).__name__.startswith("Sqlite") for storage in _storages(instance))
+    preload.use_prepared(defs(), instance if kept else None)
+
+
+def _storages(instance: Any) -> list[Any]:
+    return [instance.run_storage, instance.event_log_storage, instance.schedule_storage]
 
 
 def serve(root: Path, key: str, idle_seconds: float) -> int:
