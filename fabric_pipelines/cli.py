@@ -1048,9 +1048,9 @@ def main(argv: Sequence[str] | None = None, started_at: float | None = None) -> 
     runs_pipeline = args.command in ("run", "demo") or (args.command == "submit" and args.run)
     environment = None
     if runs_pipeline:
-        _prepare_environment()
+        root = _prepare_environment()
         environment = dict(os.environ)  # before the run changes it: the next run's runner key
-        code = _in_warm_runner(argv, args)
+        code = _in_warm_runner(argv, args, root)
         if code is not None:
             return code
     _quiet_dagster()
@@ -1062,11 +1062,11 @@ def main(argv: Sequence[str] | None = None, started_at: float | None = None) -> 
         print(f"fabric {args.command}: {exc}", file=sys.stderr)
         return 2
     if environment is not None:
-        _leave_warm_runner(args, environment)
+        _leave_warm_runner(args, root, environment)
     return result
 
 
-def _in_warm_runner(argv: list[str], args: argparse.Namespace) -> int | None:
+def _in_warm_runner(argv: list[str], args: argparse.Namespace, root: Path) -> int | None:
     """Run the command in a warm runner of this data root, code and settings, if one serves:
     its exit code; None to run it here."""
     from fabric_pipelines.lib.run_clock import marks
@@ -1074,17 +1074,17 @@ def _in_warm_runner(argv: list[str], args: argparse.Namespace) -> int | None:
 
     if not enabled() or _pool_idle_seconds(args) <= 0:
         return None
-    return forward(argv, _prepare_environment(), marks()["cli_started"])
+    return forward(argv, root, marks()["cli_started"])
 
 
-def _leave_warm_runner(args: argparse.Namespace, environment: dict[str, str]) -> None:
+def _leave_warm_runner(args: argparse.Namespace, root: Path, environment: dict[str, str]) -> None:
     """After a run made here, start a warm runner for the next (idle exit as the engine pool)."""
     from fabric_pipelines.lib.warm_runner import enabled, start_in_background
 
     if not enabled():
         return
     with contextlib.suppress(Exception):  # a run that worked is not failed for its successor
-        start_in_background(_prepare_environment(), _pool_idle_seconds(args), environment)
+        start_in_background(root, _pool_idle_seconds(args), environment)
 
 
 def _pool_idle_seconds(args: argparse.Namespace) -> float:

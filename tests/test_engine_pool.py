@@ -27,9 +27,9 @@ from fabric_gpu.profile import ConsumerProfile
 from fabric_pipelines.lib.broker.ledger import accounting
 from fabric_pipelines.lib.broker.plans import plan_task_set
 from fabric_pipelines.lib.engine_pool import (
-    _pid_alive,
     idle_seconds_setting,
     manifest_sha256,
+    pid_alive,
     pool_states,
     socket_address,
     start_pool_worker,
@@ -122,7 +122,7 @@ def test_a_run_starts_the_pool_and_the_next_run_uses_its_loaded_engine(
     _exactly_once(db, "second", manifest, 40)
     assert stop_pool(paths.root) == ["cpu0"]
     assert pool_states(paths.root) == []
-    assert not _pid_alive(pid)  # exited (a zombie here until reaped: this process started it)
+    assert not pid_alive(pid)  # exited (a zombie here until reaped: this process started it)
 
 
 def test_a_pool_worker_killed_mid_run_loses_nothing_and_the_next_run_starts_a_new_one(
@@ -413,9 +413,9 @@ def test_a_worker_whose_run_goes_away_mid_job_stops_and_nothing_is_lost(
     pid = run.jobs[0].pid
     run.close()  # the run is cancelled
     deadline = time.monotonic() + 10
-    while _pid_alive(pid) and time.monotonic() < deadline:
+    while pid_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _pid_alive(pid) and pool_states(paths.root) == []
+    assert not pid_alive(pid) and pool_states(paths.root) == []
     with db.connect() as conn:
         left = accounting(conn, "cancelled")
     assert 0 < left.completed < n  # stopped mid-job

@@ -111,7 +111,7 @@ class PoolWorkerState:
 
     @property
     def alive(self) -> bool:
-        return _pid_alive(self.pid) and _is_pool_worker(self.pid)
+        return pid_alive(self.pid) and _is_pool_worker(self.pid)
 
 
 def pool_states(root: Path) -> list[PoolWorkerState]:
@@ -132,7 +132,7 @@ def pool_states(root: Path) -> list[PoolWorkerState]:
     return states
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -148,13 +148,30 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _is_pool_worker(pid: int) -> bool:
-    """Whether `pid` runs a pool worker: a killed worker's state file may name a pid the
+    return runs_module(pid, "fabric_pipelines.lib.pool_worker")
+
+
+def runs_module(pid: int, module: str) -> bool:
+    """Whether `pid` runs `python -m module`: a dead process's state file may name a pid the
     system has since given to another process, which must never be signalled."""
     try:
         command = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return True  # no /proc here: the pid check alone
-    return b"fabric_pipelines.lib.pool_worker" in command
+    return module.encode() in command
+
+
+def start_detached(command: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """Start `command` in a session of its own (it outlives its caller), output to `log`."""
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            command,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
 
 def remove_state_if_pid(path: Path, pid: int) -> None:
@@ -187,15 +204,7 @@ def start_pool_worker(
         "--slot", slot, "--manifest", str(manifest_path),
         "--idle-seconds", str(idle_seconds), "--threads", str(threads),
     ]  # fmt: skip
-    with open(folder / f"{slot}.log", "ab") as log:
-        return subprocess.Popen(
-            command,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+    return start_detached(command, env, folder / f"{slot}.log")
 
 
 def stop_pool(root: Path, slots: list[str] | None = None, grace_s: float = 10.0) -> list[str]:
@@ -330,7 +339,7 @@ def wait_until_serving(
 
 def starting_pid(pid: int) -> Callable[[], bool]:
     """`starting` for a worker another run started (seen in its state file, not ready yet)."""
-    return lambda: _pid_alive(pid)
+    return lambda: pid_alive(pid)
 
 
 def _connect(

@@ -44,8 +44,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fabric_pipelines.lib.engine_pool import pid_alive, runs_module, start_detached
 from fabric_pipelines.lib.files import write_bytes
 
+RUNNER_MODULE = "fabric_pipelines.lib.warm_runner"
 IN_RUNNER = "FABRIC_IN_WARM_RUNNER"  # set in a runner's children: they run, never forward
 # Settings read when modules are imported (offline switches, thread counts, devices, paths): a
 # runner is only used by a command whose values of these equal the runner's own.
@@ -102,8 +104,6 @@ def state_path(root: Path, key: str, pid: int) -> Path:
 def runner_states(root: Path) -> list[dict[str, Any]]:
     """The data root's runners whose process lives: {"pid", "key", "started", "serving"} each
     (serving: False while it still imports)."""
-    from fabric_pipelines.lib.engine_pool import _pid_alive
-
     states = []
     for path in sorted((Path(root) / "pool" / "runners").glob("*.json")):
         try:
@@ -111,7 +111,7 @@ def runner_states(root: Path) -> list[dict[str, Any]]:
             pid = int(state["pid"])
         except (OSError, ValueError, KeyError, TypeError):
             continue  # being written at this moment
-        if _pid_alive(pid) and _is_runner(pid):
+        if pid_alive(pid) and runs_module(pid, RUNNER_MODULE):
             states.append(state)
     return states
 
@@ -124,14 +124,6 @@ def stop_runners(root: Path) -> list[int]:
             os.kill(int(state["pid"]), signal.SIGTERM)
             stopped.append(int(state["pid"]))
     return stopped
-
-
-def _is_runner(pid: int) -> bool:
-    """Whether `pid` runs a warm runner (a dead runner's pid may have been given to another)."""
-    try:
-        return b"fabric_pipelines.lib.warm_runner" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
 
 
 # ---- the command's side -------------------------------------------------------------------------
@@ -208,17 +200,9 @@ def start_in_background(
         return None  # one serves already
     folder = Path(root) / "pool" / "runners"
     folder.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "fabric_pipelines.lib.warm_runner",
+    command = [sys.executable, "-m", RUNNER_MODULE,
                "--root", str(root), "--key", key, "--idle-seconds", str(idle_seconds)]  # fmt: skip
-    with open(folder / f"{key}.log", "ab") as log:
-        return subprocess.Popen(
-            command,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+    return start_detached(command, env, folder / f"{key}.log")
 
 
 # ---- the runner's side -------------------------------------------------------------------------

@@ -99,9 +99,8 @@ def plan_task_set(
                 )
         try:
             return _store_plan(db, paths, ts, manifest.model_key, profile, rows, plan, record_no)
-        except _OutstandingChanged:
-            with db.connect() as conn:
-                rows = outstanding_rows(conn, task_set, manifest.model_key, record_no)
+        except _OutstandingChanged as changed:
+            rows = changed.rows
             plan = plan_batches(lengths, profile, rows, keys=keys)
     raise RuntimeError(
         f"task set {task_set!r}: its outstanding items changed each of {_STORE_ATTEMPTS} times "
@@ -115,7 +114,12 @@ _STORE_ATTEMPTS = 5
 
 
 class _OutstandingChanged(Exception):
-    """The set's outstanding items are no longer those the plan was computed from."""
+    """The set's outstanding items are no longer those the plan was computed from; `rows`: the
+    ones read instead (under the write lock, so current when the transaction rolled back)."""
+
+    def __init__(self, rows: np.ndarray) -> None:
+        super().__init__(f"{rows.size} outstanding items now")
+        self.rows = rows
 
 
 def _store_plan(
@@ -165,8 +169,9 @@ def _store_plan(
         # be acked (PostgreSQL: their rows are locked; SQLite: this transaction holds the write
         # lock), so the read below sees every batch that will ever finish under an older plan.
         new = register_plan(conn, pid, task_set, plan)
-        if not np.array_equal(outstanding_rows(conn, task_set, model_key, record_no), rows):
-            raise _OutstandingChanged  # rolls the transaction back
+        now = outstanding_rows(conn, task_set, model_key, record_no)
+        if not np.array_equal(now, rows):
+            raise _OutstandingChanged(now)  # rolls the transaction back
         conn.execute(update(TaskSet).where(TaskSet.name == task_set).values(current_plan_id=pid))
     return PlanSummary(pid, task_set, plan, path, sha, int(rows.size), new)
 
