@@ -233,7 +233,9 @@ def _storages(instance: Any) -> list[Any]:
 def serve(root: Path, key: str, idle_seconds: float) -> int:
     """Serve forks of this process until idle for `idle_seconds` with no run in progress."""
     state = state_path(root, key, os.getpid())
-    signal.signal(signal.SIGTERM, _exit_on_term)  # `fabric workers stop`, loading or serving
+    # `fabric workers stop`, loading or serving: exit at once. (An exception raised from the
+    # handler could land inside an import and come out as another error.)
+    signal.signal(signal.SIGTERM, lambda *_: _exit_now(state))
     try:
         # Said before loading, so that `fabric workers stop` finds a runner still importing.
         _write_state(state, key, serving=False)
@@ -284,8 +286,11 @@ def _serve_forks(listener: socket.socket, key: str, idle_seconds: float) -> None
             children.add(pid)
 
 
-def _exit_on_term(_signum: int, _frame: Any) -> None:
-    raise SystemExit(0)  # runs the cleanup in serve(); the runs in progress go on
+def _exit_now(state: Path) -> None:
+    """Its state goes, then the process (the socket goes with it; the runs it forked go on)."""
+    with contextlib.suppress(FileNotFoundError):
+        state.unlink()
+    os._exit(0)
 
 
 def _reaped(children: set[int]) -> set[int]:
