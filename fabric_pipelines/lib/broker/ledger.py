@@ -86,6 +86,15 @@ class Accounting:
         return self.balanced and self.in_flight == 0 and self.queued == 0
 
 
+def supersede_open_batches(conn: Connection, task_set: str, keep_plan: str | None) -> None:
+    """Mark the set's queued and leased batches superseded, but `keep_plan`'s: none of them can be
+    acked after this (an ack needs its batch leased), so they finish nothing more."""
+    open_batches = update(Batch).where(Batch.task_set == task_set)
+    if keep_plan is not None:
+        open_batches = open_batches.where(Batch.plan_id != keep_plan)
+    conn.execute(open_batches.where(Batch.state.in_((QUEUED, LEASED))).values(state=SUPERSEDED))
+
+
 def register_plan(conn: Connection, plan_id: str, task_set: str, plan: BatchPlan) -> int:
     """Insert one queued ledger row per batch; returns how many were inserted.
 
@@ -93,12 +102,7 @@ def register_plan(conn: Connection, plan_id: str, task_set: str, plan: BatchPlan
     registered before (the same outstanding items again) keeps its rows, and those a later plan
     superseded are queued again: its items are outstanding, so its open batches are the work.
     """
-    conn.execute(
-        update(Batch)
-        .where(Batch.task_set == task_set, Batch.plan_id != plan_id)
-        .where(Batch.state.in_((QUEUED, LEASED)))
-        .values(state=SUPERSEDED)
-    )
+    supersede_open_batches(conn, task_set, keep_plan=plan_id)
     existing = conn.execute(
         select(func.count()).select_from(Batch).where(Batch.plan_id == plan_id)
     ).scalar_one()

@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-from sqlalchemy import Engine, select, update
+from sqlalchemy import Connection, Engine, select, update
 from sqlalchemy.orm import Session
 
 from fabric_gpu.manifest import EngineManifest
 from fabric_gpu.model import resolve_model_dir, tokenizer_sha256
 from fabric_gpu.profile import ConsumerProfile
-from fabric_pipelines.lib.broker.ledger import outstanding_rows, register_plan
+from fabric_pipelines.lib.broker.ledger import (
+    outstanding_rows,
+    register_plan,
+    supersede_open_batches,
+)
 from fabric_pipelines.lib.broker.planner import BatchPlan, plan_batches, plan_id, prefix_keys
 from fabric_pipelines.lib.settings import FabricPaths
 from fabric_pipelines.lib.store.db import insert_ignoring_duplicates
@@ -81,45 +86,39 @@ def plan_task_set(
         with db.connect() as conn:
             rows = outstanding_rows(conn, task_set, manifest.model_key, record_no)
         plan = plan_batches(lengths, profile, rows, keys=keys)
-    # Another run of this set may finish batches while the plan is computed; a plan holding an
-    # item that meanwhile got its result would do it twice, so storing checks, under the write
-    # lock, that the outstanding items are still the planned ones, and otherwise plans again.
-    for _ in range(_STORE_ATTEMPTS):
-        if rows.size == 0:
-            kept = _finished_current_plan(db, ts, manifest.model_key)
-            if kept is not None:
-                # Nothing is left to do: the plan that did the work stays current (an empty
-                # plan made current would hide it from what reads the set's lineage), and is
-                # described as it was made, from its ledger rows and its file: planning a
-                # finished set again shows the same plan, never an empty one.
-                order = load_plan_order(Path(kept.path), kept.sha256)
-                recorded = recorded_plan(db, kept.plan_id, order)
-                return PlanSummary(
-                    kept.plan_id, task_set, recorded, Path(kept.path), kept.sha256, 0, 0
-                )
-        try:
-            return _store_plan(db, paths, ts, manifest.model_key, profile, rows, plan, record_no)
-        except _OutstandingChanged as changed:
-            rows = changed.rows
-            plan = plan_batches(lengths, profile, rows, keys=keys)
-    raise RuntimeError(
-        f"task set {task_set!r}: its outstanding items changed each of {_STORE_ATTEMPTS} times "
-        "a plan was stored (other runs of the set are finishing batches); run it again"
-    )
+    if rows.size == 0:
+        kept = _kept_plan_summary(db, ts, manifest.model_key)
+        if kept is not None:
+            return kept
+    try:
+        return _store_plan(
+            db, paths, ts, manifest.model_key, profile, rows, plan, record_no,
+            replan=lambda outstanding: plan_batches(lengths, profile, outstanding, keys=keys),
+        )  # fmt: skip
+    except _NothingLeft:
+        # Another run finished the rest while this plan was computed: its plan stays current.
+        kept = _kept_plan_summary(db, get_task_set(db, task_set), manifest.model_key)
+        assert kept is not None  # _store_plan raises only when there is one
+        return kept
 
 
-# Each retry follows batches finished by another run in the meantime; that run's own plan is
-# superseded by the first store that passes, so a few attempts always suffice in practice.
-_STORE_ATTEMPTS = 5
+def _kept_plan_summary(db: Engine, ts: TaskSet, model_key: str) -> PlanSummary | None:
+    """The set's current plan for `model_key` described as it was made (from its ledger rows and
+    its file), for when nothing is left to do; None if the current plan is another engine's.
+
+    The plan that did the work stays current (an empty plan made current would hide it from what
+    reads the set's lineage): planning a finished set again shows the same plan, never an empty
+    one."""
+    kept = _finished_current_plan(db, ts, model_key)
+    if kept is None:
+        return None
+    order = load_plan_order(Path(kept.path), kept.sha256)
+    recorded = recorded_plan(db, kept.plan_id, order)
+    return PlanSummary(kept.plan_id, ts.name, recorded, Path(kept.path), kept.sha256, 0, 0)
 
 
-class _OutstandingChanged(Exception):
-    """The set's outstanding items are no longer those the plan was computed from; `rows`: the
-    ones read instead (under the write lock, so current when the transaction rolled back)."""
-
-    def __init__(self, rows: np.ndarray) -> None:
-        super().__init__(f"{rows.size} outstanding items now")
-        self.rows = rows
+class _NothingLeft(Exception):
+    """Another run finished the set's last items while this plan was computed."""
 
 
 def _store_plan(
@@ -131,25 +130,33 @@ def _store_plan(
     rows: np.ndarray,
     plan: BatchPlan,
     record_no: np.ndarray,
+    replan: Callable[[np.ndarray], BatchPlan],
 ) -> PlanSummary:
-    """Write the plan's file and ledger rows and make it current; _OutstandingChanged (and
-    nothing stored but the file) if the outstanding items moved on since `rows` was read."""
+    """Write the plan's file and ledger rows and make it current.
+
+    Another run of the set may finish batches while the plan is computed (outside any lock, as
+    it takes a while); a plan holding an item that meanwhile got its result would do it twice.
+    So the store checks, once no older batch can finish any more, that the outstanding items are
+    still `rows`, and otherwise plans again there, from what is outstanding (`replan`)."""
     task_set = ts.name
-    pid = plan_id(ts.content_sha256, model_key, profile, rows)
-    with Session(db) as session:
-        existing = session.get(BatchPlanRow, pid)
-    if existing is not None:
-        # The same plan again (same set, engine and outstanding items): its file is reused.
-        path, sha = Path(existing.path), existing.sha256
-        load_plan_order(path, sha)
-    else:
-        path = paths.plans / task_set / f"{pid}.arrow"
-        sha = write_table(
-            path,
-            pa.table({"task_row": pa.array(plan.order, type=pa.int64())}),
-            {"fabric.plan_id": pid, "fabric.task_set": task_set},
-        )
     with db.begin() as conn:
+        pid = plan_id(ts.content_sha256, model_key, profile, rows)
+        # Superseding the older plans' open batches comes first: from here on none of them can
+        # be acked (PostgreSQL: their rows are locked; SQLite: this transaction holds the write
+        # lock), so the read below sees every batch that will ever finish under an older plan.
+        supersede_open_batches(conn, task_set, keep_plan=pid)
+        now = outstanding_rows(conn, task_set, model_key, record_no)
+        if not np.array_equal(now, rows):
+            # Batches finished meanwhile. `pid` may be a plan registered before whose open
+            # batches are still running: superseding those too leaves nothing that can finish,
+            # so the items read now are final and the plan made from them exact.
+            supersede_open_batches(conn, task_set, keep_plan=None)
+            rows = outstanding_rows(conn, task_set, model_key, record_no)
+            if rows.size == 0 and _current_plan_model_key(conn, task_set) == model_key:
+                raise _NothingLeft  # rolls the transaction back
+            plan = replan(rows)
+            pid = plan_id(ts.content_sha256, model_key, profile, rows)
+        path, sha = _plan_file(conn, paths, task_set, pid, plan)
         conn.execute(
             insert_ignoring_duplicates(db, BatchPlanRow),
             {
@@ -165,15 +172,39 @@ def _store_plan(
                 "sha256": sha,
             },
         )
-        # Superseding the older plans' open batches comes first: from here on none of them can
-        # be acked (PostgreSQL: their rows are locked; SQLite: this transaction holds the write
-        # lock), so the read below sees every batch that will ever finish under an older plan.
         new = register_plan(conn, pid, task_set, plan)
-        now = outstanding_rows(conn, task_set, model_key, record_no)
-        if not np.array_equal(now, rows):
-            raise _OutstandingChanged(now)  # rolls the transaction back
         conn.execute(update(TaskSet).where(TaskSet.name == task_set).values(current_plan_id=pid))
     return PlanSummary(pid, task_set, plan, path, sha, int(rows.size), new)
+
+
+def _current_plan_model_key(conn: Connection, task_set: str) -> str | None:
+    current = (
+        select(BatchPlanRow.model_key)
+        .join(TaskSet, TaskSet.current_plan_id == BatchPlanRow.plan_id)
+        .where(TaskSet.name == task_set)
+    )
+    return conn.execute(current).scalar_one_or_none()
+
+
+def _plan_file(
+    conn: Connection, paths: FabricPaths, task_set: str, pid: str, plan: BatchPlan
+) -> tuple[Path, str]:
+    """The plan's order file: a plan stored before (same set, engine and outstanding items)
+    reuses its file, checked against its hash; a new one is written."""
+    existing = conn.execute(
+        select(BatchPlanRow.path, BatchPlanRow.sha256).where(BatchPlanRow.plan_id == pid)
+    ).first()
+    if existing is not None:
+        path, sha = Path(existing.path), existing.sha256
+        load_plan_order(path, sha)
+        return path, sha
+    path = paths.plans / task_set / f"{pid}.arrow"
+    sha = write_table(
+        path,
+        pa.table({"task_row": pa.array(plan.order, type=pa.int64())}),
+        {"fabric.plan_id": pid, "fabric.task_set": task_set},
+    )
+    return path, sha
 
 
 def _finished_current_plan(db: Engine, ts: TaskSet, model_key: str) -> BatchPlanRow | None:
