@@ -12,6 +12,7 @@
 #include <stdexcept>
 #include <thread>
 
+#include "allocations.h"
 #include "atomics.h"
 #include "gpu.h"
 #include "kernels_host.h"
@@ -44,6 +45,7 @@ class EmulatedStream {
   }
 
   void push(Op op) {
+    UncountedAllocations driver_stand_in;  // the queue grows as a driver's would, unseen
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (stopping_) throw std::runtime_error("emulated GPU stopped");
@@ -79,6 +81,7 @@ class EmulatedStream {
   }
 
   void run() {
+    UncountedAllocations device_side;  // this thread is the GPU: its work is not the host's
     for (;;) {
       Op op;
       {
@@ -216,6 +219,7 @@ class EmulatedGpu final : public Gpu {
     throw std::logic_error("CUDA graphs need a real GPU; emulated engines run as host calls");
   }
   void host_call(Stream s, std::function<void()> fn) override {
+    UncountedAllocations driver_stand_in;
     Op op(Op::Kind::kHost);
     op.fn = std::move(fn);
     stream(s).push(std::move(op));
@@ -249,6 +253,7 @@ class EmulatedGpu final : public Gpu {
     }
   }
   void record_mark(Stream s, int mark) override {
+    UncountedAllocations driver_stand_in;  // an event record, on a GPU
     const std::uint64_t gen = mark_asked_[mark].fetch_add(1) + 1;
     host_call(s, [this, mark, gen] {
       marks_[mark].store(std::chrono::duration<double, std::milli>(

@@ -77,7 +77,24 @@ nb::dict stats_to_dict(const fabric::RuntimeStats& s) {
   return out;
 }
 
+// The keys make_config() reads; any other key is refused (a misspelt key would otherwise
+// leave its setting at the default without a word).
+constexpr const char* kConfigKeys[] = {
+    "ring_bytes",     "payload_ring_bytes", "max_output_bytes", "max_items",
+    "max_in_flight",  "staging_buffers",    "publish_every",    "write_combined",
+    "poison_byte",    "measure_gpu_time",   "input_location"};
+
 fabric::RuntimeConfig make_config(nb::dict c) {
+  for (auto [key, value] : c) {
+    const std::string name = nb::cast<std::string>(nb::str(key));
+    bool known = false;
+    for (const char* k : kConfigKeys) known = known || name == k;
+    if (!known) {
+      std::string all;
+      for (const char* k : kConfigKeys) all += std::string(all.empty() ? "" : ", ") + k;
+      throw std::invalid_argument("unknown runtime config key '" + name + "'; the keys are: " + all);
+    }
+  }
   fabric::RuntimeConfig rc;
   auto get = [&](const char* key, auto& field) {
     if (c.contains(key)) field = nb::cast<std::decay_t<decltype(field)>>(c[key]);
@@ -356,6 +373,9 @@ nb::dict run_selftest(bool emulated, int device, std::uint64_t batches, std::uin
   nb::dict out = stats_to_dict(r.stats);
   out["batches"] = r.batches;
   out["verified"] = r.verified;
+  out["warmup_batches"] = r.warmup_batches;
+  out["heap_allocations_warming_up"] = r.allocations_warming_up;
+  out["heap_allocations_after_warmup"] = r.allocations_after_warmup;
   out["checksum_mismatches"] = r.checksum_mismatches;
   out["output_mismatches"] = r.output_mismatches;
   out["order_errors"] = r.order_errors;

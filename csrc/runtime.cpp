@@ -126,6 +126,7 @@ void Runtime::submit(const BatchSpec& spec, const std::int64_t* rows) {
                                 std::to_string(spec.output_bytes) + " bytes; allowed 1.." +
                                 std::to_string(config_.max_output_bytes));
   }
+  stage_->check(spec);  // before any reservation: a refused batch must leave nothing to wait for
   gpu_->bind_thread();  // the caller's thread enqueues on the device's context
   const std::uint64_t seq = next_seq_;
   // At most max_in_flight batches between submit and drain (the queues are that deep).
@@ -181,6 +182,16 @@ void Runtime::submit(const BatchSpec& spec, const std::int64_t* rows) {
     gpu.write_value(Stream::kCompute, consumed_seq, seq);
     slot_released = true;
   };
+  auto hook_done = [&](std::uint64_t bytes_done) {
+    const bool last = bytes_done >= spec.output_bytes;
+    // Batched publication: one release per K hook outputs, and the batch end.
+    if (++hooks_since_publish_ % config_.publish_every == 0 || last) {
+      publish(last ? out->end() : out_start + bytes_done);
+      hooks_since_publish_ = 0;
+      end_published = last;
+    }
+  };
+  // The callbacks are referenced, not copied: nothing is allocated per batch.
   Stage::Context ctx{gpu,
                      spec,
                      seq,
@@ -190,15 +201,7 @@ void Runtime::submit(const BatchSpec& spec, const std::int64_t* rows) {
                      gpu.host_view(payload_mem_ + out->offset),
                      sizes_mem_.device + 64 * (seq % config_.max_in_flight),
                      release_slot,
-                     [&](std::uint64_t bytes_done) {
-                       const bool last = bytes_done >= spec.output_bytes;
-                       // Batched publication: one release per K hook outputs, and the batch end.
-                       if (++hooks_since_publish_ % config_.publish_every == 0 || last) {
-                         publish(last ? out->end() : out_start + bytes_done);
-                         hooks_since_publish_ = 0;
-                         end_published = last;
-                       }
-                     }};
+                     hook_done};
   stage_->enqueue(ctx);
   release_slot();
   // Forward boundary: the batch's end is always published.

@@ -26,6 +26,7 @@
 
 #include "blocking.h"
 #include "byte_ring.h"
+#include "function_ref.h"
 #include "gpu.h"
 #include "protocol.h"
 
@@ -102,13 +103,16 @@ class Stage {
     // Call once the enqueued work no longer reads the slot (after the last kernel that reads it):
     // the slot's bytes go back to the ring as soon as the GPU gets there. Called by the runtime
     // after enqueue() if the stage did not.
-    std::function<void()> slot_done;
+    FunctionRef<void()> slot_done;
     // Call after each hook output is enqueued with the bytes of output complete so far;
     // the runtime publishes every K calls, and at the end of the batch.
-    std::function<void(std::uint64_t)> hook_done;
+    FunctionRef<void(std::uint64_t)> hook_done;
   };
   virtual ~Stage() = default;
   virtual void warm_up(Gpu&) {}
+  // Throws std::invalid_argument if the stage cannot run `spec`. Called by submit() before it
+  // reserves anything, so a refused batch leaves no sequence number the GPU would wait for.
+  virtual void check(const BatchSpec&) const {}
   virtual void enqueue(Context& ctx) = 0;
   // A failure the stage recorded for `publish_seq` (stages that run host code); "" if none.
   virtual std::string take_error(std::uint64_t) { return {}; }

@@ -5,6 +5,7 @@
 #include <random>
 #include <thread>
 
+#include "allocations.h"
 #include "atomics.h"
 #include "kernel_abi.h"
 #include "sources.h"
@@ -70,6 +71,7 @@ SelfTestResult run_selftest(const SelfTestConfig& config) {
       std::this_thread::sleep_for(std::chrono::microseconds(config.slow_drain_us));
     }
   };
+  const std::uint64_t allocations_at_start = allocations();
   std::unique_ptr<Gpu> gpu = config.emulated ? make_emulated_gpu() : make_cuda_gpu(config.device);
   RuntimeConfig rc = config.runtime;
   rc.max_items = std::max(rc.max_items, config.max_items);
@@ -80,7 +82,11 @@ SelfTestResult run_selftest(const SelfTestConfig& config) {
   std::mt19937_64 rng(config.seed);
   std::vector<std::int64_t> rows(rc.max_items, 0);
   const auto start = Clock::now();
+  // Warm-up: the first batches, a full turn of the in-flight queues and then some.
+  result.warmup_batches = std::min<std::uint64_t>(config.batches, 2ull * rc.max_in_flight + 16);
+  std::uint64_t allocations_warm = allocations();
   for (std::uint64_t i = 1; i <= config.batches; ++i) {
+    if (i == result.warmup_batches + 1) allocations_warm = allocations();
     BatchSpec spec;
     spec.batch_id = i * 7 + 3;
     spec.real_tokens = 1 + rng() % config.max_tokens;
@@ -95,6 +101,10 @@ SelfTestResult run_selftest(const SelfTestConfig& config) {
     runtime.submit(spec, rows.data());
   }
   runtime.finish();
+  const std::uint64_t allocations_end = allocations();
+  if (config.batches <= result.warmup_batches) allocations_warm = allocations_end;
+  result.allocations_warming_up = allocations_warm - allocations_at_start;
+  result.allocations_after_warmup = allocations_end - allocations_warm;
   result.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   result.stats = runtime.stats();
   result.batches = config.batches;

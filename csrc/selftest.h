@@ -38,6 +38,11 @@ struct SelfTestResult {
   std::string first_error;
   double seconds = 0;
   RuntimeStats stats;
+  // operator new calls by the host side (see allocations.h): from creating the runtime to the
+  // end of the warm-up batches, then over every batch after them (the hot loop: should be 0).
+  std::uint64_t warmup_batches = 0;
+  std::uint64_t allocations_warming_up = 0;
+  std::uint64_t allocations_after_warmup = 0;
 };
 
 SelfTestResult run_selftest(const SelfTestConfig& config);

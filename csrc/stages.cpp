@@ -95,9 +95,8 @@ std::uint64_t GraphStage::output_bytes(std::uint32_t epoch, std::uint32_t items,
          s.hooks.size() * real_tokens * s.hook_row_bytes;
 }
 
-void GraphStage::enqueue(Context& ctx) {
-  const ShapeGraph& s = shape(ctx.spec.shape_epoch);
-  const BatchSpec& spec = ctx.spec;
+void GraphStage::check(const BatchSpec& spec) const {
+  const ShapeGraph& s = shape(spec.shape_epoch);
   const bool packed = s.layout == InputLayout::kPacked;
   if (spec.item_count > s.items || (packed ? spec.real_tokens > s.seq_len : spec.bucket_max > s.seq_len)) {
     throw std::invalid_argument("batch " + std::to_string(spec.batch_id) +
@@ -107,6 +106,12 @@ void GraphStage::enqueue(Context& ctx) {
     throw std::invalid_argument("batch " + std::to_string(spec.batch_id) +
                                 ": output_bytes does not match the shape's output layout");
   }
+}
+
+void GraphStage::enqueue(Context& ctx) {
+  const ShapeGraph& s = shape(ctx.spec.shape_epoch);  // check() passed in submit()
+  const BatchSpec& spec = ctx.spec;
+  const bool packed = s.layout == InputLayout::kPacked;
   // 1. gather: ring slot -> the shape's static inputs
   if (packed) {
     kernels::GatherPackedArgs g{ctx.slot, s.input_ids, s.aux0, s.aux1, s.aux2, s.seq_len, s.items, s.pad_id};

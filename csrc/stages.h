@@ -65,6 +65,7 @@ struct ShapeGraph {
 class GraphStage final : public Stage {
  public:
   void add_shape(ShapeGraph shape);
+  void check(const BatchSpec& spec) const override;
   void enqueue(Context& ctx) override;
   std::string take_error(std::uint64_t publish_seq) override;
   // Bytes of a batch's output for `items` items and `real_tokens` tokens in shape `epoch`.

@@ -32,7 +32,9 @@ def test_payload_integrity_over_100k_batches_of_random_size() -> None:
     assert r["verified"] == r["drained"] == 100_000, r
     assert r["checksum_mismatches"] == 0, r["first_error"]
     assert r["output_mismatches"] == 0 and r["order_errors"] == 0, r["first_error"]
-    assert r["allocations"] == r["allocations_at_start"], "no allocation after warm-up"
+    assert r["allocations"] == r["allocations_at_start"], "no GPU memory allocated after warm-up"
+    assert r["heap_allocations_warming_up"] > 0, "the heap counter sees the runtime"
+    assert r["heap_allocations_after_warmup"] == 0, "no heap allocation per batch after warm-up"
 
 
 @pytest.mark.timeout(900)

@@ -288,3 +288,57 @@ def test_a_size_beyond_the_reservation_is_refused_naming_the_batch() -> None:
         RuntimeError, match=r"batch 143: the stage reported \d+ output bytes, more than"
     ):
         selftest(emulated=True, batches=100, gpu_sized=True, oversize_batch=20 * 7 + 3)
+
+
+def test_a_misspelt_runtime_config_key_is_an_error_naming_it() -> None:
+    with pytest.raises(ValueError, match="unknown runtime config key 'max_inflight'"):
+        _runtime.Runtime(emulated=True, device=0, config={"max_inflight": 4})
+
+
+def test_a_batch_the_stage_refuses_leaves_nothing_for_finish_to_wait_for() -> None:
+    """The graph stage refuses a batch that does not fit its shape; submit() checks it before it
+    reserves a sequence number, so the runtime goes on and finish() returns."""
+    items, seq_len, hidden = 4, 8, 4
+    ids = np.zeros(items * seq_len, np.int64)
+    mask = np.zeros(items * seq_len, np.int64)
+    pooled = np.zeros((items, hidden), np.float32)
+    drained: list[int] = []
+    rt = _runtime.Runtime(
+        emulated=True, device=0,
+        config={"input_location": "host", "write_combined": False, "max_output_bytes": 1024},
+    )  # fmt: skip
+    rt.set_token_table(np.arange(40, dtype=np.int32), np.arange(0, 41, 4, dtype=np.int64))
+    rt.set_graph_stage()
+    rt.add_shape(
+        epoch=seq_len, layout="padded", items=items, seq_len=seq_len, pad_id=0, graph_exec=0,
+        host_fn=lambda seq, n: None, input_ids=ids.ctypes.data, aux0=mask.ctypes.data, aux1=0,
+        aux2=0, pooled=pooled.ctypes.data, pooled_row_bytes=hidden * 4, hooks=[],
+        hook_row_bytes=0,
+    )  # fmt: skip
+    rt.set_sink(lambda seq, batch_id, data, error: drained.append(batch_id))
+    rt.start()
+    rows = np.array([0, 1], np.int64)
+    with pytest.raises(ValueError, match="batch 1: output_bytes does not match"):
+        rt.submit(1, rows, 4, 8, 999, seq_len, 0, 0, 0)
+    with pytest.raises(ValueError, match="batch 2 does not fit shape epoch 8"):
+        rt.submit(2, np.arange(5, dtype=np.int64), 4, 20, 5 * hidden * 4, seq_len, 0, 0, 0)
+    rt.submit(3, rows, 4, 8, 2 * hidden * 4, seq_len, 0, 0, 0)
+    finished = threading.Thread(target=rt.finish, daemon=True)
+    finished.start()
+    finished.join(timeout=30)
+    assert not finished.is_alive(), "finish() waited for a batch that was refused"
+    rt.shutdown()
+    assert drained == [3]
+
+
+def test_the_hot_loop_allocates_nothing_per_batch_after_warm_up() -> None:
+    result = selftest(
+        emulated=True, batches=3000, seed=9, max_tokens=300, max_items=32, max_hooks=4,
+        max_output_bytes=1 << 12,
+    )  # fmt: skip
+    assert result["verified"] == 3000 and not result["first_error"]
+    assert result["batches"] - result["warmup_batches"] >= 1000
+    # The counter sees the runtime's own allocations (rings, queues, threads) ...
+    assert result["heap_allocations_warming_up"] > 0
+    # ... and none across the thousands of batches after the warm-up.
+    assert result["heap_allocations_after_warmup"] == 0
