@@ -1,6 +1,6 @@
 """Result writes into the database: the product's path against the SQLAlchemy ORM, same run.
 
-The product's path is the write-behind writer (store/writer.py) exactly as extraction uses it
+The product's path is the write-behind writer (result_writer.py) exactly as extraction uses it
 (two writer threads with a connection each on PostgreSQL; also measured with one): groups of
 batches, each batch's ledger ack and its rows in one transaction, rows sent as one
 binary COPY built in bulk into the logged `embeddings` table (primary key, unique key, index).
@@ -27,11 +27,11 @@ from sqlalchemy.orm import Session
 
 from fabric_pipelines.lib.broker.ledger import claim_many, register_plan
 from fabric_pipelines.lib.broker.planner import BatchPlan
+from fabric_pipelines.lib.result_writer import BatchRows, WriteBehind
 from fabric_pipelines.lib.store.db import create_schema, make_engine
 from fabric_pipelines.lib.store.keys import model_id
 from fabric_pipelines.lib.store.models import Embedding, TaskSet
 from fabric_pipelines.lib.store.scratch import scratch_database
-from fabric_pipelines.lib.store.writer import BatchRows, WriteBehind
 
 BATCH_ROWS = 512  # items per batch: a 32K-token batch at ~64 tokens per item
 

@@ -45,12 +45,12 @@ def run(
 
     from fabric_gpu.engines import input_layout
     from fabric_pipelines.lib.broker.plans import plan_task_set
+    from fabric_pipelines.lib.run_extraction import extract_task_set
     from fabric_pipelines.lib.settings import FabricPaths
     from fabric_pipelines.lib.store.db import create_schema, make_engine
     from fabric_pipelines.lib.store.models import Batch, Embedding, TaskSet
     from fabric_pipelines.lib.tasks.catalog import ingest_task_set
     from fabric_pipelines.lib.tasks.inbox import submit
-    from fabric_pipelines.lib.workers import extract_task_set
 
     paths = FabricPaths(root).ensure()
     db = make_engine(db_url)

@@ -751,8 +751,8 @@ def cmd_forget(args: argparse.Namespace) -> int:
     import dagster as dg
 
     from fabric_pipelines.defs.partitions import TASK_SET_PARTITIONS
+    from fabric_pipelines.lib.forget import ForgetRefused, forget
     from fabric_pipelines.lib.names import validate_task_set_name
-    from fabric_pipelines.lib.tasks.forget import ForgetRefused, forget
 
     name = validate_task_set_name(args.task_set)  # InvalidNameError: main() prints it, exit 2
     paths, db = _open_database()

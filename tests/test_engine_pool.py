@@ -36,11 +36,11 @@ from fabric_pipelines.lib.engine_pool import (
     stop_pool,
     wait_until_serving,
 )
+from fabric_pipelines.lib.run_extraction import extract_task_set
 from fabric_pipelines.lib.settings import FabricPaths
 from fabric_pipelines.lib.store.db import create_schema, make_engine
 from fabric_pipelines.lib.tasks.catalog import ingest_task_set
 from fabric_pipelines.lib.tasks.inbox import submit
-from fabric_pipelines.lib.workers import extract_task_set
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -115,7 +115,7 @@ class Harness:
         (as `fabric run` does with workers=0; no worker start-up to wait for). Returns the plan
         and the extraction summaries."""
         from fabric_pipelines.lib.broker.plans import plan_task_set
-        from fabric_pipelines.lib.workers import extract_task_set
+        from fabric_pipelines.lib.run_extraction import extract_task_set
 
         plan = plan_task_set(self.db, self.paths, "set", self.manifest)
         summary = extract_task_set(

@@ -23,9 +23,9 @@ from fabric_pipelines.lib.files import (
     write_content_addressed,
     write_file,
 )
+from fabric_pipelines.lib.hidden_states import read_shard, write_shard
 from fabric_pipelines.lib.index.build import index_sha256, serialize
 from fabric_pipelines.lib.index.publish import store_index
-from fabric_pipelines.lib.store.shards import read_shard, write_shard
 
 CALLS_PER_THREAD = 150
 HIDDEN = 8

@@ -36,10 +36,10 @@ from fabric_pipelines.lib.index.recall import doublings
 from fabric_pipelines.lib.index.shards import shard_of
 from fabric_pipelines.lib.index.staleness import staleness
 from fabric_pipelines.lib.index.vectors import ID_STRIDE, load_vectors
+from fabric_pipelines.lib.result_writer import BatchRows, insert_rows
 from fabric_pipelines.lib.settings import FabricPaths
 from fabric_pipelines.lib.store.keys import model_id
 from fabric_pipelines.lib.store.models import Embedding, IndexReceipt
-from fabric_pipelines.lib.store.writer import BatchRows, insert_rows
 
 SHARDS = 8
 SPEC = IndexSpec(factory="IVF32,Flat", nprobe=4, shards=SHARDS)

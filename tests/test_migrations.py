@@ -162,7 +162,7 @@ def test_watermarks_move_by_the_rows_changed_on_both_databases(db_url: str) -> N
     counts its old and new row): on PostgreSQL by statement triggers (0005), on SQLite by the
     writer and row triggers (0006). A row inserted by hand moves it on PostgreSQL only."""
     from fabric_pipelines.lib.index import shards
-    from fabric_pipelines.lib.store.writer import BatchRows, insert_rows
+    from fabric_pipelines.lib.result_writer import BatchRows, insert_rows
 
     engine = make_engine(db_url)
     upgrade(engine)

@@ -17,15 +17,15 @@ from fabric_pipelines.lib.broker.ledger import COMPLETED, claim_many, register_p
 from fabric_pipelines.lib.broker.planner import BatchPlan
 from fabric_pipelines.lib.broker.plans import plan_task_set
 from fabric_pipelines.lib.files import StoredFile
+from fabric_pipelines.lib.result_writer import BatchRows, write_group
+from fabric_pipelines.lib.run_extraction import extract_task_set
 from fabric_pipelines.lib.settings import FabricPaths
 from fabric_pipelines.lib.store.keys import model_id
 from fabric_pipelines.lib.store.models import Batch, HiddenStateShard, TaskSet
 from fabric_pipelines.lib.store.models import BatchPlan as BatchPlanRow
-from fabric_pipelines.lib.store.writer import BatchRows, write_group
 from fabric_pipelines.lib.tasks.catalog import forget_task_set, ingest_task_set
 from fabric_pipelines.lib.tasks.inbox import submit
 from fabric_pipelines.lib.verify import verify
-from fabric_pipelines.lib.workers import extract_task_set
 
 SETS = ("first", "second")
 

@@ -20,6 +20,7 @@ from fabric_gpu.profile import ConsumerProfile
 from fabric_pipelines.lib.broker.ledger import accounting
 from fabric_pipelines.lib.broker.plans import plan_task_set
 from fabric_pipelines.lib.device_lease import DevicesBusy, lease_devices
+from fabric_pipelines.lib.run_extraction import extract_task_set
 from fabric_pipelines.lib.settings import FabricPaths
 from fabric_pipelines.lib.tasks.catalog import ingest_task_set
 from fabric_pipelines.lib.tasks.inbox import submit
@@ -29,7 +30,6 @@ from fabric_pipelines.lib.warm_workers import (
     warm_devices,
     warm_workers,
 )
-from fabric_pipelines.lib.workers import extract_task_set
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -168,7 +168,7 @@ def test_a_waiting_worker_reads_its_task_set_once_ingested_before_the_go(
     table before any go, and the job made after the go uses that table."""
     from fabric_pipelines.lib.tasks import store
     from fabric_pipelines.lib.tasks.catalog import get_task_set
-    from fabric_pipelines.lib.workers import _job, read_task_set_before_go
+    from fabric_pipelines.lib.workers import load_job, read_task_set_before_go
 
     read_before_go = threading.Event()
     read_table = store.read_table
@@ -195,7 +195,7 @@ def test_a_waiting_worker_reads_its_task_set_once_ingested_before_the_go(
     assert early is not None and early.content_sha256 == row.content_sha256  # type: ignore[attr-defined]
     assert early.table.equals(read_table(Path(row.path), row.content_sha256))  # type: ignore[attr-defined]
     monkeypatch.undo()
-    job = _job(db, paths, "set", manifest, early)  # type: ignore[arg-type]
+    job = load_job(db, paths, "set", manifest, early)  # type: ignore[arg-type]
     assert job.tasks is early.table  # type: ignore[attr-defined]
 
 
@@ -205,7 +205,7 @@ def test_a_damaged_task_set_is_left_to_the_job_which_says_so(
     from fabric_pipelines.lib.files import CorruptFileError
     from fabric_pipelines.lib.tasks import store
     from fabric_pipelines.lib.tasks.catalog import get_task_set
-    from fabric_pipelines.lib.workers import _job, read_task_set_before_go
+    from fabric_pipelines.lib.workers import load_job, read_task_set_before_go
 
     manifest = _manifest(tiny_model_dir)
     _ingest_and_plan(db, paths, manifest, 20)
@@ -225,7 +225,7 @@ def test_a_damaged_task_set_is_left_to_the_job_which_says_so(
     assert tried.is_set()  # it read the file early, found it damaged, and kept nothing
     monkeypatch.undo()
     with pytest.raises(CorruptFileError):
-        _job(db, paths, "set", manifest, None)
+        load_job(db, paths, "set", manifest, None)
 
 
 def test_a_go_that_is_there_already_returns_at_once_without_reading(

@@ -33,6 +33,7 @@ from fabric_pipelines.lib import extraction
 from fabric_pipelines.lib.broker.ledger import Accounting, accounting
 from fabric_pipelines.lib.broker.plans import current_plan, load_plan_order, plan_task_set
 from fabric_pipelines.lib.extraction import ExtractionJob, ExtractionReport, run_worker
+from fabric_pipelines.lib.run_extraction import extract_task_set
 from fabric_pipelines.lib.settings import FabricPaths
 from fabric_pipelines.lib.store.db import create_schema, make_engine
 from fabric_pipelines.lib.store.models import Batch
@@ -40,7 +41,7 @@ from fabric_pipelines.lib.store.scratch import empty_public_schema
 from fabric_pipelines.lib.tasks.catalog import get_task_set, ingest_task_set
 from fabric_pipelines.lib.tasks.inbox import submit
 from fabric_pipelines.lib.tasks.store import read_table
-from fabric_pipelines.lib.workers import PARENT_GONE_EXIT, extract_task_set
+from fabric_pipelines.lib.workers import PARENT_GONE_EXIT
 from tests.pipeline_helpers import embedding_counts
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -16,18 +16,18 @@ from sqlalchemy import Engine, exc, insert, select, text
 
 from fabric_pipelines.lib.broker.ledger import accounting, claim_many, register_plan
 from fabric_pipelines.lib.broker.planner import BatchPlan
-from fabric_pipelines.lib.store.db import make_engine
-from fabric_pipelines.lib.store.keys import model_id
-from fabric_pipelines.lib.store.models import Batch, TaskSet
-from fabric_pipelines.lib.store.models import BatchPlan as BatchPlanRow
-from fabric_pipelines.lib.store.scratch import empty_public_schema
-from fabric_pipelines.lib.store.writer import (
+from fabric_pipelines.lib.result_writer import (
     BatchRows,
     GroupOutcome,
     RejectBatch,
     WriteBehind,
     WriterGaveUp,
 )
+from fabric_pipelines.lib.store.db import make_engine
+from fabric_pipelines.lib.store.keys import model_id
+from fabric_pipelines.lib.store.models import Batch, TaskSet
+from fabric_pipelines.lib.store.models import BatchPlan as BatchPlanRow
+from fabric_pipelines.lib.store.scratch import empty_public_schema
 from tests.flaky_db import FlakyDatabase, database_locked, lost_connection, undefined_table
 from tests.pipeline_helpers import embedding_counts
 
@@ -380,8 +380,8 @@ def test_the_one_step_insert_fills_the_watermarks_and_ignores_rows_already_there
 
 def test_a_group_of_several_task_sets_and_models_is_stored_as_given(tmp_path: Path) -> None:
     """SQLite's one-step insert runs once per (task set, model) of a group, batches interleaved."""
+    from fabric_pipelines.lib.result_writer import insert_rows
     from fabric_pipelines.lib.store.db import create_schema
-    from fabric_pipelines.lib.store.writer import insert_rows
 
     db = make_engine(f"sqlite:///{tmp_path / 'mixed.db'}")
     create_schema(db)

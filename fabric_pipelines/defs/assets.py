@@ -22,11 +22,11 @@ from fabric_pipelines.lib.index.staleness import latest_receipt
 from fabric_pipelines.lib.plots import chart_and_table
 from fabric_pipelines.lib.preload import INDEX_MODULES, preload
 from fabric_pipelines.lib.progress import TaskProgress, stage
+from fabric_pipelines.lib.run_extraction import extract_task_set
 from fabric_pipelines.lib.store.settle import settle_embeddings, settling_meanwhile
 from fabric_pipelines.lib.tasks.catalog import get_task_set, ingest_task_set
 from fabric_pipelines.lib.tasks.ingest import SubmissionError
 from fabric_pipelines.lib.verify import verify_extraction
-from fabric_pipelines.lib.workers import extract_task_set
 
 CODE_VERSION = "0.1.0"
 # Each asset's code version; the index receipt records them all.

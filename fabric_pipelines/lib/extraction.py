@@ -41,11 +41,11 @@ from fabric_pipelines.lib.broker.ledger import (
     superseded_message,
 )
 from fabric_pipelines.lib.files import CorruptFileError, verify_sha256
+from fabric_pipelines.lib.hidden_states import write_shard
+from fabric_pipelines.lib.result_writer import BatchRows, GroupOutcome, RejectBatch, WriteBehind
 from fabric_pipelines.lib.retry import DEFAULT_BUDGET_S, GaveUpRetrying, retry
 from fabric_pipelines.lib.store.keys import model_id, task_set_id
 from fabric_pipelines.lib.store.models import Batch
-from fabric_pipelines.lib.store.shards import write_shard
-from fabric_pipelines.lib.store.writer import BatchRows, GroupOutcome, RejectBatch, WriteBehind
 from fabric_pipelines.lib.tasks.store import flat_tokens
 
 T = TypeVar("T")

@@ -546,7 +546,7 @@ def read_with_product_reader(item: StoredItem) -> None:
 
         read_table(item.path, item.sha256)
     elif item.kind == "shard":
-        from fabric_pipelines.lib.store.shards import read_shard
+        from fabric_pipelines.lib.hidden_states import read_shard
 
         read_shard(item.path, item.sha256)
     elif item.kind == "index":
@@ -716,9 +716,9 @@ def _run_main(argv: list[str]) -> int:
 
     from fabric_gpu.manifest import EngineManifest
     from fabric_pipelines.lib.broker.plans import plan_task_set
+    from fabric_pipelines.lib.run_extraction import extract_task_set
     from fabric_pipelines.lib.settings import database_url, default_root
     from fabric_pipelines.lib.store.db import make_engine
-    from fabric_pipelines.lib.workers import extract_task_set
 
     paths = FabricPaths(default_root()).ensure()
     url = database_url(paths)

@@ -252,7 +252,7 @@ class PoolWorker:
     def _run_job(self, job: dict[str, Any], engine: Any, conn: socket.socket) -> dict[str, Any]:
         from fabric_pipelines.lib.extraction import run_worker
         from fabric_pipelines.lib.settings import FabricPaths
-        from fabric_pipelines.lib.workers import _job, read_task_set_before_go
+        from fabric_pipelines.lib.workers import load_job, read_task_set_before_go
 
         timeline = {"started_at": time.time(), "main_at": self.started_at}
         db = self._database(job["database_url"])
@@ -266,7 +266,7 @@ class PoolWorker:
             if not Path(job["go_file"]).exists():
                 raise _GivenUp  # the run ended before its plan (ingest failed, say)
         timeline["go_at"] = time.time()
-        extraction = _job(db, paths, job["task_set"], self.manifest, early)
+        extraction = load_job(db, paths, job["task_set"], self.manifest, early)
         timeline["job_loaded_at"] = time.time()
         finished = threading.Event()
         threading.Thread(target=self._watch, args=(conn, finished), daemon=True).start()

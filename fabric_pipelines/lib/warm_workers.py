@@ -3,7 +3,7 @@
 A worker's start (Python, torch, the CUDA context, the weights) takes seconds that a run spends
 otherwise idle while the task set is ingested and planned. `warm_workers` starts the run's
 workers at the very beginning, with a go file they wait for once their engine is loaded; the
-extraction step (`workers.extract_task_set`, in the same process) takes the pool over with
+extraction step (`run_extraction.extract_task_set`, in the same process) takes the pool over with
 `take_warm_pool` when it matches the step's settings (task set, manifest, database, worker
 count), writes the go file, and supervises them as usual. A pool nobody takes (ingest failed, the
 step's settings differ, the step runs in another process) is stopped when its block ends.

@@ -1,5 +1,5 @@
 """Alembic environment: migrations run on the connection `upgrade()` hands over (store/schema.py),
-or on FABRIC_DATABASE_URL / the embedded SQLite file when run by the alembic command itself."""
+or on the configured sqlalchemy.url when run by the alembic command itself."""
 
 from __future__ import annotations
 
@@ -14,10 +14,15 @@ target_metadata = Base.metadata
 def run() -> None:
     connection = config.attributes.get("connection")
     if connection is None:
-        from fabric_pipelines.lib.settings import FabricPaths, database_url, default_root
         from fabric_pipelines.lib.store.db import make_engine
 
-        engine = make_engine(database_url(FabricPaths(default_root())))
+        url = config.get_main_option("sqlalchemy.url")
+        if not url:
+            raise SystemExit(
+                "set sqlalchemy.url for the alembic command, or run `fabric db upgrade`, which "
+                "finds the database from the project's settings"
+            )
+        engine = make_engine(url)
         with engine.begin() as conn:
             context.configure(
                 connection=conn, target_metadata=target_metadata, render_as_batch=True
