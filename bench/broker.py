@@ -24,8 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from yardstick import DEFAULT, load_reference
 
+from fabric_gpu.batching import plan_batches
 from fabric_gpu.profile import ConsumerProfile
-from fabric_pipelines.lib.broker.planner import plan_batches
 
 PROFILE = ConsumerProfile(32768, 1024, 512, 8)
 

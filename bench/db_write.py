@@ -25,8 +25,8 @@ import numpy as np
 from sqlalchemy import insert
 from sqlalchemy.orm import Session
 
+from fabric_gpu.batching import BatchPlan
 from fabric_pipelines.lib.broker.ledger import claim_many, register_plan
-from fabric_pipelines.lib.broker.planner import BatchPlan
 from fabric_pipelines.lib.result_writer import BatchRows, WriteBehind
 from fabric_pipelines.lib.store.db import create_schema, make_engine
 from fabric_pipelines.lib.store.keys import model_id

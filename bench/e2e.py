@@ -133,9 +133,9 @@ def engine_only_gpu(reference: Any, size: str, lengths: np.ndarray) -> dict[str,
 
 def engine_only_cpu(model_dir: Path, lengths: np.ndarray, profile: Any) -> dict[str, Any]:
     """The CPU engine's forward over the planner's padded batches (best of two passes)."""
+    from fabric_gpu.batching import plan_batches
     from fabric_gpu.engines import create_engine
     from fabric_gpu.manifest import HookSpec, manifest_for_model
-    from fabric_pipelines.lib.broker.planner import plan_batches
     from fabric_pipelines.lib.extraction import gather_padded
 
     manifest = manifest_for_model(

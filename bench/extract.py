@@ -35,11 +35,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from fabric_gpu.batching import BatchPlan, plan_batches
 from fabric_gpu.engines.torch_engine import TorchEngine
 from fabric_gpu.manifest import EngineManifest, HookSpec
 from fabric_gpu.profile import ConsumerProfile
 from fabric_gpu.runtime import GpuEngineRunner
-from fabric_pipelines.lib.broker.planner import BatchPlan, plan_batches
 
 PROFILE = ConsumerProfile(32768, 1024, 512, 8, layout="packed")
 HOOKS = (2, -1)

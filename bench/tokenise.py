@@ -1,7 +1,7 @@
 """Tokenising text for ingest: the product's path against the tokenizer itself, same texts, same run.
 
 The texts are bench/e2e.py's: vocabulary words whose token counts follow the yardstick's
-`reference_lengths()`. Ours is `ingest.encode_texts` (the native WordPiece encoder on every core,
+`reference_lengths()`. Ours is `fabric_gpu.tokenise.encode_texts` (the native WordPiece encoder on every core,
 fabric_gpu/wordpiece.py, the reference tokenizer for what it hands back); the peer is the same
 function's reference path (Hugging Face `tokenizers` encode_batch on every core, its ids turned
 into arrays). Both must give the same ids; the bench checks that before it prints.
@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from e2e import vocabulary_words, write_texts
 from yardstick import DEFAULT, load_reference
 
+from fabric_gpu import tokenise
 from fabric_gpu.model import DEFAULT_MODEL_ID, load_tokenizer, resolve_model_dir
-from fabric_pipelines.lib.tasks import ingest
 
 
 def main() -> None:
@@ -49,10 +49,10 @@ def main() -> None:
         texts = pq.read_table(path).column("text").combine_chunks()
 
     start = time.perf_counter()
-    ours_lengths, ours_tokens, _ = ingest.encode_texts(tokenizer, texts)
+    ours_lengths, ours_tokens, _ = tokenise.encode_texts(tokenizer, texts)
     ours_s = time.perf_counter() - start
     start = time.perf_counter()
-    ref_lengths, ref_tokens, _ = ingest._encode_reference(tokenizer, texts, None)
+    ref_lengths, ref_tokens, _ = tokenise._encode_reference(tokenizer, texts, None)
     reference_s = time.perf_counter() - start
     if not (np.array_equal(ours_lengths, ref_lengths) and np.array_equal(ours_tokens, ref_tokens)):
         sys.exit("tokenise: the two paths gave different ids")

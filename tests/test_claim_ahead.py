@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from sqlalchemy import select
 
+from fabric_gpu.batching import BatchPlan
 from fabric_pipelines.lib.broker.claim_ahead import ClaimAhead
 from fabric_pipelines.lib.broker.ledger import Lease, claim_many, register_plan
-from fabric_pipelines.lib.broker.planner import BatchPlan
 from fabric_pipelines.lib.store.db import create_schema, make_engine
 from fabric_pipelines.lib.store.models import Batch
 

@@ -73,8 +73,8 @@ def _run(
 ) -> tuple[np.ndarray, np.ndarray, dict[int, dict[int, np.ndarray]], dict[str, Any]]:
     """Drive `engine` through the runtime over items of `lengths`; returns tokens, offsets, and
     per item its pooled vector and hook states."""
+    from fabric_gpu.batching import plan_batches
     from fabric_gpu.runtime import GpuEngineRunner
-    from fabric_pipelines.lib.broker.planner import plan_batches
 
     rng = np.random.default_rng(seed)
     tokens = rng.integers(1000, 30000, int(lengths.sum())).astype(np.int32)

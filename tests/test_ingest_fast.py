@@ -21,13 +21,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import Engine, select
 
+from fabric_gpu import tokenise as tokenise_module
 from fabric_gpu.model import DEFAULT_MODEL_ID, load_tokenizer, resolve_model_dir
+from fabric_gpu.tokenise import encode_texts
 from fabric_pipelines.lib.store.models import Task, TaskSet
 from fabric_pipelines.lib.tasks import ingest as ingest_module
 from fabric_pipelines.lib.tasks.catalog import attach_task_ids, write_task_ids
 from fabric_pipelines.lib.tasks.ingest import (
     TokenisedTasks,
-    encode_texts,
     ingest,
     ingest_record_by_record,
 )
@@ -167,7 +168,7 @@ def test_many_rows_with_bad_ones_scattered(  # type: ignore[no-untyped-def]
 ) -> None:
     """Thousands of rows, one in ten bad in some way, ids repeated at random distances; texts
     in chunks small enough that encoding overlaps collecting many times."""
-    monkeypatch.setattr(ingest_module, "TOKENISE_CHUNK", 97)
+    monkeypatch.setattr(tokenise_module, "TOKENISE_CHUNK", 97)
     rng = random.Random(kind)
     n = 4000
     ids: list[str | None] = [f"id-{rng.randrange(n * 4)}" for _ in range(n)]
@@ -316,7 +317,7 @@ class RefusingTokenizer:
 def test_texts_the_tokenizer_refuses_fail_alone(  # type: ignore[no-untyped-def]
     tmp_path: Path, tokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(ingest_module, "TOKENISE_CHUNK", 3)
+    monkeypatch.setattr(tokenise_module, "TOKENISE_CHUNK", 3)
     texts = ["one", "two", "refuse me", "four", "five", "six", "seven", "refuse", "nine"]
     table = pa.table({"id": [f"t{i}" for i in range(len(texts))], "text": texts})
     path = tmp_path / "refused.parquet"
@@ -334,7 +335,7 @@ def test_encode_texts_is_encoding_each_text_alone(  # type: ignore[no-untyped-de
     tokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """In chunks small enough that encoding one overlaps flattening the last many times."""
-    monkeypatch.setattr(ingest_module, "TOKENISE_CHUNK", 37)
+    monkeypatch.setattr(tokenise_module, "TOKENISE_CHUNK", 37)
     rng = random.Random(7)
     alphabet = "ab é😀\u3000\x00-.,'\n字"
     texts = ["".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 50))) for _ in range(500)]

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from sqlalchemy import Engine, func, insert, select, update
 
+from fabric_gpu.batching import plan_batches
 from fabric_gpu.profile import ConsumerProfile
 from fabric_pipelines.lib.broker.ledger import (
     COMPLETED,
@@ -27,7 +28,6 @@ from fabric_pipelines.lib.broker.ledger import (
     report_failure,
     superseded_by,
 )
-from fabric_pipelines.lib.broker.planner import plan_batches
 from fabric_pipelines.lib.store.models import Batch, BatchPlan, TaskFailure, TaskSet
 
 PROFILE = ConsumerProfile(256, 8, 64, 8)

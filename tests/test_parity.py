@@ -1,7 +1,8 @@
 """Parity with the reference implementation: sentence-transformers on the same packaged model.
 
 The pooled embeddings as stored in the database by the real pipeline path (ingest, plan, ledger,
-CPU engine, writer) must match SentenceTransformer.encode on the same texts, item by item.
+CPU engine, writer) must match SentenceTransformer.encode on the same texts, item by item, and
+`fabric_gpu.encode` must give those stored vectors exactly.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 from sqlalchemy import Engine
 
+from fabric_gpu.encoding import encode
 from fabric_gpu.engines import create_engine
 from fabric_gpu.manifest import HookSpec, manifest_for_model
 from fabric_gpu.model import DEFAULT_MODEL_ID, resolve_model_dir
@@ -57,3 +59,9 @@ def test_pooled_embeddings_match_sentence_transformers(paths: FabricPaths, tmp_p
     )
     worst = int(np.argmin(cosine))
     assert cosine.min() >= 0.9999, f"{ids[worst]}: cosine {cosine[worst]:.6f}"
+
+    # The one-call API takes the same path: in the pipeline's item order it plans the same
+    # batches, so its vectors are the stored ones bit for bit.
+    in_order = [k for k in texts if k in ours]
+    encoded = encode([texts[k] for k in in_order], manifest)
+    assert np.array_equal(encoded.vectors, np.stack([ours[k] for k in in_order]))

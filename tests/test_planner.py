@@ -12,11 +12,11 @@ from hypothesis import strategies as st
 from sqlalchemy import Engine, func, select
 from sqlalchemy.orm import Session
 
+from fabric_gpu.batching import plan_batches
 from fabric_gpu.manifest import EngineManifest
 from fabric_gpu.profile import ConsumerProfile
 from fabric_pipelines.lib.broker.ledger import accounting, claim, report_failure
-from fabric_pipelines.lib.broker.planner import plan_batches, plan_id
-from fabric_pipelines.lib.broker.plans import current_plan, load_plan_order, plan_task_set
+from fabric_pipelines.lib.broker.plans import current_plan, load_plan_order, plan_id, plan_task_set
 from fabric_pipelines.lib.settings import FabricPaths
 from fabric_pipelines.lib.store.models import Batch
 from fabric_pipelines.lib.store.models import BatchPlan as BatchPlanRow
@@ -128,7 +128,7 @@ def test_packed_padding_is_small_on_the_reference_lengths() -> None:
     picks=st.lists(st.tuples(st.integers(0, 7), st.integers(0, 20)), min_size=1, max_size=120),
 )
 def test_items_sharing_a_prefix_are_adjacent_within_their_bucket(prefixes, picks) -> None:  # type: ignore[no-untyped-def]
-    from fabric_pipelines.lib.broker.planner import prefix_keys
+    from fabric_gpu.batching import prefix_keys
 
     prefix = 4
     items = [prefixes[p % len(prefixes)] + [200 + tail] * (1 + tail % 3) for p, tail in picks]

@@ -11,10 +11,10 @@ from typing import Any
 import numpy as np
 from sqlalchemy import Engine, insert, select
 
+from fabric_gpu.batching import BatchPlan
 from fabric_gpu.manifest import EngineManifest, HookSpec, manifest_for_model
 from fabric_gpu.profile import ConsumerProfile
 from fabric_pipelines.lib.broker.ledger import COMPLETED, claim_many, register_plan
-from fabric_pipelines.lib.broker.planner import BatchPlan
 from fabric_pipelines.lib.broker.plans import plan_task_set
 from fabric_pipelines.lib.files import StoredFile
 from fabric_pipelines.lib.result_writer import BatchRows, write_group

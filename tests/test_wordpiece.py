@@ -15,8 +15,8 @@ from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors
 from tokenizers.models import WordPiece
 
 from fabric_gpu.model import DEFAULT_MODEL_ID, load_tokenizer, resolve_model_dir
+from fabric_gpu.tokenise import encode_texts
 from fabric_gpu.wordpiece import NativeWordPiece, merge_handed_back
-from fabric_pipelines.lib.tasks.ingest import encode_texts
 
 
 @pytest.fixture(scope="module")
@@ -105,18 +105,18 @@ def test_ingest_encodes_arrow_and_list_texts_as_the_reference_does(
     minilm: Tokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Natively, but for the texts handed back: only those reach the reference tokenizer."""
-    from fabric_pipelines.lib.tasks import ingest
+    from fabric_gpu import tokenise
 
     texts = _fuzz_texts(minilm, 5_000, seed=1)
     expected = _reference(minilm, texts)
-    reference = ingest._encode_reference
+    reference = tokenise._encode_reference
     given_to_reference: list[int] = []
 
     def counted(tokenizer: Tokenizer, chosen: Any, bar: Any) -> Any:
         given_to_reference.append(len(chosen))
         return reference(tokenizer, chosen, bar)
 
-    monkeypatch.setattr(ingest, "_encode_reference", counted)
+    monkeypatch.setattr(tokenise, "_encode_reference", counted)
     for given in (texts, pa.array(texts, pa.string()), pa.array(texts, pa.large_string())[7:]):
         given_to_reference.clear()
         lengths, tokens, refused = encode_texts(minilm, given)

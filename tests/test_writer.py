@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from sqlalchemy import Engine, exc, insert, select, text
 
+from fabric_gpu.batching import BatchPlan
 from fabric_pipelines.lib.broker.ledger import accounting, claim_many, register_plan
-from fabric_pipelines.lib.broker.planner import BatchPlan
 from fabric_pipelines.lib.result_writer import (
     BatchRows,
     GroupOutcome,

@@ -18,9 +18,10 @@ import pyarrow as pa
 from sqlalchemy import Engine, delete, select, update
 from sqlalchemy.orm import Session
 
+from fabric_gpu.batching import plan_batches, prefix_keys
 from fabric_gpu.profile import ConsumerProfile
 from fabric_pipelines.lib.broker.ledger import COMPLETED, FAILED, LEASED, QUEUED, SUPERSEDED
-from fabric_pipelines.lib.broker.planner import plan_batches, plan_id, prefix_keys
+from fabric_pipelines.lib.broker.plans import plan_id
 from fabric_pipelines.lib.files import write_bytes
 from fabric_pipelines.lib.index.receipt import receipt_sha256
 from fabric_pipelines.lib.settings import FabricPaths

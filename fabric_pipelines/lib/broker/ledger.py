@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 from sqlalchemy import Connection, Engine, Select, func, insert, select, tuple_, update
 
-from fabric_pipelines.lib.broker.planner import BatchPlan
+from fabric_gpu.batching import BatchPlan
 from fabric_pipelines.lib.store.models import Batch, Embedding, Model, TaskFailure, TaskSet
 from fabric_pipelines.lib.store.models import BatchPlan as BatchPlanRow
 

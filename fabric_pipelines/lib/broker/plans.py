@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ import pyarrow as pa
 from sqlalchemy import Connection, Engine, select, update
 from sqlalchemy.orm import Session
 
+from fabric_gpu.batching import PLANNER_VERSION, BatchPlan, plan_batches, prefix_keys
 from fabric_gpu.manifest import EngineManifest
 from fabric_gpu.model import resolve_model_dir, tokenizer_sha256
 from fabric_gpu.profile import ConsumerProfile
@@ -20,7 +22,6 @@ from fabric_pipelines.lib.broker.ledger import (
     register_plan,
     supersede_open_batches,
 )
-from fabric_pipelines.lib.broker.planner import BatchPlan, plan_batches, plan_id, prefix_keys
 from fabric_pipelines.lib.settings import FabricPaths
 from fabric_pipelines.lib.store.db import insert_ignoring_duplicates
 from fabric_pipelines.lib.store.models import Batch, TaskSet
@@ -56,6 +57,26 @@ class PlanSummary:
             padded = int(self.plan.padded_tokens[sel].sum())
             out[int(length)] = 1.0 - int(self.plan.real_tokens[sel].sum()) / padded
         return out
+
+
+def plan_id(
+    task_set_sha256: str, model_key: str, profile: ConsumerProfile, rows: np.ndarray
+) -> str:
+    """Identity of a plan: the same inputs always give the same id (and the same batches)."""
+    digest = hashlib.sha256()
+    digest.update(
+        json.dumps(
+            {
+                "task_set_sha256": task_set_sha256,
+                "model_key": model_key,
+                "profile": profile.__dict__,
+                "planner": PLANNER_VERSION,
+            },
+            sort_keys=True,
+        ).encode()
+    )
+    digest.update(np.ascontiguousarray(rows, dtype=np.int64).tobytes())
+    return digest.hexdigest()[:32]
 
 
 def plan_task_set(

@@ -1,4 +1,5 @@
-"""Plan shape-pure batches for one consumer profile, vectorised (no per-item Python loop).
+"""Shape-pure batches for one consumer profile, vectorised (no per-item Python loop): how the
+pipeline plans a task set and how `fabric_gpu.encode` batches its inputs.
 
 Padded engines: items are grouped by padded length (their length rounded up to the profile's
 granularity). Each bucket is cut into as few batches as the profile allows, and the items are
@@ -12,8 +13,6 @@ the only padding is that rounding.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -194,23 +193,3 @@ def _plan_packed(lengths: np.ndarray, rows: np.ndarray, profile: ConsumerProfile
         real_tokens=real,
         padded_tokens=capacity.copy(),
     )
-
-
-def plan_id(
-    task_set_sha256: str, model_key: str, profile: ConsumerProfile, rows: np.ndarray
-) -> str:
-    """Identity of a plan: the same inputs always give the same id (and the same batches)."""
-    digest = hashlib.sha256()
-    digest.update(
-        json.dumps(
-            {
-                "task_set_sha256": task_set_sha256,
-                "model_key": model_key,
-                "profile": profile.__dict__,
-                "planner": PLANNER_VERSION,
-            },
-            sort_keys=True,
-        ).encode()
-    )
-    digest.update(np.ascontiguousarray(rows, dtype=np.int64).tobytes())
-    return digest.hexdigest()[:32]
