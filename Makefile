@@ -20,3 +20,4 @@ lint: bootstrap
 	.venv/bin/ruff check fabric_gpu fabric_pipelines tests bench
 	.venv/bin/ruff format --check fabric_gpu fabric_pipelines tests bench
 	.venv/bin/mypy
+	scripts/stubs --check

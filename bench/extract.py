@@ -91,7 +91,7 @@ def run_ours(
             for b in range(plan.n_batches):
                 rows = plan.order[plan.item_start[b] : plan.item_start[b] + plan.item_count[b]]
                 runner.submit(b, rows, int(plan.seq_len[b]))
-            stats = runner.finish()
+            stats = runner.finish().as_dict()
             seconds = time.perf_counter() - start
         assert delivered[0] == int(lengths.sum()), "every token delivered"
         if seconds < best["seconds"]:

@@ -41,8 +41,7 @@ def main() -> None:
     drain = _runtime.selftest(
         emulated=False, device=args.device, batches=batches, seed=1, max_tokens=64, max_items=8,
         max_output_bytes=out_bytes, max_hooks=4, verify_every=128,
-        runtime_config={"payload_ring_bytes": 512 << 20, "max_output_bytes": out_bytes,
-                        "staging_buffers": 4},
+        runtime_config=_runtime.RuntimeConfig(payload_ring_bytes=512 << 20, max_output_bytes=out_bytes, staging_buffers=4),
     )  # fmt: skip
     assert drain["output_mismatches"] == drain["checksum_mismatches"] == drain["order_errors"] == 0
     drain_gbps = drain["bytes_out"] / drain["seconds"] / 1e9

@@ -4,8 +4,10 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstddef>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -58,66 +60,58 @@ nb::dict unpack_descriptor(nb::bytes data) {
   return descriptor_to_dict(d);
 }
 
+// RuntimeStats' fields, listed once: the Python class's attributes, as_dict() and the self
+// test's report all come from this list.
+#define FABRIC_STATS_FIELDS(X)                                                                 \
+  X(submitted) X(drained) X(bytes_in) X(bytes_out) X(ring_retries) X(ring_blocked)            \
+  X(payload_waits) X(payload_blocked) X(publications) X(allocations) X(allocations_at_start) \
+  X(drain_copy_seconds) X(gpu_busy_seconds) X(gpu_span_seconds)
+
 nb::dict stats_to_dict(const fabric::RuntimeStats& s) {
   nb::dict out;
-  out["submitted"] = s.submitted;
-  out["drained"] = s.drained;
-  out["bytes_in"] = s.bytes_in;
-  out["bytes_out"] = s.bytes_out;
-  out["ring_retries"] = s.ring_retries;
-  out["ring_blocked"] = s.ring_blocked;
-  out["payload_waits"] = s.payload_waits;
-  out["payload_blocked"] = s.payload_blocked;
-  out["publications"] = s.publications;
-  out["allocations"] = s.allocations;
-  out["allocations_at_start"] = s.allocations_at_start;
-  out["drain_copy_seconds"] = s.drain_copy_seconds;
-  out["gpu_busy_seconds"] = s.gpu_busy_seconds;
-  out["gpu_span_seconds"] = s.gpu_span_seconds;
+#define FABRIC_STAT_TO_DICT(field) out[#field] = s.field;
+  FABRIC_STATS_FIELDS(FABRIC_STAT_TO_DICT)
+#undef FABRIC_STAT_TO_DICT
   return out;
 }
 
-// The keys make_config() reads; any other key is refused (a misspelt key would otherwise
-// leave its setting at the default without a word).
-constexpr const char* kConfigKeys[] = {
-    "ring_bytes",     "payload_ring_bytes", "max_output_bytes", "max_items",
-    "max_in_flight",  "staging_buffers",    "publish_every",    "write_combined",
-    "poison_byte",    "measure_gpu_time",   "input_location"};
+// RuntimeConfig's plain fields, listed once (input_location, an enum, is bound beside them).
+#define FABRIC_CONFIG_FIELDS(X)                                                         \
+  X(ring_bytes) X(payload_ring_bytes) X(max_output_bytes) X(max_items) X(max_in_flight) \
+  X(staging_buffers) X(publish_every) X(write_combined) X(poison_byte) X(measure_gpu_time)
 
+fabric::InputLocation input_location(const std::string& where) {
+  if (where == "host") return fabric::InputLocation::kHost;
+  if (where == "device") return fabric::InputLocation::kDevice;
+  throw std::invalid_argument("input_location must be 'host' or 'device', got '" + where + "'");
+}
+
+// RuntimeConfig(**fields): a key that is not a field is refused (a misspelt key would otherwise
+// leave its setting at the default without a word).
 fabric::RuntimeConfig make_config(nb::dict c) {
+  fabric::RuntimeConfig rc;
   for (auto [key, value] : c) {
     const std::string name = nb::cast<std::string>(nb::str(key));
-    bool known = false;
-    for (const char* k : kConfigKeys) known = known || name == k;
+    bool known = name == "input_location";
+#define FABRIC_CONFIG_KNOWN(field) known = known || name == #field;
+    FABRIC_CONFIG_FIELDS(FABRIC_CONFIG_KNOWN)
+#undef FABRIC_CONFIG_KNOWN
     if (!known) {
-      std::string all;
-      for (const char* k : kConfigKeys) all += std::string(all.empty() ? "" : ", ") + k;
+      std::string all = "input_location";
+#define FABRIC_CONFIG_NAME(field) all += ", " #field;
+      FABRIC_CONFIG_FIELDS(FABRIC_CONFIG_NAME)
+#undef FABRIC_CONFIG_NAME
       throw std::invalid_argument("unknown runtime config key '" + name + "'; the keys are: " + all);
     }
   }
-  fabric::RuntimeConfig rc;
-  auto get = [&](const char* key, auto& field) {
-    if (c.contains(key)) field = nb::cast<std::decay_t<decltype(field)>>(c[key]);
-  };
-  get("ring_bytes", rc.ring_bytes);
-  get("payload_ring_bytes", rc.payload_ring_bytes);
-  get("max_output_bytes", rc.max_output_bytes);
-  get("max_items", rc.max_items);
-  get("max_in_flight", rc.max_in_flight);
-  get("staging_buffers", rc.staging_buffers);
-  get("publish_every", rc.publish_every);
-  get("write_combined", rc.write_combined);
-  get("poison_byte", rc.poison_byte);
-  get("measure_gpu_time", rc.measure_gpu_time);
+#define FABRIC_CONFIG_FROM_DICT(field) \
+  if (c.contains(#field)) rc.field = nb::cast<decltype(rc.field)>(c[#field]);
+  FABRIC_CONFIG_FIELDS(FABRIC_CONFIG_FROM_DICT)
+#undef FABRIC_CONFIG_FROM_DICT
   if (c.contains("input_location")) {
-    const std::string where = nb::cast<std::string>(c["input_location"]);
-    if (where == "host") {
-      rc.input_location = fabric::InputLocation::kHost;
-    } else if (where == "device") {
-      rc.input_location = fabric::InputLocation::kDevice;
-    } else {
-      throw std::invalid_argument("input_location must be 'host' or 'device', got '" + where + "'");
-    }
+    nb::handle where = c["input_location"];
+    rc.input_location = nb::isinstance<nb::str>(where) ? input_location(nb::cast<std::string>(where))
+                                                       : nb::cast<fabric::InputLocation>(where);
   }
   return rc;
 }
@@ -177,9 +171,8 @@ class PythonStage final : public fabric::Stage {
 // threads) can be torn down with the GIL released.
 class PyRuntime {
  public:
-  PyRuntime(bool emulated, int device, nb::dict config) : emulated_(emulated), device_(device) {
-    config_ = make_config(config);
-  }
+  PyRuntime(bool emulated, int device, const fabric::RuntimeConfig& config)
+      : emulated_(emulated), device_(device), config_(config) {}
   ~PyRuntime() {
     nb::gil_scoped_release release;
     runtime_.reset();
@@ -210,29 +203,12 @@ class PyRuntime {
     stage_ = std::move(stage);
   }
   // Registers one shape of the engine (see fabric::ShapeGraph). `host_fn(publish_seq, items)`
-  // runs the engine on the emulated GPU; on a GPU, `graph_exec` is a CUgraphExec handle.
-  void add_shape(std::uint32_t epoch, const std::string& layout, std::uint32_t items,
-                 std::uint32_t seq_len, std::int64_t pad_id, std::uint64_t graph_exec,
-                 nb::object host_fn, std::uint64_t input_ids, std::uint64_t aux0,
-                 std::uint64_t aux1, std::uint64_t aux2, std::uint64_t pooled,
-                 std::uint32_t pooled_row_bytes, std::vector<fabric::DevPtr> hooks,
-                 std::uint32_t hook_row_bytes) {
+  // runs the engine on the emulated GPU; on a GPU, the shape's `graph_exec` is a CUgraphExec.
+  void add_shape(const fabric::ShapeGraph& shape, nb::object host_fn) {
     if (graph_stage_ == nullptr || runtime_) {
       throw std::logic_error("add_shape() goes between set_graph_stage() and start()");
     }
-    fabric::ShapeGraph s;
-    s.epoch = epoch;
-    if (layout == "padded") {
-      s.layout = fabric::InputLayout::kPadded;
-    } else if (layout == "packed") {
-      s.layout = fabric::InputLayout::kPacked;
-    } else {
-      throw std::invalid_argument("layout must be 'padded' or 'packed', got '" + layout + "'");
-    }
-    s.items = items;
-    s.seq_len = seq_len;
-    s.pad_id = pad_id;
-    s.graph_exec = graph_exec;
+    fabric::ShapeGraph s = shape;
     if (!host_fn.is_none()) {
       host_fns_.push_back(host_fn);
       PyObject* fn = host_fn.ptr();
@@ -247,19 +223,11 @@ class PyRuntime {
         }
       };
     } else if (emulated_) {
-      throw std::invalid_argument("shape epoch " + std::to_string(epoch) +
+      throw std::invalid_argument("shape epoch " + std::to_string(s.epoch) +
                                   ": the emulated GPU needs a host_fn for each shape");
-    } else if (graph_exec == 0) {
-      throw std::invalid_argument("shape epoch " + std::to_string(epoch) + " needs a graph_exec");
+    } else if (s.graph_exec == 0) {
+      throw std::invalid_argument("shape epoch " + std::to_string(s.epoch) + " needs a graph_exec");
     }
-    s.input_ids = input_ids;
-    s.aux0 = aux0;
-    s.aux1 = aux1;
-    s.aux2 = aux2;
-    s.pooled = pooled;
-    s.pooled_row_bytes = pooled_row_bytes;
-    s.hooks = std::move(hooks);
-    s.hook_row_bytes = hook_row_bytes;
     graph_stage_->add_shape(std::move(s));
   }
   void set_sink(nb::callable fn) { sink_fn_ = fn; }
@@ -324,7 +292,7 @@ class PyRuntime {
     nb::gil_scoped_release release;
     running().synchronize_compute();
   }
-  nb::dict stats() { return stats_to_dict(running().stats()); }
+  fabric::RuntimeStats stats() { return running().stats(); }
   std::string device() { return running().gpu().describe(); }
 
  private:
@@ -349,7 +317,7 @@ nb::dict run_selftest(bool emulated, int device, std::uint64_t batches, std::uin
                       std::uint64_t max_output_bytes, std::uint32_t max_hooks,
                       std::uint64_t slow_drain_every, std::uint64_t slow_drain_us,
                       std::uint64_t verify_every, bool gpu_sized, std::uint64_t oversize_batch,
-                      nb::dict runtime_config) {
+                      const fabric::RuntimeConfig& runtime_config) {
   fabric::SelfTestConfig c;
   c.emulated = emulated;
   c.device = device;
@@ -364,7 +332,7 @@ nb::dict run_selftest(bool emulated, int device, std::uint64_t batches, std::uin
   c.verify_every = verify_every == 0 ? 1 : verify_every;
   c.gpu_sized = gpu_sized;
   c.oversize_batch = oversize_batch;
-  c.runtime = make_config(runtime_config);
+  c.runtime = runtime_config;
   fabric::SelfTestResult r;
   {
     nb::gil_scoped_release release;
@@ -415,6 +383,14 @@ NB_MODULE(_runtime, m) {
         "Architectures in the embedded fatbin, e.g. 'sm_80,sm_90,compute_90'.");
 
   m.attr("DESCRIPTOR_BYTES") = sizeof(BatchDescriptor);
+  // (name, byte offset, bytes) of each descriptor field: Python builds its dtype from these.
+  nb::list descriptor_fields;
+#define FABRIC_FIELD_LAYOUT(field)                                                           \
+  descriptor_fields.append(nb::make_tuple(#field, offsetof(BatchDescriptor, field), \
+                                          sizeof(BatchDescriptor::field)));
+  FABRIC_DESCRIPTOR_FIELDS(FABRIC_FIELD_LAYOUT)
+#undef FABRIC_FIELD_LAYOUT
+  m.attr("DESCRIPTOR_FIELDS") = descriptor_fields;
   m.attr("DOORBELL_BYTES") = sizeof(fabric::Doorbell);
   m.def("pack_descriptor", &pack_descriptor, "fields"_a);
   m.def("unpack_descriptor", &unpack_descriptor, "data"_a);
@@ -422,30 +398,111 @@ NB_MODULE(_runtime, m) {
 
   nb::class_<fabric::ByteRing>(m, "ByteRing")
       .def(nb::init<std::uint64_t, std::uint64_t>(), "capacity"_a, "alignment"_a)
-      .def("try_reserve",
-           [](fabric::ByteRing& r, std::uint64_t length) -> nb::object {
-             auto res = r.try_reserve(length);
-             if (!res) return nb::none();
-             return nb::make_tuple(res->begin, res->span, res->offset, res->length);
-           })
-      .def("release",
-           [](fabric::ByteRing& r, std::uint64_t begin, std::uint64_t span, std::uint64_t offset,
-              std::uint64_t length) { r.release(fabric::Reservation{begin, span, offset, length}); })
+      .def(
+          "try_reserve",
+          [](fabric::ByteRing& r, std::uint64_t length) -> nb::object {
+            auto res = r.try_reserve(length);
+            if (!res) return nb::none();
+            return nb::make_tuple(res->begin, res->span, res->offset, res->length);
+          },
+          "length"_a, nb::sig("def try_reserve(self, length: int) -> tuple[int, int, int, int] | None"),
+          "(begin, span, offset, length) of a reservation, or None while it does not fit.")
+      .def(
+          "release",
+          [](fabric::ByteRing& r, std::uint64_t begin, std::uint64_t span, std::uint64_t offset,
+             std::uint64_t length) { r.release(fabric::Reservation{begin, span, offset, length}); },
+          "begin"_a, "span"_a, "offset"_a, "length"_a)
       .def_prop_ro("used", &fabric::ByteRing::used)
       .def_prop_ro("head", &fabric::ByteRing::head)
       .def_prop_ro("tail", &fabric::ByteRing::tail)
       .def_prop_ro("capacity", &fabric::ByteRing::capacity);
 
+  nb::enum_<fabric::InputLocation>(m, "InputLocation")
+      .value("device", fabric::InputLocation::kDevice)
+      .value("host", fabric::InputLocation::kHost);
+
+  auto config = nb::class_<fabric::RuntimeConfig>(m, "RuntimeConfig");
+  config.def(
+      "__init__",
+      [](fabric::RuntimeConfig* self, nb::kwargs fields) { new (self) fabric::RuntimeConfig(make_config(fields)); },
+      nb::sig("def __init__(self, **fields: int | bool | str | InputLocation) -> None"),
+      "Runtime settings; each keyword is a field (an unknown one is an error).");
+#define FABRIC_CONFIG_BIND(field) config.def_rw(#field, &fabric::RuntimeConfig::field);
+  FABRIC_CONFIG_FIELDS(FABRIC_CONFIG_BIND)
+#undef FABRIC_CONFIG_BIND
+  config.def_rw("input_location", &fabric::RuntimeConfig::input_location);
+
+  auto stats = nb::class_<fabric::RuntimeStats>(m, "RuntimeStats");
+#define FABRIC_STATS_BIND(field) stats.def_ro(#field, &fabric::RuntimeStats::field);
+  FABRIC_STATS_FIELDS(FABRIC_STATS_BIND)
+#undef FABRIC_STATS_BIND
+  stats.def("as_dict", &stats_to_dict, "Every field by name, for reports.");
+
+  nb::class_<fabric::PaddedInputs>(m, "PaddedInputs")
+      .def(nb::init<>())
+      .def(
+          "__init__",
+          [](fabric::PaddedInputs* self, fabric::DevPtr input_ids, fabric::DevPtr attention_mask) {
+            new (self) fabric::PaddedInputs{input_ids, attention_mask};
+          },
+          "input_ids"_a, "attention_mask"_a)
+      .def_rw("input_ids", &fabric::PaddedInputs::input_ids)
+      .def_rw("attention_mask", &fabric::PaddedInputs::attention_mask);
+  nb::class_<fabric::PackedInputs>(m, "PackedInputs")
+      .def(nb::init<>())
+      .def(
+          "__init__",
+          [](fabric::PackedInputs* self, fabric::DevPtr input_ids, fabric::DevPtr positions,
+             fabric::DevPtr seq_ids, fabric::DevPtr cu_seqlens) {
+            new (self) fabric::PackedInputs{input_ids, positions, seq_ids, cu_seqlens};
+          },
+          "input_ids"_a, "positions"_a, "seq_ids"_a, "cu_seqlens"_a)
+      .def_rw("input_ids", &fabric::PackedInputs::input_ids)
+      .def_rw("positions", &fabric::PackedInputs::positions)
+      .def_rw("seq_ids", &fabric::PackedInputs::seq_ids)
+      .def_rw("cu_seqlens", &fabric::PackedInputs::cu_seqlens);
+  nb::class_<fabric::ShapeGraph>(m, "ShapeGraph")
+      .def(
+          "__init__",
+          [](fabric::ShapeGraph* self, std::uint32_t epoch, std::uint32_t items,
+             std::uint32_t seq_len, std::variant<fabric::PaddedInputs, fabric::PackedInputs> inputs,
+             fabric::DevPtr pooled, std::uint32_t pooled_row_bytes, std::vector<fabric::DevPtr> hooks,
+             std::uint32_t hook_row_bytes, std::int64_t pad_id, std::uint64_t graph_exec) {
+            auto* s = new (self) fabric::ShapeGraph();
+            s->epoch = epoch;
+            s->items = items;
+            s->seq_len = seq_len;
+            s->inputs = inputs;
+            s->pooled = pooled;
+            s->pooled_row_bytes = pooled_row_bytes;
+            s->hooks = std::move(hooks);
+            s->hook_row_bytes = hook_row_bytes;
+            s->pad_id = pad_id;
+            s->graph_exec = graph_exec;
+          },
+          "epoch"_a, "items"_a, "seq_len"_a, "inputs"_a, "pooled"_a, "pooled_row_bytes"_a,
+          "hooks"_a, "hook_row_bytes"_a, "pad_id"_a = 0, "graph_exec"_a = 0,
+          "One captured shape of an engine and its static buffers (csrc/stages.h).")
+      .def_ro("epoch", &fabric::ShapeGraph::epoch)
+      .def_ro("items", &fabric::ShapeGraph::items)
+      .def_ro("seq_len", &fabric::ShapeGraph::seq_len)
+      .def_ro("inputs", &fabric::ShapeGraph::inputs)
+      .def_ro("pooled", &fabric::ShapeGraph::pooled)
+      .def_ro("pooled_row_bytes", &fabric::ShapeGraph::pooled_row_bytes)
+      .def_ro("hooks", &fabric::ShapeGraph::hooks)
+      .def_ro("hook_row_bytes", &fabric::ShapeGraph::hook_row_bytes)
+      .def_ro("pad_id", &fabric::ShapeGraph::pad_id)
+      .def_ro("graph_exec", &fabric::ShapeGraph::graph_exec);
+
   nb::class_<PyRuntime>(m, "Runtime")
-      .def(nb::init<bool, int, nb::dict>(), "emulated"_a, "device"_a, "config"_a)
+      .def(nb::init<bool, int, const fabric::RuntimeConfig&>(), "emulated"_a, "device"_a,
+           "config"_a = fabric::RuntimeConfig())
       .def("set_token_table", &PyRuntime::set_token_table, "tokens"_a, "offsets"_a)
       .def("set_selftest_source", &PyRuntime::set_selftest_source, "seed"_a)
       .def("set_python_stage", &PyRuntime::set_python_stage, "fn"_a)
       .def("set_selftest_stage", &PyRuntime::set_selftest_stage)
       .def("set_graph_stage", &PyRuntime::set_graph_stage)
-      .def("add_shape", &PyRuntime::add_shape, "epoch"_a, "layout"_a, "items"_a, "seq_len"_a,
-           "pad_id"_a, "graph_exec"_a, "host_fn"_a.none(), "input_ids"_a, "aux0"_a, "aux1"_a, "aux2"_a,
-           "pooled"_a, "pooled_row_bytes"_a, "hooks"_a, "hook_row_bytes"_a)
+      .def("add_shape", &PyRuntime::add_shape, "shape"_a, "host_fn"_a.none() = nb::none())
       .def("set_sink", &PyRuntime::set_sink, "fn"_a)
       .def("start", &PyRuntime::start)
       .def("submit", &PyRuntime::submit, "batch_id"_a, "rows"_a, "bucket_max"_a, "real_tokens"_a,
@@ -460,7 +517,7 @@ NB_MODULE(_runtime, m) {
         "max_tokens"_a = 4096, "max_items"_a = 256, "max_output_bytes"_a = 1 << 16,
         "max_hooks"_a = 8, "slow_drain_every"_a = 0, "slow_drain_us"_a = 0,
         "verify_every"_a = 1, "gpu_sized"_a = false, "oversize_batch"_a = 0,
-        "runtime_config"_a = nb::dict(),
+        "runtime_config"_a = fabric::RuntimeConfig(),
         "Push batches of random size through filler -> doorbell -> stage -> payload ring -> "
         "drain, verifying every byte; returns counts of anything lost, reordered or torn.");
   m.def(

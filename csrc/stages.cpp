@@ -97,7 +97,7 @@ std::uint64_t GraphStage::output_bytes(std::uint32_t epoch, std::uint32_t items,
 
 void GraphStage::check(const BatchSpec& spec) const {
   const ShapeGraph& s = shape(spec.shape_epoch);
-  const bool packed = s.layout == InputLayout::kPacked;
+  const bool packed = s.packed();
   if (spec.item_count > s.items || (packed ? spec.real_tokens > s.seq_len : spec.bucket_max > s.seq_len)) {
     throw std::invalid_argument("batch " + std::to_string(spec.batch_id) +
                                 " does not fit shape epoch " + std::to_string(s.epoch));
@@ -111,15 +111,18 @@ void GraphStage::check(const BatchSpec& spec) const {
 void GraphStage::enqueue(Context& ctx) {
   const ShapeGraph& s = shape(ctx.spec.shape_epoch);  // check() passed in submit()
   const BatchSpec& spec = ctx.spec;
-  const bool packed = s.layout == InputLayout::kPacked;
+  const bool packed = s.packed();
   // 1. gather: ring slot -> the shape's static inputs
   if (packed) {
-    kernels::GatherPackedArgs g{ctx.slot, s.input_ids, s.aux0, s.aux1, s.aux2, s.seq_len, s.items, s.pad_id};
+    const PackedInputs& in = std::get<PackedInputs>(s.inputs);
+    kernels::GatherPackedArgs g{ctx.slot,      in.input_ids, in.positions, in.seq_ids,
+                                in.cu_seqlens, s.seq_len,    s.items,      s.pad_id};
     ctx.gpu.launch(Stream::kCompute, kernels::KernelId::kGatherPacked,
                    LaunchShape{blocks_for(s.seq_len, 256, 16), spec.item_count + 1, 1, 256, 1, 1},
                    &g, sizeof(g));
   } else {
-    kernels::GatherPaddedArgs g{ctx.slot, s.input_ids, s.aux0, s.seq_len, s.items, s.pad_id};
+    const PaddedInputs& in = std::get<PaddedInputs>(s.inputs);
+    kernels::GatherPaddedArgs g{ctx.slot, in.input_ids, in.attention_mask, s.seq_len, s.items, s.pad_id};
     ctx.gpu.launch(Stream::kCompute, kernels::KernelId::kGatherPadded,
                    LaunchShape{blocks_for(s.seq_len, 256, 8), s.items, 1, 256, 1, 1}, &g, sizeof(g));
   }

@@ -6,6 +6,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "runtime.h"
@@ -31,17 +32,22 @@ class SelfTestStage final : public Stage {
   DevPtr scratch_ = 0;  // one checksum per in-flight batch
 };
 
-// How an engine takes its input.
-enum class InputLayout : std::uint32_t {
-  kPadded = 0,  // ids and mask [items, seq_len]; hidden states [items, seq_len, hidden]
-  kPacked = 1,  // ids, positions, seq ids [capacity]; cu_seqlens; hidden states [capacity, hidden]
+// An engine's static input buffers, by how it takes its input.
+struct PaddedInputs {
+  DevPtr input_ids = 0;       // int64 [items, seq_len]
+  DevPtr attention_mask = 0;  // int64 [items, seq_len]
+};
+struct PackedInputs {
+  DevPtr input_ids = 0;   // int64 [capacity]: every item's tokens back to back
+  DevPtr positions = 0;   // int64 [capacity]: each token's position in its item
+  DevPtr seq_ids = 0;     // int64 [capacity]: each token's item
+  DevPtr cu_seqlens = 0;  // int32 [items + 2]: where each item starts
 };
 
 // One captured shape of an engine: its graph (or, on the emulated GPU, a host function) and the
 // static buffers the graph reads and writes. Registered before start; keyed by shape epoch.
 struct ShapeGraph {
   std::uint32_t epoch = 0;
-  InputLayout layout = InputLayout::kPadded;
   std::uint32_t items = 0;     // padded: rows; packed: most sequences (cu_seqlens holds items + 2)
   std::uint32_t seq_len = 0;   // padded: columns; packed: token capacity of the shape
   std::int64_t pad_id = 0;
@@ -49,14 +55,13 @@ struct ShapeGraph {
   // Emulated GPU: runs the engine on the static buffers for a batch of `items` items; returns ""
   // or an error message.
   std::function<std::string(std::uint64_t publish_seq, std::uint32_t items)> host_graph;
-  DevPtr input_ids = 0;  // int64
-  DevPtr aux0 = 0;       // padded: mask int64 [items, seq_len]; packed: positions int64
-  DevPtr aux1 = 0;       // packed: seq ids int64
-  DevPtr aux2 = 0;       // packed: cu_seqlens int32
+  std::variant<PaddedInputs, PackedInputs> inputs;  // the layout is which one it holds
   DevPtr pooled = 0;     // [rows, pooled_row_bytes], row i = item i
   std::uint32_t pooled_row_bytes = 0;
   std::vector<DevPtr> hooks;  // per hook layer: padded [items, seq_len, row]; packed [capacity, row]
   std::uint32_t hook_row_bytes = 0;
+
+  bool packed() const { return std::holds_alternative<PackedInputs>(inputs); }
 };
 
 // The production stage: gather the slot into the shape's static inputs, release the slot,

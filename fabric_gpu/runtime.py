@@ -19,26 +19,15 @@ import numpy as np
 import fabric_gpu._runtime as _runtime
 from fabric_gpu.engines.base import DeviceEngine, Engine, HostEngine, InputLocation, PaddedBatch
 
-# The layout of csrc/protocol.h's BatchDescriptor (128 bytes).
+# csrc/protocol.h's BatchDescriptor, from the field offsets and sizes the extension exports.
 DESCRIPTOR_DTYPE = np.dtype(
-    [
-        ("batch_id", "<u8"),
-        ("publish_seq", "<u8"),
-        ("real_tokens", "<u8"),
-        ("padded_tokens", "<u8"),
-        ("output_limit", "<u8"),
-        ("offsets_at", "<u4"),
-        ("tokens_at", "<u4"),
-        ("lane", "<u4"),
-        ("batch_class", "<u4"),
-        ("bucket_max", "<u4"),
-        ("item_count", "<u4"),
-        ("shape_epoch", "<u4"),
-        ("payload_bytes", "<u4"),
-        ("reserved", "<u8", (7,)),
-    ]
+    {
+        "names": [name for name, _, _ in _runtime.DESCRIPTOR_FIELDS],
+        "formats": [f"<u{size}" for _, _, size in _runtime.DESCRIPTOR_FIELDS],
+        "offsets": [offset for _, offset, _ in _runtime.DESCRIPTOR_FIELDS],
+        "itemsize": _runtime.DESCRIPTOR_BYTES,
+    }
 )
-assert DESCRIPTOR_DTYPE.itemsize == _runtime.DESCRIPTOR_BYTES
 
 
 @dataclass(frozen=True)
@@ -204,10 +193,10 @@ class _Runner:
             hooks=1 + len(self.layers),
         )
 
-    def finish(self) -> dict[str, Any]:
+    def finish(self) -> _runtime.RuntimeStats:
         self._runtime().finish()
         self._raise_kept()
-        return dict(self._runtime().stats())
+        return self._runtime().stats()
 
     def close(self) -> None:
         """Stop the runtime's threads; drop it, which breaks the runner <-> runtime cycle."""
@@ -274,39 +263,36 @@ class EngineRunner(_Runner):
         self._rt = _runtime.Runtime(
             emulated=True,  # engines that run on the CPU run in stream order on the emulated GPU
             device=0,
-            config={
-                "ring_bytes": _round_up(max(ring_bytes, 2 * slot_max + 4096), 256),
-                "payload_ring_bytes": _round_up(2 * max_output + 4096, 256),
-                "max_output_bytes": max_output,
-                "max_items": items_max,
-                "max_in_flight": max_in_flight,
-                "staging_buffers": 2,
-                "input_location": "host",
-                "write_combined": False,  # the CPU reads these inputs: ordinary memory
-                "poison_byte": 0xFF if poison else -1,
-            },
+            config=_runtime.RuntimeConfig(
+                ring_bytes=_round_up(max(ring_bytes, 2 * slot_max + 4096), 256),
+                payload_ring_bytes=_round_up(2 * max_output + 4096, 256),
+                max_output_bytes=max_output,
+                max_items=items_max,
+                max_in_flight=max_in_flight,
+                staging_buffers=2,
+                input_location="host",
+                write_combined=False,  # the CPU reads these inputs: ordinary memory
+                poison_byte=0xFF if poison else -1,
+            ),
         )
         self._rt.set_token_table(self._tokens, self._offsets)
         self._rt.set_graph_stage()
         g = profile.seq_granularity
         for seq_len in range(g, profile.max_seq_len + 1, g):
-            self._rt.add_shape(
+            shape = _runtime.ShapeGraph(
                 epoch=seq_len,
-                layout="padded",
                 items=min(items_max, capacity // seq_len),
                 seq_len=seq_len,
-                pad_id=pad_token_id,
-                graph_exec=0,
-                host_fn=self._host_graph(seq_len),
-                input_ids=self._ids.ctypes.data,
-                aux0=self._mask.ctypes.data,
-                aux1=0,
-                aux2=0,
+                inputs=_runtime.PaddedInputs(
+                    input_ids=self._ids.ctypes.data, attention_mask=self._mask.ctypes.data
+                ),
                 pooled=self._pooled.ctypes.data,
                 pooled_row_bytes=hidden * 4,
                 hooks=[self._hooks[layer].ctypes.data for layer in self.layers],
                 hook_row_bytes=hidden * 2,
+                pad_id=pad_token_id,
             )
+            self._rt.add_shape(shape, host_fn=self._host_graph(seq_len))
         self._rt.set_sink(self._sink)
         self._rt.start()
 
@@ -356,25 +342,25 @@ class GpuEngineRunner(_Runner):
         self._rt = _runtime.Runtime(
             emulated=False,
             device=device,
-            config={
-                "ring_bytes": _round_up(max(ring_bytes, 4 * slot_max), 256),
+            config=_runtime.RuntimeConfig(
+                ring_bytes=_round_up(max(ring_bytes, 4 * slot_max), 256),
                 # Eight batches of outputs: the drain can fall a few batches behind (a slow
                 # sink) before the GPU waits for it.
-                "payload_ring_bytes": _round_up(8 * max_output, 256),
-                "max_output_bytes": max_output,
-                "max_items": profile.max_batch_items,
-                "max_in_flight": max_in_flight,
-                "staging_buffers": 4,
-                "input_location": "device",
-                "write_combined": True,  # the GPU reads the ring; the host only writes it
-                "poison_byte": 0xFF if poison else -1,
-                "measure_gpu_time": measure_gpu_time,
-            },
+                payload_ring_bytes=_round_up(8 * max_output, 256),
+                max_output_bytes=max_output,
+                max_items=profile.max_batch_items,
+                max_in_flight=max_in_flight,
+                staging_buffers=4,
+                input_location="device",
+                write_combined=True,  # the GPU reads the ring; the host only writes it
+                poison_byte=0xFF if poison else -1,
+                measure_gpu_time=measure_gpu_time,
+            ),
         )
         self._rt.set_token_table(self._tokens, self._offsets)
         self._rt.set_graph_stage()
         for shape in engine.shapes():
-            self._rt.add_shape(**shape)
+            self._rt.add_shape(shape)
         self._rt.set_sink(self._sink)
         self._rt.start()
 

@@ -102,7 +102,7 @@ def _run(
         for b in range(plan.n_batches):
             rows = plan.order[plan.item_start[b] : plan.item_start[b] + plan.item_count[b]]
             runner.submit(b, rows, int(plan.seq_len[b]))
-        stats = runner.finish()
+        stats = runner.finish().as_dict()
     stats["torch_allocated_delta"] = torch.cuda.memory_allocated() - allocated
     per_item: dict[int, dict[int, np.ndarray]] = {}
     pooled_by_item: dict[int, np.ndarray] = {}

@@ -26,8 +26,7 @@ def test_payload_integrity_over_100k_batches_of_random_size() -> None:
     r = _runtime.selftest(
         emulated=False, batches=100_000, seed=11, max_tokens=8192, max_items=256,
         max_output_bytes=1 << 16, max_hooks=8,
-        runtime_config={"ring_bytes": 8 << 20, "payload_ring_bytes": 16 << 20,
-                        "max_output_bytes": 1 << 16, "max_in_flight": 64},
+        runtime_config=_runtime.RuntimeConfig(ring_bytes=8 << 20, payload_ring_bytes=16 << 20, max_output_bytes=1 << 16, max_in_flight=64),
     )  # fmt: skip
     assert r["verified"] == r["drained"] == 100_000, r
     assert r["checksum_mismatches"] == 0, r["first_error"]
@@ -42,8 +41,7 @@ def test_payload_ring_with_random_hook_sizes_and_a_slow_drain() -> None:
     r = _runtime.selftest(
         emulated=False, batches=20_000, seed=5, max_tokens=2048, max_items=64,
         max_output_bytes=1 << 20, max_hooks=24, slow_drain_every=3, slow_drain_us=300,
-        runtime_config={"ring_bytes": 1 << 20, "payload_ring_bytes": 4 << 20,
-                        "max_output_bytes": 1 << 20, "publish_every": 4},
+        runtime_config=_runtime.RuntimeConfig(ring_bytes=1 << 20, payload_ring_bytes=4 << 20, max_output_bytes=1 << 20, publish_every=4),
     )  # fmt: skip
     assert r["verified"] == 20_000, r
     assert r["checksum_mismatches"] == r["output_mismatches"] == r["order_errors"] == 0, r
@@ -88,7 +86,9 @@ def test_without_the_warm_up_the_same_self_test_deadlocks() -> None:
 
 
 def test_the_compute_stream_cannot_be_synchronised_in_the_hot_loop() -> None:
-    rt = _runtime.Runtime(emulated=False, device=0, config={"max_output_bytes": 4096})
+    rt = _runtime.Runtime(
+        emulated=False, device=0, config=_runtime.RuntimeConfig(max_output_bytes=4096)
+    )
     rt.set_selftest_source(3)
     rt.set_selftest_stage()
     rt.set_sink(lambda *a: None)
@@ -103,8 +103,7 @@ def test_drain_copies_of_large_payloads_run_near_pcie_speed() -> None:
     r = _runtime.selftest(
         emulated=False, batches=64, seed=2, max_tokens=64, max_items=8,
         max_output_bytes=32 << 20, max_hooks=4, verify_every=16,
-        runtime_config={"payload_ring_bytes": 256 << 20, "max_output_bytes": 32 << 20,
-                        "staging_buffers": 3},
+        runtime_config=_runtime.RuntimeConfig(payload_ring_bytes=256 << 20, max_output_bytes=32 << 20, staging_buffers=3),
     )  # fmt: skip
     assert r["verified"] == 64 and r["output_mismatches"] == r["checksum_mismatches"] == 0, r
 
@@ -112,7 +111,7 @@ def test_drain_copies_of_large_payloads_run_near_pcie_speed() -> None:
 def test_sizes_resolved_on_the_gpu_respect_the_reservation() -> None:
     r = _runtime.selftest(
         emulated=False, batches=20_000, seed=4, max_tokens=1024, max_output_bytes=1 << 16,
-        gpu_sized=True, runtime_config={"max_output_bytes": 1 << 16},
+        gpu_sized=True, runtime_config=_runtime.RuntimeConfig(max_output_bytes=1 << 16),
     )  # fmt: skip
     assert r["verified"] == 20_000 and r["first_error"] == "", r
     with pytest.raises(RuntimeError, match="more than the"):

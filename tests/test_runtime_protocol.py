@@ -121,8 +121,7 @@ def test_a_million_batches_none_lost_reordered_or_torn() -> None:
     r = selftest(
         emulated=True, batches=1_000_000, seed=7, max_tokens=300, max_items=64,
         max_output_bytes=2048, max_hooks=4,
-        runtime_config={"ring_bytes": 1 << 16, "payload_ring_bytes": 1 << 16,
-                        "max_output_bytes": 2048, "max_in_flight": 32},
+        runtime_config=_runtime.RuntimeConfig(ring_bytes=1 << 16, payload_ring_bytes=1 << 16, max_output_bytes=2048, max_in_flight=32),
     )  # fmt: skip
     assert r["verified"] == r["drained"] == r["submitted"] == 1_000_000, r
     assert r["checksum_mismatches"] == r["output_mismatches"] == r["order_errors"] == 0, r
@@ -133,8 +132,7 @@ def test_large_batches_through_a_small_ring_with_a_slow_drain() -> None:
     r = selftest(
         emulated=True, batches=3000, seed=3, max_tokens=4000, max_items=200,
         max_output_bytes=1 << 16, max_hooks=16, slow_drain_every=5, slow_drain_us=500,
-        runtime_config={"ring_bytes": 1 << 16, "payload_ring_bytes": 1 << 18,
-                        "max_output_bytes": 1 << 16, "publish_every": 3},
+        runtime_config=_runtime.RuntimeConfig(ring_bytes=1 << 16, payload_ring_bytes=1 << 18, max_output_bytes=1 << 16, publish_every=3),
     )  # fmt: skip
     assert r["verified"] == 3000 and r["first_error"] == "", r
     assert r["checksum_mismatches"] == r["output_mismatches"] == r["order_errors"] == 0
@@ -155,9 +153,7 @@ class HeldRuntime:
         offsets = np.arange(0, 10_001, 100, dtype=np.int64)  # rows of 100 tokens
         self.rt = _runtime.Runtime(
             emulated=True, device=0,
-            config={"ring_bytes": ring_bytes, "payload_ring_bytes": 1 << 16,
-                    "max_output_bytes": 1024, "max_in_flight": max_in_flight,
-                    "input_location": "host", "write_combined": False},
+            config=_runtime.RuntimeConfig(ring_bytes=ring_bytes, payload_ring_bytes=1 << 16, max_output_bytes=1024, max_in_flight=max_in_flight, input_location="host", write_combined=False),
         )  # fmt: skip
         self.rt.set_token_table(tokens, offsets)
         self.rt.set_python_stage(self.stage)
@@ -179,8 +175,8 @@ def test_a_full_ring_retries_ten_times_then_blocks_and_drops_nothing() -> None:
     time.sleep(0.5)
     assert blocked_in.is_alive(), "the producer must block on a full ring, not drop"
     stats = held.rt.stats()
-    assert stats["submitted"] < 20
-    assert stats["ring_retries"] == 10 and stats["ring_blocked"] == 1
+    assert stats.submitted < 20
+    assert stats.ring_retries == 10 and stats.ring_blocked == 1
     held.gate.set()
     blocked_in.join(timeout=30)
     held.rt.finish()
@@ -225,7 +221,9 @@ def test_synchronising_the_compute_stream_in_the_hot_loop_is_an_error() -> None:
 
 def test_write_combined_memory_is_refused_for_engines_reading_on_the_cpu() -> None:
     rt = _runtime.Runtime(
-        emulated=True, device=0, config={"input_location": "host", "write_combined": True}
+        emulated=True,
+        device=0,
+        config=_runtime.RuntimeConfig(input_location="host", write_combined=True),
     )
     rt.set_selftest_source(1)
     rt.set_selftest_stage()
@@ -238,7 +236,7 @@ def test_engine_failures_come_back_with_their_batch() -> None:
     errors: list[tuple[int, str]] = []
     rt = _runtime.Runtime(
         emulated=True, device=0,
-        config={"input_location": "host", "write_combined": False, "max_output_bytes": 1024},
+        config=_runtime.RuntimeConfig(input_location="host", write_combined=False, max_output_bytes=1024),
     )  # fmt: skip
     rt.set_token_table(np.arange(100, dtype=np.int32), np.array([0, 50, 100], np.int64))
 
@@ -260,7 +258,9 @@ def test_engine_failures_come_back_with_their_batch() -> None:
 
 def test_rows_outside_the_task_set_fail_the_runtime_with_the_batch_named() -> None:
     rt = _runtime.Runtime(
-        emulated=True, device=0, config={"input_location": "host", "write_combined": False}
+        emulated=True,
+        device=0,
+        config=_runtime.RuntimeConfig(input_location="host", write_combined=False),
     )
     rt.set_token_table(np.arange(10, dtype=np.int32), np.array([0, 5, 10], np.int64))
     rt.set_python_stage(lambda *a: None)
@@ -275,8 +275,7 @@ def test_rows_outside_the_task_set_fail_the_runtime_with_the_batch_named() -> No
 def test_sizes_resolved_on_the_gpu_are_drained_exactly() -> None:
     r = selftest(
         emulated=True, batches=5000, seed=9, max_tokens=500, max_output_bytes=1 << 14,
-        gpu_sized=True, runtime_config={"ring_bytes": 1 << 18, "payload_ring_bytes": 1 << 18,
-                                        "max_output_bytes": 1 << 14},
+        gpu_sized=True, runtime_config=_runtime.RuntimeConfig(ring_bytes=1 << 18, payload_ring_bytes=1 << 18, max_output_bytes=1 << 14),
     )  # fmt: skip
     assert r["verified"] == 5000 and r["first_error"] == "", r
     assert r["output_mismatches"] == r["checksum_mismatches"] == r["order_errors"] == 0
@@ -292,7 +291,11 @@ def test_a_size_beyond_the_reservation_is_refused_naming_the_batch() -> None:
 
 def test_a_misspelt_runtime_config_key_is_an_error_naming_it() -> None:
     with pytest.raises(ValueError, match="unknown runtime config key 'max_inflight'"):
-        _runtime.Runtime(emulated=True, device=0, config={"max_inflight": 4})
+        _runtime.Runtime(emulated=True, device=0, config=_runtime.RuntimeConfig(max_inflight=4))
+    config = _runtime.RuntimeConfig(max_in_flight=4)
+    with pytest.raises(AttributeError, match="max_inflight"):
+        config.max_inflight = 8  # type: ignore[attr-defined]
+    assert config.max_in_flight == 4
 
 
 def test_a_batch_the_stage_refuses_leaves_nothing_for_finish_to_wait_for() -> None:
@@ -305,16 +308,16 @@ def test_a_batch_the_stage_refuses_leaves_nothing_for_finish_to_wait_for() -> No
     drained: list[int] = []
     rt = _runtime.Runtime(
         emulated=True, device=0,
-        config={"input_location": "host", "write_combined": False, "max_output_bytes": 1024},
+        config=_runtime.RuntimeConfig(input_location="host", write_combined=False, max_output_bytes=1024),
     )  # fmt: skip
     rt.set_token_table(np.arange(40, dtype=np.int32), np.arange(0, 41, 4, dtype=np.int64))
     rt.set_graph_stage()
-    rt.add_shape(
-        epoch=seq_len, layout="padded", items=items, seq_len=seq_len, pad_id=0, graph_exec=0,
-        host_fn=lambda seq, n: None, input_ids=ids.ctypes.data, aux0=mask.ctypes.data, aux1=0,
-        aux2=0, pooled=pooled.ctypes.data, pooled_row_bytes=hidden * 4, hooks=[],
-        hook_row_bytes=0,
+    inputs = _runtime.PaddedInputs(input_ids=ids.ctypes.data, attention_mask=mask.ctypes.data)
+    shape = _runtime.ShapeGraph(
+        epoch=seq_len, items=items, seq_len=seq_len, inputs=inputs, pooled=pooled.ctypes.data,
+        pooled_row_bytes=hidden * 4, hooks=[], hook_row_bytes=0,
     )  # fmt: skip
+    rt.add_shape(shape, host_fn=lambda seq, n: None)
     rt.set_sink(lambda seq, batch_id, data, error: drained.append(batch_id))
     rt.start()
     rows = np.array([0, 1], np.int64)

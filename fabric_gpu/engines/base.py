@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from fabric_gpu.manifest import EngineManifest
 from fabric_gpu.profile import ConsumerProfile
+
+if TYPE_CHECKING:
+    from fabric_gpu._runtime import ShapeGraph
 
 
 class InputLocation(enum.Enum):
@@ -90,7 +93,7 @@ class DeviceEngine(Engine, Protocol):
 
     def capture(self, shapes: list[tuple[int, int]]) -> None: ...
 
-    def shapes(self) -> list[dict[str, Any]]: ...
+    def shapes(self) -> list[ShapeGraph]: ...
 
 
 def check_batch(profile: ConsumerProfile, batch: PaddedBatch) -> None:

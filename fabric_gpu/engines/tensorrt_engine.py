@@ -99,7 +99,7 @@ class TensorRTEngine(TorchEngine):
             context.set_optimization_profile_async(index, stream.cuda_stream)
             n = items * seq_len
             ids = self.ids[:n].view(items, seq_len)
-            mask = self.aux0[:n].view(items, seq_len)
+            mask = self.mask_or_positions[:n].view(items, seq_len)
             pooled = torch.empty((items, self.hidden_size), dtype=torch.float32, device=self.device)
             hooks = [
                 torch.empty(

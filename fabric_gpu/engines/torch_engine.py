@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fabric_gpu import _runtime
 from fabric_gpu.engines.base import (
     EngineError,
     EngineOutput,
@@ -119,7 +120,9 @@ class TorchEngine:
         # Static inputs, shared by every shape (views of the first elements).
         i64, dev = torch.int64, self.device
         self.ids = torch.full((capacity,), self.pad_token_id, dtype=i64, device=dev)
-        self.aux0 = torch.zeros(capacity, dtype=i64, device=dev)  # packed: positions; padded: mask
+        self.mask_or_positions = torch.zeros(
+            capacity, dtype=i64, device=dev
+        )  # packed: positions; padded: attention mask
         self.seq_ids = torch.full((capacity,), profile.max_batch_items, dtype=i64, device=dev)
         self.cu_seqlens = torch.full(
             (profile.max_batch_items + 2,), capacity, dtype=torch.int32, device=self.device
@@ -145,14 +148,14 @@ class TorchEngine:
     def _forward_packed(self, capacity: int, rows: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         assert self.packed is not None
         pooled, hooks = self.packed.forward(
-            self.ids[:capacity], self.aux0[:capacity], self.seq_ids[:capacity], self.cu_seqlens,
+            self.ids[:capacity], self.mask_or_positions[:capacity], self.seq_ids[:capacity], self.cu_seqlens,
             self.max_len, rows, self.hook_indices, self.manifest.hooks.pooling,
         )  # fmt: skip
         return pooled, hooks
 
     def _forward_padded(self, items: int, seq_len: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         ids = self.ids[: items * seq_len].view(items, seq_len)
-        mask = self.aux0[: items * seq_len].view(items, seq_len)
+        mask = self.mask_or_positions[: items * seq_len].view(items, seq_len)
         if self._padded_bert is not None:
             pooled, *states = self._padded_bert(ids, mask)
             return pooled, states
@@ -221,37 +224,44 @@ class TorchEngine:
             self.cu_seqlens.copy_(torch.from_numpy(cu))
             positions = np.concatenate([np.arange(n) for n in lengths])
             seq = np.concatenate([np.full(n, i) for i, n in enumerate(lengths)])
-            self.aux0[:epoch].copy_(torch.from_numpy(positions))
+            self.mask_or_positions[:epoch].copy_(torch.from_numpy(positions))
             self.seq_ids[:epoch].copy_(torch.from_numpy(seq))
             self.ids[:epoch].fill_(1000)
         else:
             self.ids[: rows * epoch].fill_(1000)
-            self.aux0[: rows * epoch].fill_(1)
+            self.mask_or_positions[: rows * epoch].fill_(1)
 
-    def shapes(self) -> list[dict[str, Any]]:
-        """Each captured shape as the runtime's graph stage takes it (add_shape arguments)."""
+    def shapes(self) -> list[_runtime.ShapeGraph]:
+        """Each captured shape as the runtime's graph stage takes it."""
         elem = torch.empty((), dtype=self.dtype).element_size()
+        inputs: _runtime.PackedInputs | _runtime.PaddedInputs
+        if self.layout == "packed":
+            inputs = _runtime.PackedInputs(
+                input_ids=self.ids.data_ptr(),
+                positions=self.mask_or_positions.data_ptr(),
+                seq_ids=self.seq_ids.data_ptr(),
+                cu_seqlens=self.cu_seqlens.data_ptr(),
+            )
+        else:
+            inputs = _runtime.PaddedInputs(
+                input_ids=self.ids.data_ptr(), attention_mask=self.mask_or_positions.data_ptr()
+            )
         out = []
         for s in self.captured.values():
             assert s.graph is not None
             out.append(
-                {
-                    "epoch": s.epoch,
-                    "layout": self.layout,
-                    "items": s.items,
-                    "seq_len": s.seq_len,
-                    "pad_id": self.pad_token_id,
-                    "graph_exec": s.graph.raw_cuda_graph_exec(),
-                    "host_fn": None,
-                    "input_ids": self.ids.data_ptr(),
-                    "aux0": self.aux0.data_ptr(),
-                    "aux1": self.seq_ids.data_ptr() if self.layout == "packed" else 0,
-                    "aux2": self.cu_seqlens.data_ptr() if self.layout == "packed" else 0,
-                    "pooled": s.pooled.data_ptr(),
-                    "pooled_row_bytes": self.hidden_size * 4,
-                    "hooks": [h.data_ptr() for h in s.hooks],
-                    "hook_row_bytes": self.hidden_size * elem,
-                }
+                _runtime.ShapeGraph(
+                    epoch=s.epoch,
+                    items=s.items,
+                    seq_len=s.seq_len,
+                    inputs=inputs,
+                    pooled=s.pooled.data_ptr(),
+                    pooled_row_bytes=self.hidden_size * 4,
+                    hooks=[h.data_ptr() for h in s.hooks],
+                    hook_row_bytes=self.hidden_size * elem,
+                    pad_id=self.pad_token_id,
+                    graph_exec=s.graph.raw_cuda_graph_exec(),
+                )
             )
         return out
 
@@ -268,10 +278,10 @@ class TorchEngine:
             cu = np.full(self.profile.max_batch_items + 2, capacity, dtype=np.int32)
             cu[: len(lengths) + 1] = np.concatenate([[0], np.cumsum(lengths)])
             self.cu_seqlens.copy_(torch.from_numpy(cu))
-            self.aux0[: sum(lengths)].copy_(
+            self.mask_or_positions[: sum(lengths)].copy_(
                 torch.from_numpy(np.concatenate([np.arange(n) for n in lengths]))
             )
-            self.aux0[sum(lengths) : capacity].zero_()
+            self.mask_or_positions[sum(lengths) : capacity].zero_()
             seq = np.concatenate([np.full(n, i) for i, n in enumerate(lengths)])
             self.seq_ids[: sum(lengths)].copy_(torch.from_numpy(seq))
             self.seq_ids[sum(lengths) : capacity].fill_(self.profile.max_batch_items)
@@ -286,7 +296,9 @@ class TorchEngine:
             )
         items, seq_len = batch.input_ids.shape
         self.ids[: items * seq_len].copy_(torch.from_numpy(batch.input_ids.reshape(-1)))
-        self.aux0[: items * seq_len].copy_(torch.from_numpy(real.reshape(-1).astype(np.int64)))
+        self.mask_or_positions[: items * seq_len].copy_(
+            torch.from_numpy(real.reshape(-1).astype(np.int64))
+        )
         pooled, hooks = self._forward_padded(items, seq_len)
         mask = torch.from_numpy(real).to(self.device)
         return EngineOutput(

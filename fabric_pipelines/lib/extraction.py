@@ -382,7 +382,7 @@ def run_worker(
                     unused = ahead.close() + claimed
                     if unused:
                         hand_back_unused(unused)
-                report.runtime = runner.finish()
+                report.runtime = runner.finish().as_dict()
         finally:
             writer.close()  # everything queued is written (or the writer's error is raised)
     report.errors.extend(heartbeat.missed)
