@@ -345,3 +345,19 @@ def test_the_hot_loop_allocates_nothing_per_batch_after_warm_up() -> None:
     assert result["heap_allocations_warming_up"] > 0
     # ... and none across the thousands of batches after the warm-up.
     assert result["heap_allocations_after_warmup"] == 0
+
+
+def test_a_shape_names_its_input_buffers_by_layout() -> None:
+    packed = _runtime.PackedInputs(input_ids=16, positions=32, seq_ids=48, cu_seqlens=64)
+    shape = _runtime.ShapeGraph(
+        epoch=256, items=8, seq_len=256, inputs=packed, pooled=80, pooled_row_bytes=1536,
+        hooks=[96, 112], hook_row_bytes=768, pad_id=0, graph_exec=7,
+    )  # fmt: skip
+    assert isinstance(shape.inputs, _runtime.PackedInputs)
+    assert (shape.inputs.positions, shape.inputs.cu_seqlens) == (32, 64)
+    assert shape.hooks == [96, 112] and shape.graph_exec == 7
+    padded = _runtime.ShapeGraph(
+        epoch=8, items=4, seq_len=8, inputs=_runtime.PaddedInputs(input_ids=1, attention_mask=2),
+        pooled=3, pooled_row_bytes=16, hooks=[], hook_row_bytes=0,
+    )  # fmt: skip
+    assert isinstance(padded.inputs, _runtime.PaddedInputs) and padded.inputs.attention_mask == 2
