@@ -56,7 +56,6 @@ CudaDriver::CudaDriver() {
   resolve(get_proc, "cuMemFree", api_.cuMemFree);
   resolve(get_proc, "cuMemsetD8", api_.cuMemsetD8);
   resolve(get_proc, "cuMemcpyDtoHAsync", api_.cuMemcpyDtoHAsync);
-  resolve(get_proc, "cuMemcpyHtoD", api_.cuMemcpyHtoD);
   resolve(get_proc, "cuStreamCreate", api_.cuStreamCreate);
   resolve(get_proc, "cuStreamDestroy", api_.cuStreamDestroy);
   resolve(get_proc, "cuStreamSynchronize", api_.cuStreamSynchronize);

@@ -48,7 +48,6 @@ struct DriverApi {
   cu::CUresult (*cuMemFree)(cu::CUdeviceptr);
   cu::CUresult (*cuMemsetD8)(cu::CUdeviceptr, unsigned char, std::size_t);
   cu::CUresult (*cuMemcpyDtoHAsync)(void*, cu::CUdeviceptr, std::size_t, cu::CUstream);
-  cu::CUresult (*cuMemcpyHtoD)(cu::CUdeviceptr, const void*, std::size_t);
   // streams and stream memory operations
   cu::CUresult (*cuStreamCreate)(cu::CUstream*, unsigned);
   cu::CUresult (*cuStreamDestroy)(cu::CUstream);

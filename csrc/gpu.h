@@ -89,8 +89,6 @@ class Gpu {
   virtual double mark_elapsed_ms(int from, int to) = 0;
   // Wakes any emulated wait and refuses further work (shutdown).
   virtual void stop() = 0;
-  // Throws the first error a stream hit asynchronously (emulation), if any.
-  virtual void check() = 0;
 
   // The synchronisation rule of the hot loop: while armed, synchronize(kCompute) throws.
   void set_hot(bool hot) { hot_.store(hot, std::memory_order_release); }

@@ -26,65 +26,43 @@ using kernels::KernelId;
 class CudaGpu final : public Gpu {
  public:
   CudaGpu(int ordinal, bool eager_warmup) : drv_(CudaDriver::get()) {
-    FABRIC_CU_CHECK(drv_, cuDeviceGet(&device_, ordinal));
+    FABRIC_CU_CHECK(drv_, cuDeviceGet(&objects_.device, ordinal));
     char name[256] = {0};
-    FABRIC_CU_CHECK(drv_, cuDeviceGetName(name, sizeof(name) - 1, device_));
+    FABRIC_CU_CHECK(drv_, cuDeviceGetName(name, sizeof(name) - 1, objects_.device));
     name_ = name;
     ordinal_ = ordinal;
     require(cu::CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS,
             "64-bit stream memory operations (cuStreamWaitValue64), which the doorbell needs");
     require(cu::CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY, "mapped pinned host memory");
-    FABRIC_CU_CHECK(drv_, cuDevicePrimaryCtxRetain(&context_, device_));
+    FABRIC_CU_CHECK(drv_, cuDevicePrimaryCtxRetain(&objects_.context, objects_.device));
     bind_thread();
     if (kKernelImage.size == 0) {
       throw std::runtime_error(
           "this build of fabric_gpu carries no CUDA kernels (nvcc was not found when it was "
           "built); rebuild where nvcc is installed");
     }
-    FABRIC_CU_CHECK(drv_, cuLibraryLoadData(&library_, kKernelImage.data, nullptr, nullptr, 0,
+    FABRIC_CU_CHECK(drv_, cuLibraryLoadData(&objects_.library, kKernelImage.data, nullptr, nullptr, 0,
                                             nullptr, nullptr, 0));
     for (int k = 0; k < static_cast<int>(KernelId::kCount); ++k) {
-      FABRIC_CU_CHECK(drv_, cuLibraryGetKernel(&kernels_[k], library_, kernels::kNames[k]));
+      FABRIC_CU_CHECK(drv_, cuLibraryGetKernel(&kernels_[k], objects_.library, kernels::kNames[k]));
     }
-    FABRIC_CU_CHECK(drv_, cuStreamCreate(&streams_[0], cu::CU_STREAM_NON_BLOCKING));
-    FABRIC_CU_CHECK(drv_, cuStreamCreate(&streams_[1], cu::CU_STREAM_NON_BLOCKING));
-    for (auto& event : events_) {
+    FABRIC_CU_CHECK(drv_, cuStreamCreate(&objects_.streams[0], cu::CU_STREAM_NON_BLOCKING));
+    FABRIC_CU_CHECK(drv_, cuStreamCreate(&objects_.streams[1], cu::CU_STREAM_NON_BLOCKING));
+    for (auto& event : objects_.events) {
       FABRIC_CU_CHECK(drv_, cuEventCreate(&event, cu::CU_EVENT_DISABLE_TIMING));
     }
-    for (auto& mark : marks_) FABRIC_CU_CHECK(drv_, cuEventCreate(&mark, 0));
+    for (auto& mark : objects_.marks) FABRIC_CU_CHECK(drv_, cuEventCreate(&mark, 0));
     scratch_ = alloc_host(4096, HostMemoryKind::kMapped);
+    objects_.scratch_host = scratch_.host;
     if (eager_warmup) warm_up();
     self_test();
-  }
-
-  ~CudaGpu() override {
-    try {
-      bind_thread();
-      for (auto s : streams_) {
-        if (s) drv_.api().cuStreamSynchronize(s);
-      }
-      for (auto event : events_) {
-        if (event) drv_.api().cuEventDestroy(event);
-      }
-      for (auto mark : marks_) {
-        if (mark) drv_.api().cuEventDestroy(mark);
-      }
-      for (auto s : streams_) {
-        if (s) drv_.api().cuStreamDestroy(s);
-      }
-      if (scratch_.host) drv_.api().cuMemFreeHost(scratch_.host);
-      if (library_) drv_.api().cuLibraryUnload(library_);
-      if (context_) drv_.api().cuDevicePrimaryCtxRelease(device_);
-    } catch (...) {
-      // destructors never throw; the process is tearing the runtime down
-    }
   }
 
   bool emulated() const override { return false; }
   std::string describe() const override {
     return "cuda:" + std::to_string(ordinal_) + " (" + name_ + ")";
   }
-  void bind_thread() override { FABRIC_CU_CHECK(drv_, cuCtxSetCurrent(context_)); }
+  void bind_thread() override { FABRIC_CU_CHECK(drv_, cuCtxSetCurrent(objects_.context)); }
 
   HostRegion alloc_host(std::size_t bytes, HostMemoryKind kind) override {
     HostRegion r;
@@ -148,22 +126,22 @@ class CudaGpu final : public Gpu {
     FABRIC_CU_CHECK(drv_, cuMemcpyDtoHAsync(dst, src, bytes, stream(s)));
   }
   void record_event(Stream s, int event) override {
-    FABRIC_CU_CHECK(drv_, cuEventRecord(events_[event], stream(s)));
+    FABRIC_CU_CHECK(drv_, cuEventRecord(objects_.events[event], stream(s)));
   }
   bool event_done(int event) override {
-    const cu::CUresult rc = drv_.api().cuEventQuery(events_[event]);
+    const cu::CUresult rc = drv_.api().cuEventQuery(objects_.events[event]);
     if (rc == cu::CUDA_SUCCESS) return true;
     if (rc == cu::CUDA_ERROR_NOT_READY) return false;
     drv_.fail("cuEventQuery", rc);
   }
-  void wait_event(int event) override { FABRIC_CU_CHECK(drv_, cuEventSynchronize(events_[event])); }
+  void wait_event(int event) override { FABRIC_CU_CHECK(drv_, cuEventSynchronize(objects_.events[event])); }
   void record_mark(Stream s, int mark) override {
-    FABRIC_CU_CHECK(drv_, cuEventRecord(marks_[mark], stream(s)));
+    FABRIC_CU_CHECK(drv_, cuEventRecord(objects_.marks[mark], stream(s)));
   }
   double mark_elapsed_ms(int from, int to) override {
-    FABRIC_CU_CHECK(drv_, cuEventSynchronize(marks_[to]));
+    FABRIC_CU_CHECK(drv_, cuEventSynchronize(objects_.marks[to]));
     float ms = 0;
-    FABRIC_CU_CHECK(drv_, cuEventElapsedTime(&ms, marks_[from], marks_[to]));
+    FABRIC_CU_CHECK(drv_, cuEventElapsedTime(&ms, objects_.marks[from], objects_.marks[to]));
     return ms;
   }
   void synchronize(Stream s) override {
@@ -171,19 +149,13 @@ class CudaGpu final : public Gpu {
     FABRIC_CU_CHECK(drv_, cuStreamSynchronize(stream(s)));
   }
   void stop() override {}
-  void check() override {
-    for (auto s : streams_) {
-      const cu::CUresult rc = drv_.api().cuStreamQuery(s);
-      if (rc != cu::CUDA_SUCCESS && rc != cu::CUDA_ERROR_NOT_READY) drv_.fail("cuStreamQuery", rc);
-    }
-  }
 
  private:
-  cu::CUstream stream(Stream s) const { return streams_[static_cast<int>(s)]; }
+  cu::CUstream stream(Stream s) const { return objects_.streams[static_cast<int>(s)]; }
 
   void require(int attribute, const char* what) {
     int value = 0;
-    FABRIC_CU_CHECK(drv_, cuDeviceGetAttribute(&value, attribute, device_));
+    FABRIC_CU_CHECK(drv_, cuDeviceGetAttribute(&value, attribute, objects_.device));
     if (value == 0) {
       throw std::runtime_error(describe() + " does not support " + what);
     }
@@ -255,16 +227,48 @@ class CudaGpu final : public Gpu {
     FABRIC_CU_CHECK(drv_, cuStreamSynchronize(stream(Stream::kCompute)));
   }
 
+  // Every driver object this GPU creates, released by one destructor. A member, so it also runs
+  // when the constructor throws halfway (a throwing constructor runs its members' destructors,
+  // not its own class's): nothing created before the failure leaks.
+  struct DriverObjects {
+    explicit DriverObjects(const CudaDriver& driver) : drv(driver) {}
+    DriverObjects(const DriverObjects&) = delete;
+    DriverObjects& operator=(const DriverObjects&) = delete;
+    ~DriverObjects() {
+      // Destructors never throw: results are ignored, the process is tearing the runtime down.
+      if (context == nullptr) return;
+      drv.api().cuCtxSetCurrent(context);
+      for (auto s : streams) {
+        if (s) drv.api().cuStreamSynchronize(s);
+      }
+      for (auto event : events) {
+        if (event) drv.api().cuEventDestroy(event);
+      }
+      for (auto mark : marks) {
+        if (mark) drv.api().cuEventDestroy(mark);
+      }
+      for (auto s : streams) {
+        if (s) drv.api().cuStreamDestroy(s);
+      }
+      if (scratch_host) drv.api().cuMemFreeHost(scratch_host);
+      if (library) drv.api().cuLibraryUnload(library);
+      drv.api().cuDevicePrimaryCtxRelease(device);
+    }
+    const CudaDriver& drv;
+    cu::CUdevice device = 0;
+    cu::CUcontext context = nullptr;  // the device's primary context, retained
+    cu::CUlibrary library = nullptr;
+    cu::CUstream streams[2] = {nullptr, nullptr};
+    cu::CUevent events[kEvents] = {};
+    cu::CUevent marks[kMarks] = {};
+    void* scratch_host = nullptr;
+  };
+
   const CudaDriver& drv_;
-  cu::CUdevice device_ = 0;
+  DriverObjects objects_{drv_};
   int ordinal_ = 0;
   std::string name_;
-  cu::CUcontext context_ = nullptr;
-  cu::CUlibrary library_ = nullptr;
-  cu::CUkernel kernels_[static_cast<int>(KernelId::kCount)] = {};
-  cu::CUstream streams_[2] = {nullptr, nullptr};
-  cu::CUevent events_[kEvents] = {};
-  cu::CUevent marks_[kMarks] = {};
+  cu::CUkernel kernels_[static_cast<int>(KernelId::kCount)] = {};  // owned by the library
   HostRegion scratch_;
 };
 

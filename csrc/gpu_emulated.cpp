@@ -281,7 +281,8 @@ class EmulatedGpu final : public Gpu {
       if (s) s->stop();
     }
   }
-  void check() override {
+  // Throws the first error a stream hit asynchronously, if any.
+  void check() {
     for (auto& s : streams_) {
       const std::string error = s->error();
       if (!error.empty()) throw std::runtime_error("emulated GPU stream failed: " + error);

@@ -12,7 +12,7 @@ namespace fabric {
 // Offsets count tokens from the start of the token array, so item i is
 // tokens[offsets[i] : offsets[i + 1]].
 struct alignas(64) BatchDescriptor {
-  std::uint64_t batch_id;       // the caller's id (ledger batch number)
+  std::uint64_t batch_id;       // the caller's id for the batch, handed back with its outputs
   std::uint64_t publish_seq;    // 1, 2, 3, ...: the doorbell value that releases this batch
   std::uint64_t real_tokens;    // tokens that are not padding
   std::uint64_t padded_tokens;  // item_count x bucket_max
@@ -33,15 +33,12 @@ inline std::uint64_t slot_bytes(std::uint32_t item_count, std::uint64_t real_tok
   return sizeof(BatchDescriptor) + 8ull * (item_count + 1) + 4ull * real_tokens;
 }
 
-// The doorbell: one cache line of mapped pinned memory. The GPU stream waits on `seq`; the
-// other fields describe the latest published batch (for inspection; kernels get slot addresses
-// as arguments, since the decode loop knows them when it enqueues).
+// The doorbell: one cache line of mapped pinned memory holding the sequence number the GPU
+// stream waits on. Kernels get their slot's address as an argument (the decode loop knows it when
+// it enqueues), so nothing else travels here.
 struct alignas(64) Doorbell {
   volatile std::uint64_t seq;
-  std::uint64_t payload_offset;
-  std::uint64_t payload_length;
-  std::uint64_t batch_id;
-  std::uint64_t reserved[4];
+  std::uint64_t pad[7];
 };
 static_assert(sizeof(Doorbell) == 64, "the doorbell is exactly one cache line");
 

@@ -250,12 +250,11 @@ void Runtime::filler_loop() {
       source_->write(spec, job.rows.data(), reinterpret_cast<std::int64_t*>(slot + d.offsets_at),
                      reinterpret_cast<std::int32_t*>(slot + d.tokens_at));
       std::memcpy(slot, &d, sizeof(d));
-      store_fence();  // order the payload stores (write-combined) before the doorbell
-      bell_->payload_offset = job.slot.offset;
-      bell_->payload_length = job.slot.length;
-      bell_->batch_id = spec.batch_id;
+      store_fence();  // order the payload stores (write-combined on a GPU) before the doorbell
       store_release(&bell_->seq, job.seq);  // ring: batch job.seq may run
-      store_fence();  // push the doorbell line out now rather than when the buffer drains
+      // Not for ordering (the doorbell is cached mapped memory): the store leaves this core's
+      // store buffer before the filler turns to the next slot, so the waiting stream sees it now.
+      store_fence();
       bytes_in_.fetch_add(job.slot.length, std::memory_order_relaxed);
       published_seq_.store(job.seq, std::memory_order_release);
       ++tail;

@@ -86,16 +86,6 @@ class OutputLayout:
     def total_bytes(self) -> int:
         return self.pooled_bytes + len(self.layers) * self.hook_bytes
 
-    def write(self, out: np.ndarray, pooled: np.ndarray, hooks: dict[int, np.ndarray]) -> None:
-        out[: self.pooled_bytes] = (
-            np.ascontiguousarray(pooled, dtype="<f4").view(np.uint8).reshape(-1)
-        )
-        at = self.pooled_bytes
-        for layer in self.layers:
-            states = np.ascontiguousarray(hooks[layer], dtype="<f2").view(np.uint8).reshape(-1)
-            out[at : at + self.hook_bytes] = states
-            at += self.hook_bytes
-
     def read(self, data: np.ndarray, copy: bool = True) -> tuple[np.ndarray, dict[int, np.ndarray]]:
         """Pooled [items, hidden] float32 and hooks [real_tokens, hidden] per layer (bfloat16 is
         widened to float32). Without `copy`, views of `data`, valid only during the sink call."""

@@ -19,7 +19,7 @@ import torch
 
 from fabric_gpu.engines import EngineError, input_layout
 from fabric_gpu.engines.bert_checkpoint import read_bert_checkpoint
-from fabric_gpu.engines.packed_bert import PackedBert, UnsupportedModelError, packed_inputs
+from fabric_gpu.engines.packed_bert import PackedBert, UnsupportedModelError
 from fabric_gpu.engines.torch_engine import TorchEngine, packed_capacity
 from fabric_gpu.manifest import EngineManifest, HookSpec, manifest_for_model
 from fabric_gpu.model import DEFAULT_MODEL_ID, resolve_model_dir
@@ -31,6 +31,36 @@ def hf_model() -> Any:
     from transformers import AutoModel
 
     return AutoModel.from_pretrained(str(resolve_model_dir(DEFAULT_MODEL_ID))).eval()
+
+
+def packed_inputs(
+    lengths: list[int],
+    capacity: int,
+    max_items: int,
+    pad_id: int = 0,
+    device: str | torch.device = "cpu",
+) -> dict[str, torch.Tensor]:
+    """Host-side twin of the gather kernel's packed layout, the test's inputs: positions,
+    seq ids and cu_seqlens of items of `lengths` placed back to back in `capacity` tokens."""
+    real = sum(lengths)
+    if real > capacity or len(lengths) > max_items:
+        raise ValueError("items do not fit the shape")
+    positions = torch.zeros(capacity, dtype=torch.int64)
+    seq_ids = torch.full((capacity,), max_items, dtype=torch.int64)
+    cu = torch.full((max_items + 2,), capacity, dtype=torch.int32)
+    at = 0
+    for i, n in enumerate(lengths):
+        cu[i] = at
+        positions[at : at + n] = torch.arange(n)
+        seq_ids[at : at + n] = i
+        at += n
+    cu[len(lengths)] = real
+    return {
+        "positions": positions.to(device),
+        "seq_ids": seq_ids.to(device),
+        "cu_seqlens": cu.to(device),
+        "pad_id": torch.tensor(pad_id),
+    }
 
 
 def _reference(model: Any, ids: torch.Tensor) -> Any:

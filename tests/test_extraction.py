@@ -15,7 +15,7 @@ from transformers import AutoModel
 from fabric_gpu.manifest import EngineManifest
 from fabric_gpu.model import resolve_model_dir
 from fabric_pipelines.lib import extraction
-from fabric_pipelines.lib.broker.ledger import accounting, claim
+from fabric_pipelines.lib.broker.ledger import accounting
 from fabric_pipelines.lib.broker.plans import load_plan_order, plan_task_set
 from fabric_pipelines.lib.extraction import ExtractionJob, LeaseHeartbeat, gather_padded, run_worker
 from fabric_pipelines.lib.files import CorruptFileError
@@ -26,6 +26,7 @@ from fabric_pipelines.lib.tasks.catalog import ingest_task_set
 from fabric_pipelines.lib.tasks.inbox import submit
 from fabric_pipelines.lib.tasks.store import read_table
 from tests.flaky_db import FlakyDatabase, lost_connection, undefined_table
+from tests.ledger_helpers import claim
 from tests.pipeline_helpers import embedding_counts, run_stages, stored_embeddings
 
 TEXTS = {

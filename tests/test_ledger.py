@@ -17,9 +17,7 @@ from fabric_pipelines.lib.broker.ledger import (
     SUPERSEDED,
     StaleLeaseError,
     accounting,
-    ack,
     ack_many,
-    claim,
     claim_many,
     hand_back,
     heartbeat_interval,
@@ -29,6 +27,7 @@ from fabric_pipelines.lib.broker.ledger import (
     superseded_by,
 )
 from fabric_pipelines.lib.store.models import Batch, BatchPlan, TaskFailure, TaskSet
+from tests.ledger_helpers import ack, claim
 
 PROFILE = ConsumerProfile(256, 8, 64, 8)
 

@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from sqlalchemy import Engine, func, select
 from sqlalchemy.orm import Session
 
+from fabric_gpu import batching as planner
 from fabric_gpu.batching import plan_batches, prefix_keys
 from fabric_gpu.manifest import EngineManifest
-from fabric_pipelines.lib.broker import planner
 from fabric_pipelines.lib.broker.plans import load_plan_order, plan_task_set
 from fabric_pipelines.lib.files import CorruptFileError
 from fabric_pipelines.lib.settings import FabricPaths

@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 from fabric_gpu.batching import plan_batches
 from fabric_gpu.manifest import EngineManifest
 from fabric_gpu.profile import ConsumerProfile
-from fabric_pipelines.lib.broker.ledger import accounting, claim, report_failure
+from fabric_pipelines.lib.broker.ledger import accounting, report_failure
 from fabric_pipelines.lib.broker.plans import current_plan, load_plan_order, plan_id, plan_task_set
 from fabric_pipelines.lib.settings import FabricPaths
 from fabric_pipelines.lib.store.models import Batch
@@ -23,6 +23,7 @@ from fabric_pipelines.lib.store.models import BatchPlan as BatchPlanRow
 from fabric_pipelines.lib.tasks.catalog import get_task_set, ingest_task_set
 from fabric_pipelines.lib.tasks.inbox import submit
 from fabric_pipelines.lib.tasks.store import read_table
+from tests.ledger_helpers import claim
 
 
 @st.composite

@@ -23,7 +23,7 @@ from fabric_pipelines.defs.assets import (
     vector_index,
 )
 from fabric_pipelines.defs.resources import ArtifactStore, Database, EngineConfig
-from fabric_pipelines.lib.broker.ledger import accounting, claim, report_failure
+from fabric_pipelines.lib.broker.ledger import accounting, report_failure
 from fabric_pipelines.lib.broker.plans import load_plan_order, plan_task_set
 from fabric_pipelines.lib.extraction import ExtractionJob, run_worker
 from fabric_pipelines.lib.index.build import IndexSpec
@@ -41,6 +41,7 @@ from fabric_pipelines.lib.store.models import (
 from fabric_pipelines.lib.tasks.catalog import get_task_set
 from fabric_pipelines.lib.tasks.store import read_table
 from fabric_pipelines.lib.verify import Finding, VerifyReport, verify, verify_extraction
+from tests.ledger_helpers import claim
 from tests.pipeline_helpers import run_stages
 
 SET = "checked"

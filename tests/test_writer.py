@@ -313,7 +313,7 @@ def test_every_row_is_stored_as_given(
 ) -> None:
     """Record numbers out of order, token counts, and every vector's bytes come back as written;
     a token count too large for SQLite's one-step insert takes the row-by-row path."""
-    from fabric_pipelines.lib.store import writer as writer_module
+    from fabric_pipelines.lib import result_writer as writer_module
 
     one_step = writer_module._insert_sqlite_in_one_step
     one_step_rows: list[int] = []

@@ -30,7 +30,7 @@ from fabric_gpu.engines.fused import add_layer_norm, embed_layer_norm
 HAVE_FLASH_VARLEN = hasattr(torch.ops.aten, "_flash_attention_forward")
 
 QKV = ("query", "key", "value")
-__all__ = ["PackedBert", "PackedLayer", "UnsupportedModelError", "packed_inputs"]
+__all__ = ["PackedBert", "PackedLayer", "UnsupportedModelError"]
 
 
 @dataclass(frozen=True)
@@ -163,33 +163,3 @@ class PackedBert:
         sums.index_add_(0, seq_ids, x.float())
         counts = (cu[1 : rows + 1] - cu[:rows]).clamp(min=1).to(torch.float32)
         return sums / counts[:, None]
-
-
-def packed_inputs(
-    lengths: list[int],
-    capacity: int,
-    max_items: int,
-    pad_id: int = 0,
-    device: str | torch.device = "cpu",
-) -> dict[str, torch.Tensor]:
-    """Host-side twin of the gather kernel's packed layout, for tests and warm-up: positions,
-    seq ids and cu_seqlens of items of `lengths` placed back to back in `capacity` tokens."""
-    real = sum(lengths)
-    if real > capacity or len(lengths) > max_items:
-        raise ValueError("items do not fit the shape")
-    positions = torch.zeros(capacity, dtype=torch.int64)
-    seq_ids = torch.full((capacity,), max_items, dtype=torch.int64)
-    cu = torch.full((max_items + 2,), capacity, dtype=torch.int32)
-    at = 0
-    for i, n in enumerate(lengths):
-        cu[i] = at
-        positions[at : at + n] = torch.arange(n)
-        seq_ids[at : at + n] = i
-        at += n
-    cu[len(lengths)] = real
-    return {
-        "positions": positions.to(device),
-        "seq_ids": seq_ids.to(device),
-        "cu_seqlens": cu.to(device),
-        "pad_id": torch.tensor(pad_id),
-    }

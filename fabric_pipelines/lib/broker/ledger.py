@@ -135,14 +135,6 @@ def register_plan(conn: Connection, plan_id: str, task_set: str, plan: BatchPlan
     return len(rows)
 
 
-def claim(
-    engine: Engine, plan_id: str, owner: str, lease_seconds: float, now: float | None = None
-) -> Lease | None:
-    """Lease the next batch that is queued, or whose lease expired; None when none is left."""
-    leases = claim_many(engine, plan_id, owner, lease_seconds, 1, now)
-    return leases[0] if leases else None
-
-
 def claim_many(
     engine: Engine,
     plan_id: str,
@@ -229,17 +221,10 @@ def _fence_many(leases: list[Lease]):
     )
 
 
-def ack(conn: Connection, lease: Lease) -> None:
-    """Retire the batch inside the caller's transaction; StaleLeaseError if the lease moved on.
-
-    Idempotent for its holder: a batch this lease already completed (a replay after a lost
-    reply) acks again; one whose epoch moved on does not."""
-    if ack_many(conn, [lease]):
-        raise StaleLeaseError(stale_reason(lease))
-
-
 def ack_many(conn: Connection, leases: list[Lease]) -> list[Lease]:
-    """`ack` for several batches in one statement; returns the leases that were stale."""
+    """Retire the leases' batches in one statement, inside the caller's transaction; returns the
+    leases that were stale (their epoch moved on). Idempotent for a holder: a batch its lease
+    already completed (a replay after a lost reply) acks again."""
     if not leases:
         return []
     retired = conn.execute(
