@@ -18,6 +18,7 @@ from fabric_gpu.engines.base import (
     check_batch,
     normalise_layers,
 )
+from fabric_gpu.engines.pooling import pool_padded
 from fabric_gpu.manifest import EngineManifest
 from fabric_gpu.model import offline_environment, resolve_model_dir, weights_sha256
 from fabric_gpu.profile import ConsumerProfile
@@ -65,7 +66,7 @@ class CpuEngine:
         every position, padding included ([items, seq_len, hidden], float16)."""
         ids = torch.from_numpy(np.ascontiguousarray(input_ids, dtype=np.int64))
         lengths_t = torch.from_numpy(np.asarray(lengths, dtype=np.int64))
-        items, seq_len = ids.shape
+        seq_len = ids.shape[1]
         mask = torch.arange(seq_len)[None, :] < lengths_t[:, None]
         out = self.model(
             input_ids=ids,
@@ -73,20 +74,12 @@ class CpuEngine:
             token_type_ids=torch.zeros_like(ids),
             output_hidden_states=bool(self.hook_indices),
         )
-        last = out.last_hidden_state
-        pooling = self.manifest.hooks.pooling
-        if pooling == "mean":
-            weights = mask.unsqueeze(-1).to(last.dtype)
-            pooled = (last * weights).sum(1) / weights.sum(1).clamp(min=1.0)
-        elif pooling == "cls":
-            pooled = last[:, 0]
-        else:  # "last": the last real token of each item
-            pooled = last[torch.arange(items), (lengths_t - 1).clamp(min=0)]
+        pooled = pool_padded(out.last_hidden_state, mask, self.manifest.hooks.pooling)
         hooks = {
             layer: out.hidden_states[index].to(torch.float16).numpy()
             for layer, index in zip(self.manifest.hooks.layers, self.hook_indices, strict=True)
         }
-        return pooled.float().numpy(), hooks
+        return pooled.numpy(), hooks
 
     def forward(self, batch: PaddedBatch) -> EngineOutput:
         check_batch(self.profile, batch)

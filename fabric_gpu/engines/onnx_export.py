@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from fabric_gpu.engines.packed_bert import PackedBert
+from fabric_gpu.engines.pooling import pool_padded
 
 
 class PaddedBertModule(torch.nn.Module):
@@ -58,14 +59,7 @@ class PaddedBertModule(torch.nn.Module):
                 F.linear(h, layer.w2, layer.b2) + x, (p.hidden,), layer.ln2_w, layer.ln2_b, p.eps
             )
             states.append(x)
-        mask = attention_mask.unsqueeze(-1).to(torch.float32)
-        if self.pooling == "mean":
-            pooled = (x.float() * mask).sum(1) / mask.sum(1).clamp(min=1.0)
-        elif self.pooling == "cls":
-            pooled = x[:, 0].float()
-        else:
-            last = (attention_mask.sum(1) - 1).clamp(min=0)
-            pooled = x[torch.arange(batch, device=x.device), last].float()
+        pooled = pool_padded(x, attention_mask, self.pooling)
         return (pooled, *(states[i] for i in self.hook_indices))
 
 

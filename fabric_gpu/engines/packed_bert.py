@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from fabric_gpu.engines.bert_checkpoint import BertShape, UnsupportedModelError
 from fabric_gpu.engines.fused import add_layer_norm, embed_layer_norm
+from fabric_gpu.engines.pooling import pool_packed
 
 # The op `torch.nn.attention.varlen.varlen_attn` wraps, called directly: that wrapper is a Python
 # custom op whose first call imports torch._dynamo and all it needs (5 s of a worker's start on the
@@ -147,19 +148,5 @@ class PackedBert:
             x = add_layer_norm(out, x, layer.ln2_w, layer.ln2_b, self.eps)
             if i in hook_indices:
                 states[i] = x
-        pooled = self._pool(x, seq_ids, cu_seqlens, rows, pooling)
+        pooled = pool_packed(x, seq_ids, cu_seqlens, rows, pooling)
         return pooled, [states[i] for i in hook_indices]
-
-    @staticmethod
-    def _pool(
-        x: torch.Tensor, seq_ids: torch.Tensor, cu: torch.Tensor, rows: int, pooling: str
-    ) -> torch.Tensor:
-        last = x.shape[0] - 1
-        if pooling == "cls":
-            return x[cu[:rows].long().clamp(max=last)].float()
-        if pooling == "last":
-            return x[(cu[1 : rows + 1].long() - 1).clamp(min=0, max=last)].float()
-        sums = torch.zeros((rows, x.shape[1]), dtype=torch.float32, device=x.device)
-        sums.index_add_(0, seq_ids, x.float())
-        counts = (cu[1 : rows + 1] - cu[:rows]).clamp(min=1).to(torch.float32)
-        return sums / counts[:, None]

@@ -34,6 +34,7 @@ from fabric_gpu.engines.bert_checkpoint import (
 )
 from fabric_gpu.engines.onnx_export import PaddedBertModule
 from fabric_gpu.engines.packed_bert import PackedBert
+from fabric_gpu.engines.pooling import pool_padded
 from fabric_gpu.manifest import EngineManifest
 from fabric_gpu.model import offline_environment, resolve_model_dir, weights_sha256
 from fabric_gpu.profile import PACKED_GRANULARITY, ConsumerProfile
@@ -160,18 +161,7 @@ class TorchEngine:
             pooled, *states = self._padded_bert(ids, mask)
             return pooled, states
         out = self.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-        last = out.last_hidden_state
-        pooling = self.manifest.hooks.pooling
-        if pooling == "mean":
-            w = mask.unsqueeze(-1).to(torch.float32)
-            pooled = (last.float() * w).sum(1) / w.sum(1).clamp(min=1.0)
-        elif pooling == "cls":
-            pooled = last[:, 0].float()
-        else:
-            lengths = mask.sum(1)
-            pooled = last[
-                torch.arange(items, device=self.device), (lengths - 1).clamp(min=0)
-            ].float()
+        pooled = pool_padded(out.last_hidden_state, mask, self.manifest.hooks.pooling)
         hooks = [out.hidden_states[i].contiguous() for i in self.hook_indices]
         return pooled, hooks
 
