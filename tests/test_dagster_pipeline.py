@@ -10,12 +10,8 @@ import numpy as np
 import pytest
 from sqlalchemy import func, insert, select
 
-from fabric_pipelines.defs.assets import (
-    extraction_outputs,
-    shape_batches,
-    tokenised_tasks,
-    vector_index,
-)
+from fabric_pipelines.defs.extraction import extraction_outputs, shape_batches, tokenised_tasks
+from fabric_pipelines.defs.index import vector_index
 from fabric_pipelines.defs.resources import ArtifactStore, Database, EngineConfig
 from fabric_pipelines.lib.index.lineage import find_receipt, render, trace
 from fabric_pipelines.lib.index.receipt import canonical_json, receipt_sha256

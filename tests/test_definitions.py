@@ -8,8 +8,8 @@ from pathlib import Path
 import dagster as dg
 
 from fabric_pipelines.definitions import defs
+from fabric_pipelines.defs.extraction import inbox_sensor
 from fabric_pipelines.defs.resources import ArtifactStore
-from fabric_pipelines.defs.sensors import inbox_sensor
 from fabric_pipelines.lib.settings import FabricPaths
 from tests.pipeline_helpers import validate_workspace
 

@@ -302,8 +302,8 @@ def test_fabric_workers_start_status_and_stop(paths: FabricPaths, tiny_model_dir
 def test_the_dagster_sensor_shows_the_pool_state(paths: FabricPaths) -> None:
     import dagster as dg
 
+    from fabric_pipelines.defs.operations import engine_pool_sensor
     from fabric_pipelines.defs.resources import ArtifactStore
-    from fabric_pipelines.defs.sensors import engine_pool_sensor
 
     store = ArtifactStore(root=str(paths.root))
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from sqlalchemy import Engine, delete, func, insert, select, update
 
+from fabric_pipelines.defs.index import index_staleness_sensor
 from fabric_pipelines.defs.resources import ArtifactStore, Database
-from fabric_pipelines.defs.sensors import index_staleness_sensor
 from fabric_pipelines.lib.index import publish
 from fabric_pipelines.lib.index.build import (
     IndexSpec,

@@ -16,12 +16,8 @@ from sqlalchemy import Engine, delete, select, update
 from fabric_gpu.engines import Engine as ExtractionEngine
 from fabric_gpu.manifest import EngineManifest
 from fabric_pipelines.cli import _failure_text, main
-from fabric_pipelines.defs.assets import (
-    extraction_outputs,
-    shape_batches,
-    tokenised_tasks,
-    vector_index,
-)
+from fabric_pipelines.defs.extraction import extraction_outputs, shape_batches, tokenised_tasks
+from fabric_pipelines.defs.index import vector_index
 from fabric_pipelines.defs.resources import ArtifactStore, Database, EngineConfig
 from fabric_pipelines.lib.broker.ledger import accounting, report_failure
 from fabric_pipelines.lib.broker.plans import load_plan_order, plan_task_set

@@ -3,7 +3,7 @@ weekly verification of every stored file."""
 
 import dagster as dg
 
-from fabric_pipelines.defs.sensors import index_job
+from fabric_pipelines.defs.index import index_job
 from fabric_pipelines.defs.verify import verify_job
 
 index_refresh = dg.ScheduleDefinition(

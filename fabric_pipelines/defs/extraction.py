@@ -1,44 +1,41 @@
-"""The four asset families: tokenised_tasks -> shape_batches -> extraction_outputs -> vector_index.
+"""The extraction family: tokenised_tasks -> shape_batches -> extraction_outputs, one partition
+per task set, with the job that runs them and the inbox sensor that launches it.
 
 Each asset is a thin call into fabric_pipelines.lib; results go to the database and to files
 through resources, and each returns a MaterializeResult with a data version and small metadata.
 """
 
+import contextlib
 import hashlib
 import time
 import warnings
+from datetime import UTC, datetime
 from typing import Any
 
 import dagster as dg
 
 from fabric_gpu.engines import input_layout
 from fabric_pipelines.defs.partitions import TASK_SET_PARTITIONS, task_sets
+from fabric_pipelines.defs.pipeline import CODE_VERSIONS, PIPELINE_GROUP
 from fabric_pipelines.defs.resources import ArtifactStore, Database, EngineConfig
+from fabric_pipelines.lib import run_extraction
+from fabric_pipelines.lib.alerts import (
+    InboxRejection,
+    record_inbox_rejection,
+)
 from fabric_pipelines.lib.broker.ledger import Accounting, accounting
 from fabric_pipelines.lib.broker.plans import current_plan, plan_task_set
 from fabric_pipelines.lib.charts import power_of_two_bins
+from fabric_pipelines.lib.gpu_pool import sync_gpu_pool
 from fabric_pipelines.lib.index import vector_tail
-from fabric_pipelines.lib.index.staleness import latest_receipt
 from fabric_pipelines.lib.plots import chart_and_table
 from fabric_pipelines.lib.preload import INDEX_MODULES, preload
 from fabric_pipelines.lib.progress import TaskProgress, stage
-from fabric_pipelines.lib.run_extraction import extract_task_set
 from fabric_pipelines.lib.store.settle import settle_embeddings, settling_meanwhile
 from fabric_pipelines.lib.tasks.catalog import get_task_set, ingest_task_set
+from fabric_pipelines.lib.tasks.inbox import record_first_seen, scan
 from fabric_pipelines.lib.tasks.ingest import SubmissionError
 from fabric_pipelines.lib.verify import verify_extraction
-
-CODE_VERSION = "0.1.0"
-# Each asset's code version; the index receipt records them all.
-CODE_VERSIONS = {
-    "tokenised_tasks": f"tokenise-{CODE_VERSION}",
-    "shape_batches": f"plan-{CODE_VERSION}",
-    "extraction_outputs": f"extract-{CODE_VERSION}",
-    "vector_index": f"index-{CODE_VERSION}",
-}
-# One group for the four families: the UI opens a graph of several groups with each group
-# collapsed, and a group of one asset then hides that asset's name.
-PIPELINE_GROUP = "inference_fabric"
 
 
 @dg.asset(
@@ -242,7 +239,7 @@ def extraction_outputs(
             settling_meanwhile(db),
             engine.devices(store.paths(), waiting_for_gpus, task_set) as devices,
         ):
-            report = extract_task_set(
+            report = run_extraction.extract_task_set(
                 db,
                 store.paths(),
                 task_set,
@@ -335,227 +332,6 @@ def extraction_outputs(
     )
 
 
-class IndexConfig(dg.Config):
-    """Launchpad settings of an index build."""
-
-    factory: str = "auto"
-    metric: str = "cosine"
-    nprobe: int = 16
-    min_recall: float = 0.9
-    shards: int = 8
-    device: str = "auto"
-    kmeans: str = "auto"  # torch on a GPU, faiss-cpu without one; or "torch" / "faiss"
-    full_rebuild: bool = False  # retrain and refill every shard instead of only the stale ones
-
-
-@dg.asset(
-    deps=[extraction_outputs],
-    group_name=PIPELINE_GROUP,
-    kinds={"faiss"},
-    code_version=CODE_VERSIONS["vector_index"],
-    # Rebuilt when any set's extraction updates, even while another set has no output (a bad
-    # set must not hold back the index of the good ones).
-    automation_condition=dg.AutomationCondition.eager()
-    .without(~dg.AutomationCondition.any_deps_missing())
-    .with_label("eager, allowing sets without output"),
-    check_specs=[
-        dg.AssetCheckSpec(
-            "recall_at_10",
-            asset="vector_index",
-            description="recall@10 against exact search is at least the configured floor",
-            blocking=True,
-        )
-    ],
-    description=(
-        "A FAISS index over every pooled embedding of the engine's model, with a receipt "
-        "(canonical JSON; its sha256 is this asset's data version) that says how to rebuild it."
-    ),
-)
-def vector_index(
-    context: dg.AssetExecutionContext,
-    config: IndexConfig,
-    store: ArtifactStore,
-    database: Database,
-    engine: EngineConfig,
-) -> dg.MaterializeResult:
-    # Imported here, not with the definitions: torch and FAISS take seconds to load, and every
-    # process that loads the definitions would pay them (the extraction step preloads them).
-    from fabric_pipelines.lib.index.build import IndexSpec
-    from fabric_pipelines.lib.index.publish import (
-        EmptySourceError,
-        build_and_publish,
-        cluster_health_table,
-        cluster_sizes_chart,
-        recall_curve_chart,
-        receipt_summary,
-    )
-
-    manifest = engine.manifest()
-    paths = store.paths()
-    started = time.perf_counter()
-    stage("index")
-    spec = IndexSpec(
-        factory=config.factory,
-        metric=config.metric,
-        nprobe=config.nprobe,
-        shards=config.shards,
-        device=config.device,
-        kmeans=config.kmeans,
-    )
-    db = database.engine()
-    with db.connect() as conn:
-        serving = latest_receipt(conn, manifest.model_key)
-    latest = None if config.full_rebuild else serving
-    try:
-        published = build_and_publish(
-            db,
-            model_key=manifest.model_key,
-            model={
-                "model_id": manifest.model_id,
-                "weights_sha256": manifest.weights_sha256,
-                "pooling": manifest.hooks.pooling,
-                "layer": "pooled",
-                "dtype": manifest.dtype,
-                "backend": manifest.backend,
-            },
-            spec=spec,
-            index_folder=paths.indexes,
-            receipt_folder=paths.receipts,
-            inputs=_input_partitions(context),
-            previous=latest[1] if latest else None,
-            min_recall=config.min_recall,
-            code=CODE_VERSIONS,
-        )
-    except EmptySourceError:
-        # Nothing to index (an empty set, or one whose every task failed) is an outcome, not a
-        # failure: the asset materialises with no index file and says so.
-        note = (
-            f"no index built: model {manifest.model_key} has no embeddings (the task sets are "
-            "empty, or every task failed: fabric status --failures lists why)"
-        )
-        context.log.info(f"vector_index: {note}")
-        return dg.MaterializeResult(
-            metadata={"vectors": 0, "note": note, "published": False},
-            data_version=dg.DataVersion(f"empty:{manifest.model_key}"),
-            check_results=[
-                dg.AssetCheckResult(
-                    check_name="recall_at_10",
-                    passed=True,
-                    severity=dg.AssetCheckSeverity.ERROR,
-                    metadata={"note": "no vectors: nothing to measure"},
-                )
-            ],
-        )
-    context.log.info(
-        f"vector_index: rebuilt shards {published.rebuilt_shards or 'none'} of {spec.shards}"
-    )
-    recall = published.recall_at_k
-    if not published.accepted:
-        # Failed before any materialisation is recorded: the asset's latest materialisation stays
-        # the index that is served, so the UI's first line never shows an unpublished one.
-        served = f"receipt {serving[0]}" if serving else "none yet"
-        raise dg.Failure(
-            description=(
-                f"index not published: {published.shortfall}. The index served stays: {served}. "
-                f"The extraction results are committed; only the index was refused."
-            ),
-            metadata={
-                "recall_at_10": recall,
-                "floor": config.min_recall,
-                "nprobe": published.receipt["index"]["params"].get("nprobe", 0),
-                "what_to_change": published.shortfall,
-                "served_index": served,
-                "refused_receipt_path": dg.MetadataValue.path(str(published.receipt_path)),
-                "published": False,
-            },
-            allow_retries=False,
-        )
-    return dg.MaterializeResult(
-        metadata={
-            "receipt_sha256": published.receipt_sha256,
-            "index_sha256": published.receipt["index_sha256"],
-            "index_path": dg.MetadataValue.path(str(published.index_path)),
-            "receipt_path": dg.MetadataValue.path(str(published.receipt_path)),
-            "vectors": published.receipt["source"]["rows"],
-            "factory": published.receipt["index"]["factory"],
-            "recall_at_10": recall,
-            "rebuilt_shards": dg.MetadataValue.json(published.rebuilt_shards),
-            "recall_curve": dg.MetadataValue.md(recall_curve_chart(published.receipt["quality"])),
-            "cluster_health": dg.MetadataValue.md(
-                cluster_health_table(published.receipt["quality"])
-            ),
-            "cluster_sizes": dg.MetadataValue.md(cluster_sizes_chart(published.receipt["quality"])),
-            "published": published.accepted,
-            "builder": published.receipt["training"].get("builder", ""),
-            "nprobe": published.receipt["index"]["params"].get("nprobe", 0),
-            "nprobe_requested": published.receipt["index"]["params"].get(
-                "nprobe_requested", spec.nprobe
-            ),
-            "shortfall": published.shortfall or "none",
-            "seconds": round(time.perf_counter() - started, 3),
-            "vectors_followed": published.vectors_followed,
-            "phase_seconds": dg.MetadataValue.json(
-                {k: round(v, 3) for k, v in published.seconds.items()}
-            ),
-            # The essentials; the whole receipt is the file at receipt_path.
-            "receipt": dg.MetadataValue.md(
-                receipt_summary(published.receipt, published.receipt_sha256)
-            ),
-            **_input_links(published.receipt["inputs"]),
-        },
-        data_version=dg.DataVersion(published.receipt_sha256),
-        check_results=[
-            dg.AssetCheckResult(
-                check_name="recall_at_10",
-                passed=recall >= config.min_recall,
-                severity=dg.AssetCheckSeverity.ERROR,
-                metadata={
-                    "recall_at_10": recall,
-                    "floor": config.min_recall,
-                    "nprobe": published.receipt["index"]["params"].get("nprobe", 0),
-                    "what_to_change": published.shortfall or "nothing",
-                },
-            )
-        ],
-    )
-
-
-def _input_partitions(context: dg.AssetExecutionContext) -> list[dict[str, str]]:
-    """Each extraction_outputs partition's latest run id and data version, for the receipt."""
-    key = dg.AssetKey("extraction_outputs")
-    out = []
-    for partition in sorted(context.instance.get_dynamic_partitions(TASK_SET_PARTITIONS)):
-        records = context.instance.fetch_materializations(
-            dg.AssetRecordsFilter(asset_key=key, asset_partitions=[partition]), limit=1
-        ).records
-        if not records:
-            continue
-        materialization = records[0].asset_materialization
-        version = materialization.tags.get("dagster/data_version") if materialization else None
-        out.append(
-            {"partition": partition, "run_id": records[0].run_id, "data_version": version or ""}
-        )
-    return out
-
-
-# Links to the runs the index was built from; a receipt with more inputs names the rest in its file.
-MAX_INPUT_LINKS = 20
-
-
-def _input_links(inputs: list[dict[str, str]]) -> dict[str, Any]:
-    """One metadata entry per input: a link to the extraction run that made its embeddings."""
-    links: dict[str, Any] = {
-        f"input {entry['partition']}": dg.MetadataValue.dagster_run(entry["run_id"])
-        for entry in inputs[:MAX_INPUT_LINKS]
-        if entry.get("run_id")
-    }
-    if len(inputs) > MAX_INPUT_LINKS:
-        links["inputs not linked"] = (
-            f"{len(inputs) - MAX_INPUT_LINKS} more: see the receipt's inputs at receipt_path"
-        )
-    return links
-
-
 def _task_file(db: Any, task_set: str) -> dict[str, Any]:
     """The set's stored task file and its content hash, for the extraction's metadata."""
     row = get_task_set(db, task_set)
@@ -563,3 +339,52 @@ def _task_file(db: Any, task_set: str) -> dict[str, Any]:
         "task_file_sha256": row.content_sha256,
         "task_file_path": dg.MetadataValue.path(str(row.path)),
     }
+
+
+extract_task_set = dg.define_asset_job(
+    "extract_task_set",
+    selection=dg.AssetSelection.assets(tokenised_tasks, shape_batches, extraction_outputs),
+    description="Tokenise, plan and extract one task set (one partition).",
+)
+
+
+@dg.sensor(
+    job=extract_task_set,
+    minimum_interval_seconds=15,
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    description=(
+        "Registers each file dropped in the inbox as a task set and runs its extraction; keeps "
+        "the gpu pool at one slot per visible GPU."
+    ),
+)
+def inbox_sensor(context: dg.SensorEvaluationContext, store: ArtifactStore) -> dg.SensorResult:
+    resized = sync_gpu_pool(context.instance)
+    if resized is not None:
+        context.log.info(f"gpu pool: {resized} slot(s), one per visible GPU")
+    inbox = store.paths().inbox
+    accepted, rejected = scan(inbox)
+    for bad in rejected:  # said once per file version, and kept in alerts/inbox_rejections.jsonl
+        with contextlib.suppress(FileNotFoundError):
+            stat = bad.path.stat()
+            rejection = InboxRejection(
+                file=bad.path.name,
+                version=f"{stat.st_size}:{stat.st_mtime_ns}",
+                reason=bad.reason,
+                seen_at=datetime.now(UTC).isoformat(timespec="seconds"),
+            )
+            if record_inbox_rejection(store.paths().root, rejection):
+                context.log.warning(f"inbox: refusing {bad.path.name}: {bad.reason}")
+    # A dropped file's hash is recorded when first seen: ingest refuses it if it changes later.
+    for found in record_first_seen(inbox, accepted):
+        context.log.info(f"inbox: {found.path.name} registered, sha256 {found.sha256[:16]}…")
+    known = set(context.instance.get_dynamic_partitions(TASK_SET_PARTITIONS))
+    new = sorted({f.task_set for f in accepted} - known)
+    return dg.SensorResult(
+        run_requests=[
+            # The run key holds the content hash: the same file never runs twice, a replaced one
+            # (refused as immutable by tokenised_tasks) shows up as a failed run with the reason.
+            dg.RunRequest(run_key=f"{f.task_set}:{f.sha256[:16]}", partition_key=f.task_set)
+            for f in accepted
+        ],
+        dynamic_partitions_requests=[task_sets.build_add_request(new)] if new else [],
+    )

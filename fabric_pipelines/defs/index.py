@@ -1,0 +1,296 @@
+"""The index family: vector_index over every pooled embedding of the engine's model, the job
+that builds it, and what rebuilds it (the eager automation, and the staleness sensor).
+"""
+
+import time
+from typing import Any
+
+import dagster as dg
+
+from fabric_pipelines.defs.extraction import extraction_outputs
+from fabric_pipelines.defs.partitions import TASK_SET_PARTITIONS
+from fabric_pipelines.defs.pipeline import CODE_VERSIONS, PIPELINE_GROUP
+from fabric_pipelines.defs.resources import ArtifactStore, Database, EngineConfig
+from fabric_pipelines.lib.index.staleness import indexed_models, latest_receipt, staleness
+from fabric_pipelines.lib.progress import stage
+
+
+class IndexConfig(dg.Config):
+    """Launchpad settings of an index build."""
+
+    factory: str = "auto"
+    metric: str = "cosine"
+    nprobe: int = 16
+    min_recall: float = 0.9
+    shards: int = 8
+    device: str = "auto"
+    kmeans: str = "auto"  # torch on a GPU, faiss-cpu without one; or "torch" / "faiss"
+    full_rebuild: bool = False  # retrain and refill every shard instead of only the stale ones
+
+
+@dg.asset(
+    deps=[extraction_outputs],
+    group_name=PIPELINE_GROUP,
+    kinds={"faiss"},
+    code_version=CODE_VERSIONS["vector_index"],
+    # Rebuilt when any set's extraction updates, even while another set has no output (a bad
+    # set must not hold back the index of the good ones).
+    automation_condition=dg.AutomationCondition.eager()
+    .without(~dg.AutomationCondition.any_deps_missing())
+    .with_label("eager, allowing sets without output"),
+    check_specs=[
+        dg.AssetCheckSpec(
+            "recall_at_10",
+            asset="vector_index",
+            description="recall@10 against exact search is at least the configured floor",
+            blocking=True,
+        )
+    ],
+    description=(
+        "A FAISS index over every pooled embedding of the engine's model, with a receipt "
+        "(canonical JSON; its sha256 is this asset's data version) that says how to rebuild it."
+    ),
+)
+def vector_index(
+    context: dg.AssetExecutionContext,
+    config: IndexConfig,
+    store: ArtifactStore,
+    database: Database,
+    engine: EngineConfig,
+) -> dg.MaterializeResult:
+    # Imported here, not with the definitions: torch and FAISS take seconds to load, and every
+    # process that loads the definitions would pay them (the extraction step preloads them).
+    from fabric_pipelines.lib.index.build import IndexSpec
+    from fabric_pipelines.lib.index.publish import (
+        EmptySourceError,
+        build_and_publish,
+        cluster_health_table,
+        cluster_sizes_chart,
+        recall_curve_chart,
+        receipt_summary,
+    )
+
+    manifest = engine.manifest()
+    paths = store.paths()
+    started = time.perf_counter()
+    stage("index")
+    spec = IndexSpec(
+        factory=config.factory,
+        metric=config.metric,
+        nprobe=config.nprobe,
+        shards=config.shards,
+        device=config.device,
+        kmeans=config.kmeans,
+    )
+    db = database.engine()
+    with db.connect() as conn:
+        serving = latest_receipt(conn, manifest.model_key)
+    latest = None if config.full_rebuild else serving
+    try:
+        published = build_and_publish(
+            db,
+            model_key=manifest.model_key,
+            model={
+                "model_id": manifest.model_id,
+                "weights_sha256": manifest.weights_sha256,
+                "pooling": manifest.hooks.pooling,
+                "layer": "pooled",
+                "dtype": manifest.dtype,
+                "backend": manifest.backend,
+            },
+            spec=spec,
+            index_folder=paths.indexes,
+            receipt_folder=paths.receipts,
+            inputs=_input_partitions(context),
+            previous=latest[1] if latest else None,
+            min_recall=config.min_recall,
+            code=CODE_VERSIONS,
+        )
+    except EmptySourceError:
+        # Nothing to index (an empty set, or one whose every task failed) is an outcome, not a
+        # failure: the asset materialises with no index file and says so.
+        note = (
+            f"no index built: model {manifest.model_key} has no embeddings (the task sets are "
+            "empty, or every task failed: fabric status --failures lists why)"
+        )
+        context.log.info(f"vector_index: {note}")
+        return dg.MaterializeResult(
+            metadata={"vectors": 0, "note": note, "published": False},
+            data_version=dg.DataVersion(f"empty:{manifest.model_key}"),
+            check_results=[
+                dg.AssetCheckResult(
+                    check_name="recall_at_10",
+                    passed=True,
+                    severity=dg.AssetCheckSeverity.ERROR,
+                    metadata={"note": "no vectors: nothing to measure"},
+                )
+            ],
+        )
+    context.log.info(
+        f"vector_index: rebuilt shards {published.rebuilt_shards or 'none'} of {spec.shards}"
+    )
+    recall = published.recall_at_k
+    if not published.accepted:
+        # Failed before any materialisation is recorded: the asset's latest materialisation stays
+        # the index that is served, so the UI's first line never shows an unpublished one.
+        served = f"receipt {serving[0]}" if serving else "none yet"
+        raise dg.Failure(
+            description=(
+                f"index not published: {published.shortfall}. The index served stays: {served}. "
+                f"The extraction results are committed; only the index was refused."
+            ),
+            metadata={
+                "recall_at_10": recall,
+                "floor": config.min_recall,
+                "nprobe": published.receipt["index"]["params"].get("nprobe", 0),
+                "what_to_change": published.shortfall,
+                "served_index": served,
+                "refused_receipt_path": dg.MetadataValue.path(str(published.receipt_path)),
+                "published": False,
+            },
+            allow_retries=False,
+        )
+    return dg.MaterializeResult(
+        metadata={
+            "receipt_sha256": published.receipt_sha256,
+            "index_sha256": published.receipt["index_sha256"],
+            "index_path": dg.MetadataValue.path(str(published.index_path)),
+            "receipt_path": dg.MetadataValue.path(str(published.receipt_path)),
+            "vectors": published.receipt["source"]["rows"],
+            "factory": published.receipt["index"]["factory"],
+            "recall_at_10": recall,
+            "rebuilt_shards": dg.MetadataValue.json(published.rebuilt_shards),
+            "recall_curve": dg.MetadataValue.md(recall_curve_chart(published.receipt["quality"])),
+            "cluster_health": dg.MetadataValue.md(
+                cluster_health_table(published.receipt["quality"])
+            ),
+            "cluster_sizes": dg.MetadataValue.md(cluster_sizes_chart(published.receipt["quality"])),
+            "published": published.accepted,
+            "builder": published.receipt["training"].get("builder", ""),
+            "nprobe": published.receipt["index"]["params"].get("nprobe", 0),
+            "nprobe_requested": published.receipt["index"]["params"].get(
+                "nprobe_requested", spec.nprobe
+            ),
+            "shortfall": published.shortfall or "none",
+            "seconds": round(time.perf_counter() - started, 3),
+            "vectors_followed": published.vectors_followed,
+            "phase_seconds": dg.MetadataValue.json(
+                {k: round(v, 3) for k, v in published.seconds.items()}
+            ),
+            # The essentials; the whole receipt is the file at receipt_path.
+            "receipt": dg.MetadataValue.md(
+                receipt_summary(published.receipt, published.receipt_sha256)
+            ),
+            **_input_links(published.receipt["inputs"]),
+        },
+        data_version=dg.DataVersion(published.receipt_sha256),
+        check_results=[
+            dg.AssetCheckResult(
+                check_name="recall_at_10",
+                passed=recall >= config.min_recall,
+                severity=dg.AssetCheckSeverity.ERROR,
+                metadata={
+                    "recall_at_10": recall,
+                    "floor": config.min_recall,
+                    "nprobe": published.receipt["index"]["params"].get("nprobe", 0),
+                    "what_to_change": published.shortfall or "nothing",
+                },
+            )
+        ],
+    )
+
+
+def _input_partitions(context: dg.AssetExecutionContext) -> list[dict[str, str]]:
+    """Each extraction_outputs partition's latest run id and data version, for the receipt."""
+    key = dg.AssetKey("extraction_outputs")
+    out = []
+    for partition in sorted(context.instance.get_dynamic_partitions(TASK_SET_PARTITIONS)):
+        records = context.instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=key, asset_partitions=[partition]), limit=1
+        ).records
+        if not records:
+            continue
+        materialization = records[0].asset_materialization
+        version = materialization.tags.get("dagster/data_version") if materialization else None
+        out.append(
+            {"partition": partition, "run_id": records[0].run_id, "data_version": version or ""}
+        )
+    return out
+
+
+# Links to the runs the index was built from; a receipt with more inputs names the rest in its file.
+MAX_INPUT_LINKS = 20
+
+
+def _input_links(inputs: list[dict[str, str]]) -> dict[str, Any]:
+    """One metadata entry per input: a link to the extraction run that made its embeddings."""
+    links: dict[str, Any] = {
+        f"input {entry['partition']}": dg.MetadataValue.dagster_run(entry["run_id"])
+        for entry in inputs[:MAX_INPUT_LINKS]
+        if entry.get("run_id")
+    }
+    if len(inputs) > MAX_INPUT_LINKS:
+        links["inputs not linked"] = (
+            f"{len(inputs) - MAX_INPUT_LINKS} more: see the receipt's inputs at receipt_path"
+        )
+    return links
+
+
+index_job = dg.define_asset_job(
+    "build_vector_index",
+    selection=dg.AssetSelection.assets(vector_index),
+    description="Build the vector index over every embedding of the engine's model.",
+)
+
+
+index_automation = dg.AutomationConditionSensorDefinition(
+    "index_automation",
+    target=dg.AssetSelection.assets(vector_index),
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    minimum_interval_seconds=30,
+    description="Rebuilds vector_index once new extraction outputs land (eager condition).",
+)
+
+
+@dg.sensor(
+    job=index_job,
+    minimum_interval_seconds=60,
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    description=(
+        "Rebuilds an index whose rows changed in the database (per-shard watermarks kept by "
+        "triggers) or whose file is gone; only the stale shards are rebuilt."
+    ),
+)
+def index_staleness_sensor(
+    context: dg.SensorEvaluationContext, store: ArtifactStore, database: Database
+) -> dg.SensorResult:
+    busy = context.instance.get_runs_count(
+        dg.RunsFilter(
+            statuses=[
+                dg.DagsterRunStatus.QUEUED,
+                dg.DagsterRunStatus.STARTING,
+                dg.DagsterRunStatus.STARTED,
+            ]
+        )
+    )
+    if busy:  # rows may still be landing, or the eager condition already asked for a build
+        return dg.SensorResult(skip_reason=f"{busy} run(s) in progress; checking after they end")
+    requests = []
+    with database.engine().connect() as conn:
+        for model_key in indexed_models(conn):
+            found = staleness(conn, model_key, store.paths().indexes)
+            if found is None or not found.stale:
+                continue
+            shards = ",".join(map(str, found.stale_shards)) or "none"
+            context.log.info(
+                f"index of {model_key} is stale: shards [{shards}]"
+                + ("; served file missing" if found.index_missing else "")
+            )
+            requests.append(
+                dg.RunRequest(
+                    # One run per (receipt, stale set): a failed rebuild is not retried in a loop.
+                    run_key=f"{found.receipt_sha256[:16]}:{shards}:{found.index_missing}",
+                    tags={"fabric/model_key": model_key, "fabric/stale_shards": shards},
+                )
+            )
+    return dg.SensorResult(run_requests=requests)
