@@ -66,6 +66,17 @@ class EngineManifest:
         name = self.model_id.rstrip("/").rsplit("/", 1)[-1]
         return f"{name}@{self.weights_sha256[:12]}:{self.hooks.pooling}"
 
+    def receipt_model(self) -> dict[str, str]:
+        """What an index receipt records of the model its pooled vectors came from."""
+        return {
+            "model_id": self.model_id,
+            "weights_sha256": self.weights_sha256,
+            "pooling": self.hooks.pooling,
+            "layer": "pooled",
+            "dtype": self.dtype,
+            "backend": self.backend,
+        }
+
     def to_mapping(self) -> dict[str, Any]:
         return {
             "model_id": self.model_id,

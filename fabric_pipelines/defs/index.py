@@ -3,16 +3,21 @@ that builds it, and what rebuilds it (the eager automation, and the staleness se
 """
 
 import time
-from typing import Any
 
 import dagster as dg
 
 from fabric_pipelines.defs.extraction import extraction_outputs
+from fabric_pipelines.defs.metadata import dagster_metadata
 from fabric_pipelines.defs.partitions import TASK_SET_PARTITIONS
 from fabric_pipelines.defs.pipeline import CODE_VERSIONS, PIPELINE_GROUP
 from fabric_pipelines.defs.resources import ArtifactStore, Database, EngineConfig
 from fabric_pipelines.lib.index.staleness import indexed_models, latest_receipt, staleness
 from fabric_pipelines.lib.progress import stage
+from fabric_pipelines.lib.step_metadata import (
+    index_metadata,
+    recall_check_metadata,
+    refused_index_metadata,
+)
 
 
 class IndexConfig(dg.Config):
@@ -61,75 +66,30 @@ def vector_index(
     # Imported here, not with the definitions: torch and FAISS take seconds to load, and every
     # process that loads the definitions would pay them (the extraction step preloads them).
     from fabric_pipelines.lib.index.build import IndexSpec
-    from fabric_pipelines.lib.index.publish import (
-        EmptySourceError,
-        build_and_publish,
-        cluster_health_table,
-        cluster_sizes_chart,
-        recall_curve_chart,
-        receipt_summary,
-    )
+    from fabric_pipelines.lib.index.publish import EmptySourceError, build_and_publish
 
-    manifest = engine.manifest()
-    paths = store.paths()
-    started = time.perf_counter()
+    manifest, started = engine.manifest(), time.perf_counter()
     stage("index")
     spec = IndexSpec(
-        factory=config.factory,
-        metric=config.metric,
-        nprobe=config.nprobe,
-        shards=config.shards,
-        device=config.device,
-        kmeans=config.kmeans,
-    )
+        factory=config.factory, metric=config.metric, nprobe=config.nprobe, shards=config.shards,
+        device=config.device, kmeans=config.kmeans,
+    )  # fmt: skip
     db = database.engine()
     with db.connect() as conn:
         serving = latest_receipt(conn, manifest.model_key)
-    latest = None if config.full_rebuild else serving
+    previous = None if config.full_rebuild or serving is None else serving[1]
     try:
         published = build_and_publish(
-            db,
-            model_key=manifest.model_key,
-            model={
-                "model_id": manifest.model_id,
-                "weights_sha256": manifest.weights_sha256,
-                "pooling": manifest.hooks.pooling,
-                "layer": "pooled",
-                "dtype": manifest.dtype,
-                "backend": manifest.backend,
-            },
-            spec=spec,
-            index_folder=paths.indexes,
-            receipt_folder=paths.receipts,
-            inputs=_input_partitions(context),
-            previous=latest[1] if latest else None,
-            min_recall=config.min_recall,
+            db, model_key=manifest.model_key, model=manifest.receipt_model(), spec=spec,
+            index_folder=store.paths().indexes, receipt_folder=store.paths().receipts,
+            inputs=_input_partitions(context), previous=previous, min_recall=config.min_recall,
             code=CODE_VERSIONS,
-        )
+        )  # fmt: skip
     except EmptySourceError:
-        # Nothing to index (an empty set, or one whose every task failed) is an outcome, not a
-        # failure: the asset materialises with no index file and says so.
-        note = (
-            f"no index built: model {manifest.model_key} has no embeddings (the task sets are "
-            "empty, or every task failed: fabric status --failures lists why)"
-        )
-        context.log.info(f"vector_index: {note}")
-        return dg.MaterializeResult(
-            metadata={"vectors": 0, "note": note, "published": False},
-            data_version=dg.DataVersion(f"empty:{manifest.model_key}"),
-            check_results=[
-                dg.AssetCheckResult(
-                    check_name="recall_at_10",
-                    passed=True,
-                    severity=dg.AssetCheckSeverity.ERROR,
-                    metadata={"note": "no vectors: nothing to measure"},
-                )
-            ],
-        )
+        return _nothing_to_index(context, manifest.model_key)
     context.log.info(
         f"vector_index: rebuilt shards {published.rebuilt_shards or 'none'} of {spec.shards}"
     )
-    recall = published.recall_at_k
     if not published.accepted:
         # Failed before any materialisation is recorded: the asset's latest materialisation stays
         # the index that is served, so the UI's first line never shows an unpublished one.
@@ -139,62 +99,41 @@ def vector_index(
                 f"index not published: {published.shortfall}. The index served stays: {served}. "
                 f"The extraction results are committed; only the index was refused."
             ),
-            metadata={
-                "recall_at_10": recall,
-                "floor": config.min_recall,
-                "nprobe": published.receipt["index"]["params"].get("nprobe", 0),
-                "what_to_change": published.shortfall,
-                "served_index": served,
-                "refused_receipt_path": dg.MetadataValue.path(str(published.receipt_path)),
-                "published": False,
-            },
+            metadata=dagster_metadata(refused_index_metadata(published, config.min_recall, served)),
             allow_retries=False,
         )
+    seconds = time.perf_counter() - started
     return dg.MaterializeResult(
-        metadata={
-            "receipt_sha256": published.receipt_sha256,
-            "index_sha256": published.receipt["index_sha256"],
-            "index_path": dg.MetadataValue.path(str(published.index_path)),
-            "receipt_path": dg.MetadataValue.path(str(published.receipt_path)),
-            "vectors": published.receipt["source"]["rows"],
-            "factory": published.receipt["index"]["factory"],
-            "recall_at_10": recall,
-            "rebuilt_shards": dg.MetadataValue.json(published.rebuilt_shards),
-            "recall_curve": dg.MetadataValue.md(recall_curve_chart(published.receipt["quality"])),
-            "cluster_health": dg.MetadataValue.md(
-                cluster_health_table(published.receipt["quality"])
-            ),
-            "cluster_sizes": dg.MetadataValue.md(cluster_sizes_chart(published.receipt["quality"])),
-            "published": published.accepted,
-            "builder": published.receipt["training"].get("builder", ""),
-            "nprobe": published.receipt["index"]["params"].get("nprobe", 0),
-            "nprobe_requested": published.receipt["index"]["params"].get(
-                "nprobe_requested", spec.nprobe
-            ),
-            "shortfall": published.shortfall or "none",
-            "seconds": round(time.perf_counter() - started, 3),
-            "vectors_followed": published.vectors_followed,
-            "phase_seconds": dg.MetadataValue.json(
-                {k: round(v, 3) for k, v in published.seconds.items()}
-            ),
-            # The essentials; the whole receipt is the file at receipt_path.
-            "receipt": dg.MetadataValue.md(
-                receipt_summary(published.receipt, published.receipt_sha256)
-            ),
-            **_input_links(published.receipt["inputs"]),
-        },
+        metadata=dagster_metadata(index_metadata(published, spec.nprobe, seconds)),
         data_version=dg.DataVersion(published.receipt_sha256),
         check_results=[
             dg.AssetCheckResult(
                 check_name="recall_at_10",
-                passed=recall >= config.min_recall,
+                passed=published.recall_at_k >= config.min_recall,
                 severity=dg.AssetCheckSeverity.ERROR,
-                metadata={
-                    "recall_at_10": recall,
-                    "floor": config.min_recall,
-                    "nprobe": published.receipt["index"]["params"].get("nprobe", 0),
-                    "what_to_change": published.shortfall or "nothing",
-                },
+                metadata=dagster_metadata(recall_check_metadata(published, config.min_recall)),
+            )
+        ],
+    )
+
+
+def _nothing_to_index(context: dg.AssetExecutionContext, model_key: str) -> dg.MaterializeResult:
+    """No embeddings to index (an empty set, or one whose every task failed) is an outcome, not a
+    failure: the asset materialises with no index file and says so."""
+    note = (
+        f"no index built: model {model_key} has no embeddings (the task sets are empty, or every "
+        "task failed: fabric status --failures lists why)"
+    )
+    context.log.info(f"vector_index: {note}")
+    return dg.MaterializeResult(
+        metadata={"vectors": 0, "note": note, "published": False},
+        data_version=dg.DataVersion(f"empty:{model_key}"),
+        check_results=[
+            dg.AssetCheckResult(
+                check_name="recall_at_10",
+                passed=True,
+                severity=dg.AssetCheckSeverity.ERROR,
+                metadata={"note": "no vectors: nothing to measure"},
             )
         ],
     )
@@ -216,24 +155,6 @@ def _input_partitions(context: dg.AssetExecutionContext) -> list[dict[str, str]]
             {"partition": partition, "run_id": records[0].run_id, "data_version": version or ""}
         )
     return out
-
-
-# Links to the runs the index was built from; a receipt with more inputs names the rest in its file.
-MAX_INPUT_LINKS = 20
-
-
-def _input_links(inputs: list[dict[str, str]]) -> dict[str, Any]:
-    """One metadata entry per input: a link to the extraction run that made its embeddings."""
-    links: dict[str, Any] = {
-        f"input {entry['partition']}": dg.MetadataValue.dagster_run(entry["run_id"])
-        for entry in inputs[:MAX_INPUT_LINKS]
-        if entry.get("run_id")
-    }
-    if len(inputs) > MAX_INPUT_LINKS:
-        links["inputs not linked"] = (
-            f"{len(inputs) - MAX_INPUT_LINKS} more: see the receipt's inputs at receipt_path"
-        )
-    return links
 
 
 index_job = dg.define_asset_job(

@@ -17,6 +17,7 @@ from fabric_gpu.profile import ConsumerProfile
 from fabric_pipelines.lib.broker.ledger import DEFAULT_LEASE_SECONDS
 from fabric_pipelines.lib.device_lease import lease_devices
 from fabric_pipelines.lib.engine_pool import idle_seconds_setting
+from fabric_pipelines.lib.extraction_step import WorkerOptions
 from fabric_pipelines.lib.gpu_pool import visible_gpus
 from fabric_pipelines.lib.settings import FabricPaths, database_url, default_root, redact_url
 from fabric_pipelines.lib.store.db import create_schema, make_engine
@@ -84,6 +85,15 @@ class EngineConfig(dg.ConfigurableResource):
 
     def pool_idle(self) -> float:
         return idle_seconds_setting(self.pool_idle_seconds)
+
+    def worker_options(self, database_url: str) -> WorkerOptions:
+        return WorkerOptions(
+            database_url=database_url,
+            workers=self.workers,
+            lease_seconds=self.lease_seconds,
+            heartbeat_seconds=self.heartbeat_seconds,
+            pool_idle_seconds=self.pool_idle(),
+        )
 
     @contextmanager
     def devices(
