@@ -4,6 +4,7 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 from pydantic import Field, PrivateAttr
@@ -115,9 +116,8 @@ class EngineConfig(dg.ConfigurableResource):
             yield leased
 
     def manifest(self) -> EngineManifest:
-        path = self.manifest_path or os.environ.get("FABRIC_ENGINE_MANIFEST", "")
-        if path:
-            return EngineManifest.load(Path(path))
+        if self.manifest_path:
+            return EngineManifest.load(Path(self.manifest_path))
         return manifest_for_model(
             self.model_id,
             backend=self.backend,
@@ -135,13 +135,19 @@ class EngineConfig(dg.ConfigurableResource):
         return create_engine(manifest)
 
 
+def _from_environment(name: str) -> Any:
+    """Dagster's EnvVar for `name` where it is set (the UI then shows where the setting came
+    from), else "": the resource's default."""
+    return dg.EnvVar(name) if os.environ.get(name) else ""
+
+
 @dg.definitions
 def resources() -> dg.Definitions:
-    store = ArtifactStore()
+    store = ArtifactStore(root=_from_environment("FABRIC_HOME"))
     return dg.Definitions(
         resources={
             "store": store,
-            "database": Database(store=store),
-            "engine": EngineConfig(),
+            "database": Database(store=store, url=_from_environment("FABRIC_DATABASE_URL")),
+            "engine": EngineConfig(manifest_path=_from_environment("FABRIC_ENGINE_MANIFEST")),
         }
     )
