@@ -85,7 +85,7 @@ void Runtime::start() {
   slots_.resize(config_.max_in_flight);
   outputs_.resize(config_.max_in_flight);
   fill_jobs_.resize(config_.max_in_flight);
-  for (auto& job : fill_jobs_) job.rows.reserve(config_.max_items);
+  for (auto& job : fill_jobs_.entries()) job.rows.reserve(config_.max_items);
   stage_->warm_up(*gpu_);
   // How often a blocked thread re-checks memory the GPU writes: often on a GPU (latency), less
   // on the emulated GPU, whose idle polling would take CPU from the engine it emulates.
@@ -208,18 +208,16 @@ void Runtime::submit(const BatchSpec& spec, const std::int64_t* rows) {
   if (!end_published) publish(out->end());
   if (config_.measure_gpu_time) gpu.record_mark(Stream::kCompute, end_mark(seq));
 
-  const std::uint64_t o = out_head_.load(std::memory_order_relaxed);
-  outputs_[o % outputs_.size()] = OutputRecord{seq, spec.batch_id, *out, spec.output_size_on_gpu};
-  out_head_.store(o + 1, std::memory_order_release);  // order the record before its index
+  outputs_.next() = OutputRecord{seq, spec.batch_id, *out, spec.output_size_on_gpu};
+  outputs_.push();
   drain_gate_.notify();
 
-  const std::uint64_t f = fill_head_.load(std::memory_order_relaxed);
-  FillJob& job = fill_jobs_[f % fill_jobs_.size()];
+  FillJob& job = fill_jobs_.next();
   job.seq = seq;
   job.slot = *slot;
   job.spec = spec;
   job.rows.assign(rows, rows + spec.item_count);  // within the reserved capacity: no allocation
-  fill_head_.store(f + 1, std::memory_order_release);  // order the job before its index
+  fill_jobs_.push();
   fill_gate_.notify();
 }
 
@@ -228,9 +226,9 @@ void Runtime::filler_loop() {
     std::uint64_t tail = 0;
     std::uint64_t ignored = 0;
     for (;;) {
-      auto has_job = [&] { return fill_head_.load(std::memory_order_acquire) > tail; };
+      auto has_job = [&] { return fill_jobs_.published() > tail; };
       if (!wait_ladder(fill_gate_, has_job, ignored, poll_)) return;
-      FillJob& job = fill_jobs_[tail % fill_jobs_.size()];
+      FillJob& job = fill_jobs_.at(tail);
       const BatchSpec& spec = job.spec;
       auto* slot = static_cast<char*>(ring_mem_.host) + job.slot.offset;
       BatchDescriptor d{};
@@ -258,7 +256,6 @@ void Runtime::filler_loop() {
       bytes_in_.fetch_add(job.slot.length, std::memory_order_relaxed);
       published_seq_.store(job.seq, std::memory_order_release);
       ++tail;
-      fill_tail_.store(tail, std::memory_order_release);
     }
   } catch (const std::exception& e) {
     fail(std::string("filler: ") + e.what());
@@ -290,8 +287,8 @@ void Runtime::drain_loop() {
       // Acquire: outputs up to published_head are complete in device memory.
       const std::uint64_t head = load_acquire(&counters_->published_head);
       while (started - completed < flight.size() &&
-             started < out_head_.load(std::memory_order_acquire)) {
-        const OutputRecord& record = outputs_[started % outputs_.size()];
+             started < outputs_.published()) {
+        const OutputRecord& record = outputs_.at(started);
         if (record.out.end() > head) break;
         const auto k = static_cast<std::uint32_t>(started % flight.size());
         std::uint64_t bytes = record.out.length;
@@ -346,8 +343,8 @@ void Runtime::drain_loop() {
       auto work = [&] {
         if (completed < started && gpu_->event_done(static_cast<int>(flight[completed % flight.size()].staging))) return true;
         if (load_acquire(&counters_->consumed_seq) != last_consumed) return true;
-        if (started < out_head_.load(std::memory_order_acquire) && started - completed < flight.size()) {
-          return outputs_[started % outputs_.size()].out.end() <=
+        if (started < outputs_.published() && started - completed < flight.size()) {
+          return outputs_.at(started).out.end() <=
                  load_acquire(&counters_->published_head);
         }
         return false;

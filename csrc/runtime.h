@@ -29,6 +29,7 @@
 #include "function_ref.h"
 #include "gpu.h"
 #include "protocol.h"
+#include "spsc_queue.h"
 
 namespace fabric {
 
@@ -207,11 +208,9 @@ class Runtime {
   std::uint64_t next_seq_ = 1;
   std::uint64_t hooks_since_publish_ = 0;
 
-  // caller -> filler and caller -> drain queues: circular, max_in_flight entries each
-  std::vector<FillJob> fill_jobs_;
-  std::vector<OutputRecord> outputs_;
-  std::atomic<std::uint64_t> fill_head_{0}, fill_tail_{0};
-  std::atomic<std::uint64_t> out_head_{0}, out_tail_{0};
+  // caller -> filler and caller -> drain hand-offs, max_in_flight entries each
+  SpscQueue<FillJob> fill_jobs_;
+  SpscQueue<OutputRecord> outputs_;
 
   Gate ring_gate_, payload_gate_, fill_gate_, drain_gate_, done_gate_;
   std::thread filler_, drain_;
