@@ -42,7 +42,13 @@ from fabric_pipelines.lib.broker.ledger import (
 )
 from fabric_pipelines.lib.files import CorruptFileError, verify_sha256
 from fabric_pipelines.lib.hidden_states import write_shard
-from fabric_pipelines.lib.result_writer import BatchRows, GroupOutcome, RejectBatch, WriteBehind
+from fabric_pipelines.lib.result_writer import (
+    BatchFailed,
+    BatchRows,
+    GroupOutcome,
+    RejectBatch,
+    WriteBehind,
+)
 from fabric_pipelines.lib.retry import DEFAULT_BUDGET_S, GaveUpRetrying, retry
 from fabric_pipelines.lib.store.keys import model_id, task_set_id
 from fabric_pipelines.lib.store.models import Batch
@@ -239,41 +245,39 @@ def run_worker(
             report.real_tokens += lease.real_tokens
             report.padded_tokens += lease.padded_tokens
         for batch, why in outcome.rejected:  # not acked: back to the ledger, to run again
-            fail(batch.lease, rejected_rows.pop(batch.lease), why)
+            assert batch.task_rows is not None
+            fail(batch.lease, batch.task_rows, why)
+        for failed in outcome.failed:  # the engine failed these batches
+            fail(failed.lease, failed.task_rows, failed.error)
         report.rows_inserted += outcome.inserted
         report.seconds = time.perf_counter() - started
         if outcome.acked:
             report.last_ack_at = time.time()
 
     def hidden_states_to_shard(batch: BatchRows) -> None:  # the writer thread, before the write
-        pending = pending_hooks.pop(batch.lease, None)
-        if pending:
-            hooks, rows = pending
-            ids = task_ids.take(rows).combine_chunks()
-            shard = write_shard(job.shard_folder, ids, batch.n_tokens, hooks, engine.hidden_size)
-            try:  # what reached the disk, read back: an ack promises a file that verifies
-                verify_sha256(
-                    shard.path, shard.sha256, "hidden-state shard", "its batch runs again"
-                )
-            except (CorruptFileError, FileNotFoundError) as error:
-                shard.path.unlink(missing_ok=True)
-                rejected_rows[batch.lease] = rows
-                raise RejectBatch(str(error)) from error
-            batch.shard = shard
-            batch.layers = tuple(hooks)
-
-    # lease -> (hidden states per hook layer, task rows): from the drain to the writer
-    pending_hooks: dict[Lease, tuple[dict[int, np.ndarray], np.ndarray]] = {}
-    rejected_rows: dict[Lease, np.ndarray] = {}  # batches whose shard did not verify
+        if not batch.hidden_states:
+            return
+        assert batch.task_rows is not None
+        ids = task_ids.take(batch.task_rows).combine_chunks()
+        shard = write_shard(
+            job.shard_folder, ids, batch.n_tokens, batch.hidden_states, engine.hidden_size
+        )
+        try:  # what reached the disk, read back: an ack promises a file that verifies
+            verify_sha256(shard.path, shard.sha256, "hidden-state shard", "its batch runs again")
+        except (CorruptFileError, FileNotFoundError) as error:
+            shard.path.unlink(missing_ok=True)
+            raise RejectBatch(str(error)) from error
+        batch.shard = shard
+        batch.layers = tuple(batch.hidden_states)
+        batch.hidden_states = None  # written: let the arrays go
 
     def on_result(result: BatchResult) -> None:  # the runtime's drain thread
+        # Every outcome goes to the writer, which owns the ledger calls and the report.
         lease, rows = in_flight.pop(result.batch_id)
         if result.error:
-            fail(lease, rows, result.error)
+            writer.put(BatchFailed(lease, rows, result.error))
             return
         assert result.pooled is not None
-        if result.hooks:
-            pending_hooks[lease] = (result.hooks, rows)
         writer.put(
             BatchRows(
                 lease=lease,
@@ -284,6 +288,8 @@ def run_worker(
                 record_no=record_no[rows],
                 n_tokens=result.lengths,
                 pooled=result.pooled,
+                task_rows=rows,
+                hidden_states=result.hooks or None,
             )
         )
 

@@ -59,6 +59,20 @@ class BatchRows:
     pooled: np.ndarray  # float32 [items, dim]
     shard: ShardFile | None = None
     layers: tuple[int, ...] = ()
+    # The batch's task rows and, when the engine kept hook layers, their hidden states
+    # ([real tokens, hidden] per layer): `before_write` turns them into `shard`.
+    task_rows: np.ndarray | None = None
+    hidden_states: dict[int, np.ndarray] | None = None
+
+
+@dataclass(frozen=True)
+class BatchFailed:
+    """The engine failed a batch: handed to the writer like a finished one, so every outcome of
+    a batch (written and acked, stale, rejected or failed) reaches the run on one thread."""
+
+    lease: Lease
+    task_rows: np.ndarray
+    error: str
 
 
 @dataclass
@@ -67,6 +81,7 @@ class GroupOutcome:
     stale: list[tuple[BatchRows, str]] = field(default_factory=list)
     inserted: int = 0
     rejected: list[tuple[BatchRows, str]] = field(default_factory=list)  # by before_write
+    failed: list[BatchFailed] = field(default_factory=list)  # by the engine
 
 
 class RejectBatch(Exception):
@@ -296,8 +311,9 @@ class WriterGaveUp(GaveUpRetrying):
 
 class WriteBehind:
     """A bounded queue and its writer threads. `on_written(outcome)` runs after each committed
-    group, one call at a time; `before_write(batch)` may run on several writer threads at once.
-    `close()` flushes, joins and re-raises a writer failure."""
+    group (and for batches the engine failed, queued as BatchFailed), one call at a time;
+    `before_write(batch)` may run on several writer threads at once. `close()` flushes, joins
+    and re-raises a writer failure."""
 
     def __init__(
         self,
@@ -316,7 +332,7 @@ class WriteBehind:
         self._engine = engine
         self._on_written = on_written
         self._before_write = before_write
-        self._queue: queue.Queue[BatchRows | None] = queue.Queue(maxsize=max_batches)
+        self._queue: queue.Queue[BatchRows | BatchFailed | None] = queue.Queue(maxsize=max_batches)
         self._group = group_batches
         self._attempts = attempts
         self._budget_s = budget_s
@@ -336,7 +352,7 @@ class WriteBehind:
         for thread in self._threads:
             thread.start()
 
-    def put(self, batch: BatchRows) -> None:
+    def put(self, batch: BatchRows | BatchFailed) -> None:
         """Queue a batch; blocks while the queue is full. Raises if the writer has failed."""
         if self._error is not None:
             raise self._error
@@ -363,18 +379,19 @@ class WriteBehind:
             if first is None:
                 self._queue.task_done()
                 return
-            group = [first]
-            taken = 1
-            while len(group) < self._group:
+            items = [first]
+            while len(items) < self._group:
                 try:
                     item = self._queue.get_nowait()
                 except queue.Empty:
                     break
-                taken += 1
                 if item is None:
+                    self._queue.task_done()
                     done = True
                     break
-                group.append(item)
+                items.append(item)
+            group = [item for item in items if isinstance(item, BatchRows)]
+            failed = [item for item in items if isinstance(item, BatchFailed)]
             try:
                 if self._error is None:  # after a failure, keep draining: producers never block
                     rejected: list[tuple[BatchRows, str]] = []
@@ -389,12 +406,13 @@ class WriteBehind:
                         group = kept
                     outcome = self._write_with_retries(group) if group else GroupOutcome()
                     outcome.rejected = rejected
+                    outcome.failed = failed
                     with self._lock:
                         self._on_written(outcome)
             except BaseException as error:
                 self._error = error
             finally:
-                for _ in range(taken):
+                for _ in items:
                     self._queue.task_done()
 
     def _write_with_retries(self, group: list[BatchRows]) -> GroupOutcome:
