@@ -46,9 +46,14 @@ class HookSpec:
 
     layers: tuple[int, ...]
     pooling: str
+    # Pooled vectors scaled to unit length; None: as the model folder says (a Normalize module).
+    normalize: bool | None = None
 
     def to_mapping(self) -> dict[str, Any]:
-        return {"layers": list(self.layers), "pooling": self.pooling}
+        out: dict[str, Any] = {"layers": list(self.layers), "pooling": self.pooling}
+        if self.normalize is not None:
+            out["normalize"] = self.normalize
+        return out
 
 
 @dataclass(frozen=True)
@@ -64,14 +69,17 @@ class EngineManifest:
     def model_key(self) -> str:
         """Identifies results of this model and pooling in the database: name@weights:pooling."""
         name = self.model_id.rstrip("/").rsplit("/", 1)[-1]
-        return f"{name}@{self.weights_sha256[:12]}:{self.hooks.pooling}"
+        normalized = "+normalized" if self.hooks.normalize else ""
+        return f"{name}@{self.weights_sha256[:12]}:{self.hooks.pooling}{normalized}"
 
-    def receipt_model(self) -> dict[str, str]:
+    def receipt_model(self) -> dict[str, Any]:
         """What an index receipt records of the model its pooled vectors came from."""
         return {
             "model_id": self.model_id,
             "weights_sha256": self.weights_sha256,
             "pooling": self.hooks.pooling,
+            "normalize": self.hooks.normalize,
+            "max_seq_len": self.profile.max_seq_len,
             "layer": "pooled",
             "dtype": self.dtype,
             "backend": self.backend,
@@ -140,7 +148,7 @@ class EngineManifest:
             backend=text("backend", BACKENDS),
             dtype=text("dtype", DTYPES),
             profile=profile,
-            hooks=_parse_hooks(data["hooks"], source),
+            hooks=_parse_hooks(data["hooks"], source, text("model_id")),
         )
 
     @classmethod
@@ -169,11 +177,13 @@ class EngineManifest:
             )
 
 
-def _parse_hooks(value: Any, source: str) -> HookSpec:
-    if not isinstance(value, Mapping) or set(value) != {"layers", "pooling"}:
+def _parse_hooks(value: Any, source: str, model_id: str) -> HookSpec:
+    if not isinstance(value, Mapping) or not (
+        {"layers", "pooling"} <= set(value) <= {"layers", "pooling", "normalize"}
+    ):
         raise ManifestError(
-            f"{source}: field hooks must be a mapping with exactly 'layers' (list of ints) and "
-            f"'pooling' ({'/'.join(POOLINGS)}), got {value!r}"
+            f"{source}: field hooks must be a mapping with 'layers' (list of ints), 'pooling' "
+            f"({'/'.join(POOLINGS)}) and optionally 'normalize' (true/false), got {value!r}"
         )
     layers = value["layers"]
     if not isinstance(layers, list | tuple) or not all(
@@ -189,7 +199,27 @@ def _parse_hooks(value: Any, source: str) -> HookSpec:
         raise ManifestError(
             f"{source}: field hooks.pooling is {pooling!r}; expected one of {POOLINGS}"
         )
-    return HookSpec(layers=tuple(layers), pooling=pooling)
+    if "normalize" in value:
+        normalize = value["normalize"]
+        if not isinstance(normalize, bool):
+            raise ManifestError(
+                f"{source}: field hooks.normalize must be true or false, got {normalize!r}"
+            )
+    else:
+        normalize = _model_normalizes(model_id)
+    return HookSpec(layers=tuple(layers), pooling=pooling, normalize=normalize)
+
+
+def _model_normalizes(model_id: str) -> bool:
+    """The model folder's own choice (a Normalize module), where the folder is here; an engine
+    for a model that is not here fails when it is created anyway."""
+    from fabric_gpu.model import ModelNotFoundError, resolve_model_dir
+    from fabric_gpu.model_defaults import model_defaults
+
+    try:
+        return model_defaults(resolve_model_dir(model_id)).normalize
+    except ModelNotFoundError:
+        return False
 
 
 def manifest_for_model(

@@ -83,6 +83,16 @@ def load_tokenizer(model_dir: Path) -> Tokenizer:
     tokenizer = Tokenizer.from_file(str(tokenizer_path(model_dir)))
     tokenizer.no_truncation()
     tokenizer.no_padding()
+    from fabric_gpu.model_defaults import model_defaults
+
+    if model_defaults(model_dir).do_lower_case:
+        # sentence-transformers lowercases the text before its tokenizer sees it.
+        from tokenizers import normalizers
+
+        steps = [normalizers.Lowercase()]
+        if tokenizer.normalizer is not None:
+            steps.append(tokenizer.normalizer)
+        tokenizer.normalizer = normalizers.Sequence(steps)
     return tokenizer
 
 

@@ -78,8 +78,11 @@ def _engine_config(args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, name, None)
         if value is not None:
             config[name] = value
-    if getattr(args, "truncate", False):
-        config["truncate"] = True
+    if getattr(args, "long_inputs", None) is not None:
+        config["truncate"] = args.long_inputs == "truncate"
+    for name in ("pooling", "normalize"):
+        if getattr(args, name, None) is not None:
+            config[name] = getattr(args, name)
     return config
 
 
@@ -885,7 +888,21 @@ def build_parser() -> argparse.ArgumentParser:
             "--max-batch-tokens", type=int, help="padded tokens per batch (default 8192)"
         )
         g.add_argument("--max-batch-items", type=int, help="items per batch (default 256)")
-        g.add_argument("--max-seq-len", type=int, help="longest item in tokens (default 512)")
+        g.add_argument(
+            "--max-seq-len",
+            type=int,
+            help="longest item in tokens (default: the model's own, 256 for all-MiniLM-L6-v2)",
+        )
+        g.add_argument(
+            "--pooling",
+            choices=("mean", "cls", "last"),
+            help="how an item's vector is made from its tokens (default: the model's own)",
+        )
+        g.add_argument(
+            "--normalize",
+            action=argparse.BooleanOptionalAction,
+            help="unit-length vectors (default: as the model's configuration says)",
+        )
         g.add_argument("--seq-granularity", type=int, help="bucket length step (default 8)")
         g.add_argument(
             "--hook-layers", help="comma-separated layers whose hidden states to keep (default -1)"
@@ -894,9 +911,19 @@ def build_parser() -> argparse.ArgumentParser:
             "--workers", type=int, help="worker processes (default 1; 0: in this process)"
         )
         g.add_argument(
+            "--long-inputs",
+            choices=("truncate", "fail"),
+            help=(
+                "items over max_seq_len: cut to it and counted, as sentence-transformers does "
+                "(default), or failed with the reason"
+            ),
+        )
+        g.add_argument(
             "--truncate",
-            action="store_true",
-            help="cut items over max_seq_len to it instead of failing them",
+            dest="long_inputs",
+            action="store_const",
+            const="truncate",
+            help=argparse.SUPPRESS,  # the earlier spelling of --long-inputs truncate
         )
         g.add_argument(
             "--lease-seconds",

@@ -30,11 +30,14 @@ def run_stages(
     manifest: EngineManifest,
     source: Path,
     task_set: str,
+    *,
+    truncate: bool = False,
 ) -> tuple[IngestSummary, ExtractionReport]:
     submit(source, paths.inbox, task_set)
     summary = ingest_task_set(
-        db, paths, task_set, model_id=manifest.model_id, max_seq_len=manifest.profile.max_seq_len
-    )
+        db, paths, task_set, model_id=manifest.model_id,
+        max_seq_len=manifest.profile.max_seq_len, truncate=truncate,
+    )  # fmt: skip
     plan = plan_task_set(db, paths, task_set, manifest)
     job = ExtractionJob(
         task_set=task_set,

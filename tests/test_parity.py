@@ -65,3 +65,46 @@ def test_pooled_embeddings_match_sentence_transformers(paths: FabricPaths, tmp_p
     in_order = [k for k in texts if k in ours]
     encoded = encode([texts[k] for k in in_order], manifest)
     assert np.array_equal(encoded.vectors, np.stack([ours[k] for k in in_order]))
+
+
+@pytest.mark.slow
+def test_the_models_own_defaults_give_encode_at_its_defaults_for_every_item(
+    paths: FabricPaths, tmp_path: Path
+) -> None:
+    """No overrides: the engine takes all-MiniLM-L6-v2's sentence-transformers configuration
+    (256 tokens, mean pooling, unit vectors) and long items are truncated as encode() truncates
+    them; every item's vector, read back with `fabric export`, is encode()'s."""
+    import pyarrow.parquet as pq
+    from sentence_transformers import SentenceTransformer
+
+    from fabric_pipelines.defs.resources import EngineConfig
+    from fabric_pipelines.lib.export import export_task_set
+
+    engine_config = EngineConfig()
+    manifest = engine_config.manifest()
+    assert manifest.profile.max_seq_len == 256 and manifest.hooks.normalize is True
+    assert engine_config.truncate, "long inputs are truncated by default"
+    texts = dict(list(stdlib_docstrings(N_TEXTS * 10))[::10])
+    source = tmp_path / "defaults.jsonl"
+    source.write_text("".join(json.dumps({"id": k, "text": v}) + "\n" for k, v in texts.items()))
+    db: Engine = make_engine(f"sqlite:///{paths.sqlite_path}")
+    create_schema(db)
+    summary, report = run_stages(
+        db, paths, create_engine(manifest), manifest, source, "defaults", truncate=True
+    )
+    assert summary.truncated > 0, "the sample holds items longer than 256 tokens"
+    assert summary.n_failed == 0 and report.batches_failed == 0
+    exported = export_task_set(db, "defaults", tmp_path / "defaults.parquet")
+    table = pq.read_table(exported.path)
+    ids = table.column("id").to_pylist()
+    got = np.stack(table.column("vector").to_numpy(zero_copy_only=False))
+    assert len(ids) == len(texts)
+
+    reference = SentenceTransformer(str(resolve_model_dir(DEFAULT_MODEL_ID)), device="cpu")
+    expected = reference.encode([texts[i] for i in ids], batch_size=32, convert_to_numpy=True)
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+    cosine = (got * expected).sum(1) / (
+        np.linalg.norm(got, axis=1) * np.linalg.norm(expected, axis=1)
+    )
+    worst = int(np.argmin(cosine))
+    assert cosine.min() >= 0.9999, f"{ids[worst]}: cosine {cosine[worst]:.6f}"

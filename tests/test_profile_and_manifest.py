@@ -50,7 +50,22 @@ def test_a_complete_manifest_round_trips() -> None:
     m = EngineManifest.from_mapping(_valid())
     assert EngineManifest.from_mapping(m.to_mapping()) == m
     assert len(REQUIRED_FIELDS) == 9
-    assert m.model_key == "all-MiniLM-L6-v2@aaaaaaaaaaaa:mean"
+    # all-MiniLM-L6-v2's folder has a Normalize module: a manifest that does not say takes it.
+    assert m.hooks.normalize is True
+    assert m.model_key == "all-MiniLM-L6-v2@aaaaaaaaaaaa:mean+normalized"
+
+
+def test_a_manifest_can_turn_the_models_normalisation_off_and_must_say_it_plainly() -> None:
+    data = _valid()
+    data["hooks"] = {"layers": [], "pooling": "mean", "normalize": False}
+    m = EngineManifest.from_mapping(data)
+    assert m.hooks.normalize is False and m.model_key == "all-MiniLM-L6-v2@aaaaaaaaaaaa:mean"
+    data["hooks"] = {"layers": [], "pooling": "mean", "normalize": "yes"}
+    with pytest.raises(ManifestError, match=r"hooks\.normalize must be true or false"):
+        EngineManifest.from_mapping(data)
+    data["hooks"] = {"layers": [], "pooling": "mean", "normalise": True}
+    with pytest.raises(ManifestError, match="field hooks must be a mapping"):
+        EngineManifest.from_mapping(data)
 
 
 @pytest.mark.parametrize("field", REQUIRED_FIELDS)

@@ -18,7 +18,7 @@ from fabric_gpu.engines.base import (
     check_batch,
     normalise_layers,
 )
-from fabric_gpu.engines.pooling import pool_padded
+from fabric_gpu.engines.pooling import pool_padded, unit_length
 from fabric_gpu.manifest import EngineManifest
 from fabric_gpu.model import offline_environment, resolve_model_dir, weights_sha256
 from fabric_gpu.profile import ConsumerProfile
@@ -74,7 +74,10 @@ class CpuEngine:
             token_type_ids=torch.zeros_like(ids),
             output_hidden_states=bool(self.hook_indices),
         )
-        pooled = pool_padded(out.last_hidden_state, mask, self.manifest.hooks.pooling)
+        pooled = unit_length(
+            pool_padded(out.last_hidden_state, mask, self.manifest.hooks.pooling),
+            self.manifest.hooks.normalize,
+        )
         hooks = {
             layer: out.hidden_states[index].to(torch.float16).numpy()
             for layer, index in zip(self.manifest.hooks.layers, self.hook_indices, strict=True)

@@ -16,15 +16,22 @@ import torch
 import torch.nn.functional as F
 
 from fabric_gpu.engines.packed_bert import PackedBert
-from fabric_gpu.engines.pooling import pool_padded
+from fabric_gpu.engines.pooling import pool_padded, unit_length
 
 
 class PaddedBertModule(torch.nn.Module):
-    def __init__(self, packed: PackedBert, hook_indices: tuple[int, ...], pooling: str) -> None:
+    def __init__(
+        self,
+        packed: PackedBert,
+        hook_indices: tuple[int, ...],
+        pooling: str,
+        normalize: bool | None = False,
+    ) -> None:
         super().__init__()
         self.p = packed
         self.hook_indices = hook_indices
         self.pooling = pooling
+        self.normalize = normalize
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor
@@ -59,15 +66,20 @@ class PaddedBertModule(torch.nn.Module):
                 F.linear(h, layer.w2, layer.b2) + x, (p.hidden,), layer.ln2_w, layer.ln2_b, p.eps
             )
             states.append(x)
-        pooled = pool_padded(x, attention_mask, self.pooling)
+        pooled = unit_length(pool_padded(x, attention_mask, self.pooling), self.normalize)
         return (pooled, *(states[i] for i in self.hook_indices))
 
 
 def export_onnx(
-    model: Any, hook_indices: tuple[int, ...], pooling: str, path: Path, opset: int = 17
+    model: Any,
+    hook_indices: tuple[int, ...],
+    pooling: str,
+    path: Path,
+    opset: int = 17,
+    normalize: bool | None = False,
 ) -> Path:
     """Export `model` (a transformers BertModel) to `path`; returns the path."""
-    module = PaddedBertModule(PackedBert.from_model(model), hook_indices, pooling).eval()
+    module = PaddedBertModule(PackedBert.from_model(model), hook_indices, pooling, normalize).eval()
     device = next(model.parameters()).device
     ids = torch.full((2, 16), 1000, dtype=torch.int64, device=device)
     mask = torch.ones_like(ids)

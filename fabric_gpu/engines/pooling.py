@@ -34,3 +34,9 @@ def pool_packed(
     sums.index_add_(0, seq_ids, x.float())
     counts = (cu_seqlens[1 : rows + 1] - cu_seqlens[:rows]).clamp(min=1).to(torch.float32)
     return sums / counts[:, None]
+
+
+def unit_length(pooled: torch.Tensor, normalize: bool | None) -> torch.Tensor:
+    """The pooled vectors scaled to unit length when the model normalises (its Normalize
+    module: sentence-transformers' `F.normalize(p=2, dim=1)`), else as they are."""
+    return torch.nn.functional.normalize(pooled, p=2.0, dim=1) if normalize else pooled

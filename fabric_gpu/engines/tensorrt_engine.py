@@ -69,8 +69,9 @@ class TensorRTEngine(TorchEngine):
         trt = self.trt
         logger = trt.Logger(trt.Logger.WARNING)
         onnx_path = export_onnx(
-            self.model, self.hook_indices, self.manifest.hooks.pooling, self._workdir / "model.onnx"
-        )
+            self.model, self.hook_indices, self.manifest.hooks.pooling,
+            self._workdir / "model.onnx", normalize=self.manifest.hooks.normalize,
+        )  # fmt: skip
         builder = trt.Builder(logger)
         network = builder.create_network(0)  # explicit batch is the only mode in TensorRT 10
         parser = trt.OnnxParser(network, logger)

@@ -34,7 +34,7 @@ from fabric_gpu.engines.bert_checkpoint import (
 )
 from fabric_gpu.engines.onnx_export import PaddedBertModule
 from fabric_gpu.engines.packed_bert import PackedBert
-from fabric_gpu.engines.pooling import pool_padded
+from fabric_gpu.engines.pooling import pool_padded, unit_length
 from fabric_gpu.manifest import EngineManifest
 from fabric_gpu.model import offline_environment, resolve_model_dir, weights_sha256
 from fabric_gpu.profile import PACKED_GRANULARITY, ConsumerProfile
@@ -111,7 +111,9 @@ class TorchEngine:
         # Padded BERT runs this module's own forward: no data-dependent Python, so it captures
         # into a CUDA graph; other encoders run the Hugging Face module (it must be capturable).
         self._padded_bert = (
-            PaddedBertModule(bert, self.hook_indices, manifest.hooks.pooling)
+            PaddedBertModule(
+                bert, self.hook_indices, manifest.hooks.pooling, manifest.hooks.normalize
+            )
             if bert is not None
             else None
         )
@@ -152,18 +154,19 @@ class TorchEngine:
             self.ids[:capacity], self.mask_or_positions[:capacity], self.seq_ids[:capacity], self.cu_seqlens,
             self.max_len, rows, self.hook_indices, self.manifest.hooks.pooling,
         )  # fmt: skip
-        return pooled, hooks
+        return unit_length(pooled, self.manifest.hooks.normalize), hooks
 
     def _forward_padded(self, items: int, seq_len: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         ids = self.ids[: items * seq_len].view(items, seq_len)
         mask = self.mask_or_positions[: items * seq_len].view(items, seq_len)
-        if self._padded_bert is not None:
+        normalize = self.manifest.hooks.normalize
+        if self._padded_bert is not None:  # it normalises itself
             pooled, *states = self._padded_bert(ids, mask)
             return pooled, states
         out = self.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
         pooled = pool_padded(out.last_hidden_state, mask, self.manifest.hooks.pooling)
         hooks = [out.hidden_states[i].contiguous() for i in self.hook_indices]
-        return pooled, hooks
+        return unit_length(pooled, normalize), hooks
 
     # ---- graphs --------------------------------------------------------------------------------
     def shapes_for(self, plan_shapes: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -13,7 +13,8 @@ from sqlalchemy import Engine
 from fabric_gpu.engines import Engine as ExtractionEngine
 from fabric_gpu.engines import create_engine
 from fabric_gpu.manifest import EngineManifest, HookSpec, manifest_for_model
-from fabric_gpu.model import DEFAULT_MODEL_ID
+from fabric_gpu.model import DEFAULT_MODEL_ID, resolve_model_dir
+from fabric_gpu.model_defaults import model_defaults
 from fabric_gpu.profile import ConsumerProfile
 from fabric_pipelines.lib.broker.ledger import DEFAULT_LEASE_SECONDS
 from fabric_pipelines.lib.device_lease import lease_devices
@@ -64,13 +65,18 @@ class EngineConfig(dg.ConfigurableResource):
     dtype: str = "float32"
     max_batch_tokens: int = 8192
     max_batch_items: int = 256
-    max_seq_len: int = 512
+    # None: the model folder's own (fabric_gpu/model_defaults.py): all-MiniLM-L6-v2's
+    # sentence-transformers config says 256 tokens, mean pooling, normalised vectors.
+    max_seq_len: int | None = None
     seq_granularity: int = 8
     # Layers whose hidden states are kept in shard files; none by default (pooled embedding
     # only): shards are large, so they are written only when asked for.
     hook_layers: list[int] = Field(default_factory=list)
-    pooling: str = "mean"
-    truncate: bool = False
+    pooling: str | None = None
+    normalize: bool | None = None
+    # Items longer than max_seq_len: cut to it, as sentence-transformers' encode() does, and
+    # counted (True); or failed with the reason (False).
+    truncate: bool = True
     # Worker processes pulling batches from the ledger (0: run in the Dagster step's process).
     # GPU engines: at most one per GPU; each gets its own device.
     workers: int = 1
@@ -118,6 +124,7 @@ class EngineConfig(dg.ConfigurableResource):
     def manifest(self) -> EngineManifest:
         if self.manifest_path:
             return EngineManifest.load(Path(self.manifest_path))
+        defaults = model_defaults(resolve_model_dir(self.model_id))
         return manifest_for_model(
             self.model_id,
             backend=self.backend,
@@ -125,10 +132,14 @@ class EngineConfig(dg.ConfigurableResource):
             profile=ConsumerProfile(
                 max_batch_tokens=self.max_batch_tokens,
                 max_batch_items=self.max_batch_items,
-                max_seq_len=self.max_seq_len,
+                max_seq_len=self.max_seq_len or defaults.max_seq_len,
                 seq_granularity=self.seq_granularity,
             ),
-            hooks=HookSpec(tuple(self.hook_layers), self.pooling),
+            hooks=HookSpec(
+                tuple(self.hook_layers),
+                self.pooling or defaults.pooling,
+                defaults.normalize if self.normalize is None else self.normalize,
+            ),
         )
 
     def create(self, manifest: EngineManifest) -> ExtractionEngine:
