@@ -30,7 +30,11 @@ def _resources(paths: FabricPaths, db_url: str) -> dict[str, object]:
         "store": store,
         "database": Database(store=store, url=db_url),
         "engine": EngineConfig(
-            max_batch_tokens=4096, max_batch_items=64, max_seq_len=128, hook_layers=[2, -1]
+            max_batch_tokens=4096,
+            max_batch_items=64,
+            max_seq_len=128,
+            hook_layers=[2, -1],
+            truncate=False,  # over-long items fail here, with their reason
         ),
     }
 
