@@ -48,20 +48,22 @@ def encode(
     manifest: EngineManifest,
     *,
     hooks: Sequence[int] | None = None,
+    prompt: str = "",
     engine: Engine | None = None,
     progress: bool = False,
 ) -> Encoded:
     """Pooled vectors (and hooked layers' hidden states) of `inputs`: texts, which the model's
     tokenizer encodes with its special tokens, or lists of token ids taken as given.
 
-    `hooks`: the layers whose hidden states to return, instead of the manifest's. `engine`: a
+    `hooks`: the layers whose hidden states to return, instead of the manifest's. `prompt`:
+    text put before each text before tokenising (as a task set's prompt is). `engine`: a
     warm engine for the manifest to reuse (it stays open); by default one is created for the
     call and closed after it."""
     if hooks is not None:
         manifest = replace(manifest, hooks=replace(manifest.hooks, layers=tuple(hooks)))
     if engine is not None and engine.manifest != manifest:
         raise EncodeError("the engine given was made for another manifest (or other hooks)")
-    tokens, offsets = _tokens(inputs, manifest)
+    tokens, offsets = _tokens(inputs, manifest, prompt)
     lengths = np.diff(offsets)
     _check_lengths(lengths, manifest.profile.max_seq_len)
     profile = manifest.profile.with_layout(input_layout(manifest))
@@ -116,17 +118,19 @@ def encode(
 
 
 def _tokens(
-    inputs: Sequence[str] | Sequence[Sequence[int]], manifest: EngineManifest
+    inputs: Sequence[str] | Sequence[Sequence[int]], manifest: EngineManifest, prompt: str
 ) -> tuple[np.ndarray, np.ndarray]:
     """Every input's token ids back to back (int32), and where each starts."""
     if len(inputs) == 0:
         raise EncodeError("no inputs: pass at least one text or list of token ids")
     if all(isinstance(x, str) for x in inputs):
-        tokenizer = load_tokenizer(resolve_model_dir(manifest.model_id))
+        tokenizer = load_tokenizer(resolve_model_dir(manifest.model_id), prompt)
         lengths, tokens, refused = encode_texts(tokenizer, list(inputs))
         if refused:
             i, reason = next(iter(sorted(refused.items())))
             raise EncodeError(f"input {i}: {reason}")
+    elif prompt:
+        raise EncodeError("a prompt goes before texts; token ids are taken as given")
     elif not any(isinstance(x, str) for x in inputs):
         arrays = [np.asarray(x) for x in inputs]
         for i, ids in enumerate(arrays):

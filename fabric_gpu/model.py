@@ -78,18 +78,24 @@ def tokenizer_path(model_dir: Path) -> Path:
     return path
 
 
-def load_tokenizer(model_dir: Path) -> Tokenizer:
-    """The model's fast tokenizer with truncation and padding off: the broker decides lengths."""
+def load_tokenizer(model_dir: Path, prompt: str = "") -> Tokenizer:
+    """The model's fast tokenizer with truncation and padding off: the broker decides lengths.
+
+    `prompt` is put before every text, and the folder's `do_lower_case` applied, ahead of the
+    tokenizer's own normaliser: the ids are those of the text written out that way by hand."""
+    from tokenizers import normalizers
+
+    from fabric_gpu.model_defaults import model_defaults
+
     tokenizer = Tokenizer.from_file(str(tokenizer_path(model_dir)))
     tokenizer.no_truncation()
     tokenizer.no_padding()
-    from fabric_gpu.model_defaults import model_defaults
-
-    if model_defaults(model_dir).do_lower_case:
-        # sentence-transformers lowercases the text before its tokenizer sees it.
-        from tokenizers import normalizers
-
-        steps = [normalizers.Lowercase()]
+    steps: list[normalizers.Normalizer] = []
+    if prompt:
+        steps.append(normalizers.Prepend(prompt))
+    if model_defaults(model_dir).do_lower_case:  # sentence-transformers lowercases the text
+        steps.append(normalizers.Lowercase())
+    if steps:
         if tokenizer.normalizer is not None:
             steps.append(tokenizer.normalizer)
         tokenizer.normalizer = normalizers.Sequence(steps)

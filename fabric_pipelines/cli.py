@@ -420,6 +420,7 @@ def _submit(args: argparse.Namespace, prepared: Future[tuple[Any, Any]] | None =
     from fabric_pipelines.lib.tasks.catalog import is_ingested
     from fabric_pipelines.lib.tasks.inbox import submit
     from fabric_pipelines.lib.tasks.ingest import SubmissionError
+    from fabric_pipelines.lib.tasks.prompts import PromptError, chosen_prompt, record_prompt
 
     mark("warm_pool_started")
     paths, db = _open_database()
@@ -429,7 +430,11 @@ def _submit(args: argparse.Namespace, prepared: Future[tuple[Any, Any]] | None =
         staged = submit(
             Path(args.file), paths.inbox, args.task_set, ingested=lambda n: is_ingested(db, n)
         )
-    except (SubmissionError, InvalidNameError) as exc:
+        if args.prompt is not None or args.prompt_name is not None:
+            prompt = chosen_prompt(_engine_manifest(args).model_id, args.prompt, args.prompt_name)
+            assert prompt is not None
+            record_prompt(paths.inbox, staged.task_set, prompt)
+    except (SubmissionError, InvalidNameError, PromptError) as exc:
         print(f"fabric submit: {exc}", file=sys.stderr)
         return 2
     mark("submitted")
@@ -958,6 +963,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--task-set", required=True, help="name of the task set (its partition key)"
     )
     submit.add_argument("--run", action="store_true", help="run the pipeline now, in this process")
+    prompt = submit.add_mutually_exclusive_group()
+    prompt.add_argument(
+        "--prompt",
+        help='text put before each text of the set before tokenising, e.g. "query: " '
+        "(default: the model's default prompt, if it has one)",
+    )
+    prompt.add_argument(
+        "--prompt-name", help="a prompt the model's sentence-transformers config names"
+    )
     engine_options(submit)
     submit.set_defaults(func=cmd_submit)
 

@@ -32,11 +32,12 @@ def run_stages(
     task_set: str,
     *,
     truncate: bool = False,
+    prompt: str = "",
 ) -> tuple[IngestSummary, ExtractionReport]:
     submit(source, paths.inbox, task_set)
     summary = ingest_task_set(
         db, paths, task_set, model_id=manifest.model_id,
-        max_seq_len=manifest.profile.max_seq_len, truncate=truncate,
+        max_seq_len=manifest.profile.max_seq_len, truncate=truncate, prompt=prompt,
     )  # fmt: skip
     plan = plan_task_set(db, paths, task_set, manifest)
     job = ExtractionJob(

@@ -25,7 +25,7 @@ TABLES = {
 }  # fmt: skip
 
 
-HEAD = "0007"
+HEAD = "0008"
 
 
 def test_upgrade_from_empty_then_downgrade_one_step(db_url: str) -> None:
@@ -35,7 +35,7 @@ def test_upgrade_from_empty_then_downgrade_one_step(db_url: str) -> None:
     assert current_revision(engine) == HEAD
     assert set(inspect(engine).get_table_names()) >= TABLES
     downgrade(engine, "-1")
-    assert current_revision(engine) == "0006"
+    assert current_revision(engine) == "0007"
     assert set(inspect(engine).get_table_names()) >= TABLES
     upgrade(engine)
     assert current_revision(engine) == HEAD
@@ -268,7 +268,9 @@ def test_0007_moves_earlier_sets_task_ids_into_one_partition_and_back(
         insert_rows([(4, 11, "b7")])
     with pytest.raises(IntegrityError):  # a set without a partition has no place for rows
         insert_rows([(9, 0, "c0")])
-    # Forgetting an earlier set deletes its rows from the shared partition, the others stay.
+    # Forgetting an earlier set deletes its rows from the shared partition, the others stay
+    # (forgetting is today's code: the schema goes to head first).
+    upgrade(engine)
     from fabric_pipelines.lib.settings import FabricPaths
     from fabric_pipelines.lib.tasks.catalog import forget_task_set
 
@@ -293,4 +295,25 @@ def test_0007_moves_earlier_sets_task_ids_into_one_partition_and_back(
         insert_rows([(1, 3, "x")])  # the primary key is back on the plain table
     upgrade(engine)
     assert all_rows() == rows
+    engine.dispose()
+
+
+def test_0008_gives_sets_stored_before_it_no_prompt_and_keeps_them(db_url: str) -> None:
+    engine = make_engine(db_url)
+    upgrade(engine, "0007")
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO task_sets (name, source_sha256, content_sha256, path, model_id, "
+                "tokenizer_sha256, max_seq_len, n_records, n_tasks, truncated, created_at) "
+                "VALUES ('old', 'a', 'b', '/p', 'm', 'c', 128, 3, 2, 0, CURRENT_TIMESTAMP)"
+            )
+        )
+    upgrade(engine)
+    with engine.connect() as conn:
+        rows = conn.execute(text("SELECT name, n_tasks, prompt FROM task_sets")).all()
+    assert [tuple(r) for r in rows] == [("old", 2, "")]
+    downgrade(engine, "0007")
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT name FROM task_sets")).scalars().all() == ["old"]
     engine.dispose()

@@ -31,6 +31,7 @@ from fabric_pipelines.lib.step_metadata import ingest_metadata, plan_metadata
 from fabric_pipelines.lib.tasks.catalog import ingest_task_set
 from fabric_pipelines.lib.tasks.inbox import record_first_seen, scan
 from fabric_pipelines.lib.tasks.ingest import SubmissionError
+from fabric_pipelines.lib.tasks.prompts import set_prompt
 
 
 @dg.asset(
@@ -53,10 +54,12 @@ def tokenised_tasks(
     manifest = engine.manifest()
     started = time.perf_counter()
     stage("ingest")
+    paths, task_set = store.paths(), context.partition_key
     try:
         summary = ingest_task_set(
-            database.engine(), store.paths(), context.partition_key, model_id=manifest.model_id,
+            database.engine(), paths, task_set, model_id=manifest.model_id,
             max_seq_len=manifest.profile.max_seq_len, truncate=engine.truncate,
+            prompt=set_prompt(paths.inbox, task_set, manifest.model_id),
         )  # fmt: skip
     except (SubmissionError, ValueError) as exc:
         raise dg.Failure(description=str(exc), allow_retries=False) from exc

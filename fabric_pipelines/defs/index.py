@@ -3,6 +3,7 @@ that builds it, and what rebuilds it (the eager automation, and the staleness se
 """
 
 import time
+from typing import Any
 
 import dagster as dg
 
@@ -18,6 +19,7 @@ from fabric_pipelines.lib.step_metadata import (
     recall_check_metadata,
     refused_index_metadata,
 )
+from fabric_pipelines.lib.tasks.catalog import task_set_prompts
 
 
 class IndexConfig(dg.Config):
@@ -82,7 +84,7 @@ def vector_index(
         published = build_and_publish(
             db, model_key=manifest.model_key, model=manifest.receipt_model(), spec=spec,
             index_folder=store.paths().indexes, receipt_folder=store.paths().receipts,
-            inputs=_input_partitions(context), previous=previous, min_recall=config.min_recall,
+            inputs=_input_partitions(context, db), previous=previous, min_recall=config.min_recall,
             code=CODE_VERSIONS,
         )  # fmt: skip
     except EmptySourceError:
@@ -139,11 +141,14 @@ def _nothing_to_index(context: dg.AssetExecutionContext, model_key: str) -> dg.M
     )
 
 
-def _input_partitions(context: dg.AssetExecutionContext) -> list[dict[str, str]]:
-    """Each extraction_outputs partition's latest run id and data version, for the receipt."""
+def _input_partitions(context: dg.AssetExecutionContext, db: Any) -> list[dict[str, str]]:
+    """Each extraction_outputs partition's latest run id and data version, and the prompt of a
+    set tokenised with one, for the receipt."""
     key = dg.AssetKey("extraction_outputs")
+    partitions = sorted(context.instance.get_dynamic_partitions(TASK_SET_PARTITIONS))
+    prompts = task_set_prompts(db, partitions)
     out = []
-    for partition in sorted(context.instance.get_dynamic_partitions(TASK_SET_PARTITIONS)):
+    for partition in partitions:
         records = context.instance.fetch_materializations(
             dg.AssetRecordsFilter(asset_key=key, asset_partitions=[partition]), limit=1
         ).records
@@ -151,9 +156,10 @@ def _input_partitions(context: dg.AssetExecutionContext) -> list[dict[str, str]]
             continue
         materialization = records[0].asset_materialization
         version = materialization.tags.get("dagster/data_version") if materialization else None
-        out.append(
-            {"partition": partition, "run_id": records[0].run_id, "data_version": version or ""}
-        )
+        entry = {"partition": partition, "run_id": records[0].run_id, "data_version": version or ""}
+        if prompts.get(partition):
+            entry["prompt"] = prompts[partition]
+        out.append(entry)
     return out
 
 

@@ -86,7 +86,10 @@ def task_table(db: Engine, paths: FabricPaths, task_set: str) -> pa.Table:
     except OSError:
         pass
     try:
-        ingest_task_set(db, paths, task_set, model_id=ts.model_id, max_seq_len=ts.max_seq_len)
+        ingest_task_set(
+            db, paths, task_set, model_id=ts.model_id, max_seq_len=ts.max_seq_len,
+            prompt=ts.prompt,
+        )  # fmt: skip
     except (ValueError, OSError) as exc:
         raise RepairError(
             f"the task-set file of {task_set!r} is damaged and ingest cannot write it again: {exc}"

@@ -64,6 +64,7 @@ def ingest_metadata(summary: IngestSummary, seconds: float) -> Metadata:
         "mean_length": round(float(lengths.mean()), 2) if lengths.size else 0.0,
         "max_length": int(lengths.max()) if lengths.size else 0,
         "reused": summary.reused,
+        "prompt": repr(summary.prompt) if summary.prompt else "none",
         "seconds": round(seconds, 3),
         "path": FilePath(str(summary.path)),
         "sha256": summary.content_sha256,

@@ -49,6 +49,8 @@ class TaskSet(Base):
     n_records: Mapped[int] = mapped_column(BigInteger)  # every record submitted, good or bad
     n_tasks: Mapped[int] = mapped_column(BigInteger)  # records that became tasks
     truncated: Mapped[int] = mapped_column(BigInteger, default=0)
+    # Prepended to every text before tokenising (migration 0008); "" for none.
+    prompt: Mapped[str] = mapped_column(Text, default="", server_default="")
     current_plan_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 

@@ -59,6 +59,7 @@ from fabric_pipelines.lib.tasks.ingest import (
     plain_parquet,
     storable_failure,
 )
+from fabric_pipelines.lib.tasks.prompts import forget_prompt
 from fabric_pipelines.lib.tasks.store import read_table, single_chunk, to_table, write_ipc
 
 # SQLite page cache while task ids are inserted, in KiB (the default is 2 MiB).
@@ -93,6 +94,7 @@ class IngestSummary:
     reused: bool
     lengths: np.ndarray  # tokens per task, in task order
     failures: list[Failure]
+    prompt: str = ""  # put before each text before tokenising
 
 
 def ingest_task_set(
@@ -103,9 +105,11 @@ def ingest_task_set(
     model_id: str,
     max_seq_len: int,
     truncate: bool = False,
+    prompt: str = "",
     progress: bool = False,
 ) -> IngestSummary:
     """Ingest the inbox file of `task_set` (or reuse what is stored, see the module's doc).
+    `prompt` goes before every text (a set is its file and its prompt).
 
     Independent steps overlap, in threads (hashing, Arrow, SQLite and the PostgreSQL server all
     run without the GIL): a Parquet file is read into memory once, hashed while its columns are
@@ -119,12 +123,12 @@ def ingest_task_set(
         model_dir = resolve_model_dir(model_id)
         tok_sha = tokenizer_sha256(model_dir)
         if existing is not None:
-            return _reuse(db, paths, existing, source, source_sha, tok_sha, max_seq_len)
-        row = _SetRow(task_set, source_sha, model_id, tok_sha, max_seq_len)
+            return _reuse(db, paths, existing, source, source_sha, tok_sha, max_seq_len, prompt)
+        row = _SetRow(task_set, source_sha, model_id, tok_sha, max_seq_len, prompt)
         columns = read.columns()
         tasks = ingest(
             source,
-            load_tokenizer(model_dir),
+            load_tokenizer(model_dir, prompt),
             max_seq_len=max_seq_len,
             truncate=truncate,
             progress=progress,
@@ -142,7 +146,7 @@ def ingest_task_set(
         read = _Source(_done(source_sha))  # lets go of the file's bytes and columns
         # The stored file is written, hashed and synced while the rows go into the database.
         storing = pool.submit(
-            _store, paths, task_set, tasks, source_sha, model_id, tok_sha, max_seq_len
+            _store, paths, task_set, tasks, source_sha, model_id, tok_sha, max_seq_len, prompt
         )
         try:
             stored = _register(db, row, tasks, storing)
@@ -155,7 +159,7 @@ def ingest_task_set(
                 raise
             if Path(winner.path) != stored.path:
                 stored.path.unlink(missing_ok=True)
-            return _reuse(db, paths, winner, source, source_sha, tok_sha, max_seq_len)
+            return _reuse(db, paths, winner, source, source_sha, tok_sha, max_seq_len, prompt)
     return IngestSummary(
         task_set,
         tasks.n_records,
@@ -168,6 +172,7 @@ def ingest_task_set(
         False,
         tasks.lengths,
         tasks.failures,
+        prompt,
     )
 
 
@@ -249,6 +254,7 @@ def _store(
     model_id: str,
     tok_sha: str,
     max_seq_len: int,
+    prompt: str,
 ) -> StoredFile:
     metadata = {
         "fabric.task_set": task_set,
@@ -257,6 +263,8 @@ def _store(
         "fabric.tokenizer_sha256": tok_sha,
         "fabric.max_seq_len": str(max_seq_len),
     }
+    if prompt:  # only then: a set without one stores, and rebuilds to, the same bytes as before
+        metadata["fabric.prompt"] = prompt
     table = to_table(tasks)
     table = table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
     # Streamed: each buffer is hashed as it is written, the file is not read back.
@@ -274,6 +282,7 @@ class _SetRow:
     model_id: str
     tokenizer_sha256: str
     max_seq_len: int
+    prompt: str
 
 
 def _register(
@@ -311,6 +320,7 @@ def _insert_set_row(conn: Any, row: _SetRow) -> int:
             "model_id": row.model_id,
             "tokenizer_sha256": row.tokenizer_sha256,
             "max_seq_len": row.max_seq_len,
+            "prompt": row.prompt,
             "n_records": 0,
             "n_tasks": 0,
             "truncated": 0,
@@ -372,10 +382,11 @@ def _reuse(
     source_sha: str,
     tok_sha: str,
     max_seq_len: int,
+    prompt: str,
 ) -> IngestSummary:
     """The summary of a set ingested before, from its row, stored file and failure rows."""
     table = _read_or_rebuild(db, paths, existing, source, source_sha)
-    _check_same(existing, source_sha, tok_sha, max_seq_len)
+    _check_same(existing, source_sha, tok_sha, max_seq_len, prompt)
     with Session(db) as session:
         failures = [
             Failure(f.record_no, f.task_id, f.reason)
@@ -397,6 +408,7 @@ def _reuse(
         True,
         task_lengths(table),
         failures,
+        existing.prompt,
     )
 
 
@@ -425,7 +437,7 @@ def _read_or_rebuild(
     # Over-long records were truncated if, and only if, any was: the count says which was asked.
     tasks = ingest(
         source,
-        load_tokenizer(model_dir),
+        load_tokenizer(model_dir, existing.prompt),
         max_seq_len=existing.max_seq_len,
         truncate=existing.truncated > 0,
     )
@@ -437,6 +449,7 @@ def _read_or_rebuild(
         existing.model_id,
         existing.tokenizer_sha256,
         existing.max_seq_len,
+        existing.prompt,
     )
     if rebuilt.sha256 != existing.content_sha256:
         if rebuilt.path != Path(existing.path):
@@ -471,7 +484,9 @@ def get_task_set(db: Engine, task_set: str) -> TaskSet:
     return row
 
 
-def _check_same(existing: TaskSet, source_sha: str, tok_sha: str, max_seq_len: int) -> None:
+def _check_same(
+    existing: TaskSet, source_sha: str, tok_sha: str, max_seq_len: int, prompt: str
+) -> None:
     if existing.source_sha256 != source_sha:
         raise ImmutableTaskSetError(
             f"task set {existing.name!r} was ingested from a file with sha256 "
@@ -481,8 +496,14 @@ def _check_same(existing: TaskSet, source_sha: str, tok_sha: str, max_seq_len: i
     if existing.tokenizer_sha256 != tok_sha or existing.max_seq_len != max_seq_len:
         raise ImmutableTaskSetError(
             f"task set {existing.name!r} was tokenised with another tokenizer or max_seq_len "
-            f"({existing.model_id}, {existing.max_seq_len}); submit it under a new name to "
-            "tokenise it for this engine"
+            f"({existing.model_id}, {existing.max_seq_len}); run it with --max-seq-len "
+            f"{existing.max_seq_len} and that model, or submit it under a new name to tokenise "
+            "it for this engine"
+        )
+    if existing.prompt != prompt:
+        raise ImmutableTaskSetError(
+            f"task set {existing.name!r} was tokenised with prompt {existing.prompt!r}, not "
+            f"{prompt!r}; submit the data under a new name to use another prompt"
         )
 
 
@@ -588,3 +609,13 @@ def forget_task_set(db: Engine, paths: FabricPaths, task_set: str) -> None:
     for suffix in SUPPORTED_SUFFIXES:  # not a glob: set "a" must not take "a.b.jsonl" with it
         (paths.inbox / f"{task_set}{suffix}").unlink(missing_ok=True)
     forget_submitted(paths.inbox, task_set)
+    forget_prompt(paths.inbox, task_set)
+
+
+def task_set_prompts(db: Engine, task_sets: list[str]) -> dict[str, str]:
+    """Each named set's prompt ("" for none); sets not ingested are left out."""
+    with db.connect() as conn:
+        rows = conn.execute(
+            select(TaskSet.name, TaskSet.prompt).where(TaskSet.name.in_(task_sets))
+        ).all()
+    return {name: prompt for name, prompt in rows}
