@@ -131,7 +131,9 @@ TEST_PROFILE = ConsumerProfile(
 
 @pytest.fixture(scope="session")
 def manifest() -> EngineManifest:
-    """The real all-MiniLM-L6-v2 on the CPU engine, with two hook layers."""
+    """The real all-MiniLM-L6-v2 on the CPU engine, with two hook layers; its pooled vectors
+    are the plain means (not normalised, which its folder would choose), so tests can compare
+    them with the model's own outputs."""
     from fabric_gpu.manifest import HookSpec, manifest_for_model
     from fabric_gpu.model import DEFAULT_MODEL_ID
 
@@ -140,7 +142,7 @@ def manifest() -> EngineManifest:
         backend="cpu",
         dtype="float32",
         profile=TEST_PROFILE,
-        hooks=HookSpec((2, -1), "mean"),
+        hooks=HookSpec((2, -1), "mean", normalize=False),
     )
 
 
