@@ -482,6 +482,14 @@ def cmd_export(args: argparse.Namespace) -> int:
     from fabric_pipelines.lib.names import validate_task_set_name
 
     name = validate_task_set_name(args.task_set)
+    try:
+        layers = [int(k) for k in (args.layers or "").split(",") if k.strip()]
+    except ValueError:
+        print(
+            f"fabric export: --layers takes integers, e.g. 2,-1; got {args.layers!r}",
+            file=sys.stderr,
+        )
+        return 2
     out = Path(args.out or f"{name}.parquet")
     if out.exists() and not args.force:
         print(f"fabric export: {out} exists; give --force to replace it", file=sys.stderr)
@@ -495,8 +503,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     with tqdm(total=total, unit=" rows", desc=f"export {name}", disable=None) as bar:
         try:
             done = export_task_set(
-                db, name, out, model_key=args.model_key, progress=lambda n: _advance(bar, n)
-            )
+                db, name, out, model_key=args.model_key, layers=layers,
+                progress=lambda n: _advance(bar, n),
+            )  # fmt: skip
         except ExportError as exc:
             print(f"fabric export: {exc}", file=sys.stderr)
             return 2
@@ -1044,6 +1053,11 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", help="the Parquet file to write (default: TASK_SET.parquet)")
     export.add_argument(
         "--model-key", help="whose embeddings (default: the model of the set's current plan)"
+    )
+    export.add_argument(
+        "--layers",
+        help="comma-separated hook layers whose hidden states to add, one column each "
+        "(layers the run kept: --hook-layers); rows then come batch by batch",
     )
     export.add_argument("--force", action="store_true", help="replace --out if it exists")
     export.set_defaults(func=cmd_export)

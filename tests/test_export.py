@@ -61,3 +61,37 @@ def test_refusals_name_the_set_and_write_nothing(db: Engine, tmp_path: Path) -> 
     with pytest.raises(ExportError, match="no task set named 'nope'"):
         export_task_set(db, "nope", tmp_path / "x.parquet")
     assert not list(tmp_path.glob("*.parquet*"))
+
+
+def test_hidden_states_are_exported_beside_each_vector_from_the_checked_shards(
+    db: Engine,
+    paths: FabricPaths,
+    tmp_path: Path,
+    cpu_engine,  # type: ignore[no-untyped-def]
+    manifest: EngineManifest,
+) -> None:
+    """The shared manifest keeps layers 2 and -1: exporting layer -1 gives each task its
+    [tokens, hidden] states, exactly those encode() gives for the same text."""
+    from fabric_gpu.encoding import encode
+
+    run_stages(db, paths, cpu_engine, manifest, _source(tmp_path), "hs")
+    out = tmp_path / "hs.parquet"
+    done = export_task_set(db, "hs", out, layers=[-1])
+    table = pq.read_table(out)
+    assert table.column_names == ["id", "record_no", "n_tokens", "vector", "layer_-1"]
+    assert done.rows == table.num_rows == 23
+    texts = {f"doc-{i}": f"Document {i} is about topic {i % 5}." for i in range(23)}
+    ids = table.column("id").to_pylist()
+    encoded = encode([texts[i] for i in ids], manifest, engine=cpu_engine)
+    stored = stored_embeddings(db, "hs", manifest.model_key)
+    for row, (task_id, n_tokens) in enumerate(
+        zip(ids, table.column("n_tokens").to_pylist(), strict=True)
+    ):
+        states = np.asarray(table.column("layer_-1")[row].as_py(), dtype=np.float16)
+        assert states.shape == (n_tokens, 384)
+        np.testing.assert_array_equal(states, encoded.hidden_state(-1, row))
+        vector = np.asarray(table.column("vector")[row].as_py(), np.float32)
+        np.testing.assert_array_equal(vector, stored[task_id])
+    with pytest.raises(ExportError, match=r"kept hidden states of layers \[2, -1\], not \[4\]"):
+        export_task_set(db, "hs", tmp_path / "other.parquet", layers=[4])
+    assert not (tmp_path / "other.parquet").exists()

@@ -3,12 +3,15 @@
 Rows are read in record order, a block at a time (the whole set is never in memory), and written
 as they come through the file helper (staging name, fsync, sha256, rename): a reader never sees
 a half-written file. Columns: `id` (the task id as submitted), `record_no` (its place in the
-submitted file, from 0), `n_tokens` (tokens the model read) and `vector` (float32, fixed size).
+submitted file, from 0), `n_tokens` (tokens the model read) and `vector` (float32, fixed size);
+with hook layers asked for, `layer_<k>` per layer: the task's hidden states, [tokens, hidden]
+float16, read from its shard file (rows then come batch by batch).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import json
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,10 +19,18 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine, Select, select
 
 from fabric_pipelines.lib.files import HashingWriter, stream_file
-from fabric_pipelines.lib.store.models import BatchPlan, Embedding, Model, Task, TaskSet
+from fabric_pipelines.lib.hidden_states import read_shard
+from fabric_pipelines.lib.store.models import (
+    BatchPlan,
+    Embedding,
+    HiddenStateShard,
+    Model,
+    Task,
+    TaskSet,
+)
 
 BLOCK_ROWS = 50_000  # rows read and written at a time
 
@@ -43,10 +54,43 @@ def export_task_set(
     out: Path,
     *,
     model_key: str | None = None,
+    layers: Sequence[int] = (),
     progress: Callable[[int], None] | None = None,
 ) -> Exported:
     """Write `task_set`'s embeddings of `model_key` (default: the model of its current plan) to
-    `out`; `progress(rows)` after each block."""
+    `out`; `progress(rows)` after each block. With `layers`, each row also holds those hook
+    layers' hidden states (`layer_<k>`: one [tokens, hidden] float16 list per task), read from
+    the set's shard files (each checked against its sha256), and rows come batch by batch."""
+    set_id, model, model_key = _set_and_model(db, task_set, model_key)
+    blocks = (
+        _hidden_state_blocks(db, task_set, set_id, model, model_key, list(layers))
+        if layers
+        else _record_order_blocks(db, set_id, model)
+    )
+    counted = {"rows": 0, "dim": 0}
+
+    def write(sink: HashingWriter) -> None:
+        writer: pq.ParquetWriter | None = None
+        for table in blocks:
+            if writer is None:
+                counted["dim"] = table.schema.field("vector").type.list_size
+                writer = pq.ParquetWriter(pa.PythonFile(sink, mode="w"), table.schema)
+            writer.write_table(table)
+            counted["rows"] += table.num_rows
+            if progress is not None:
+                progress(counted["rows"])
+        if writer is None:
+            raise ExportError(
+                f"task set {task_set!r} has no embeddings of {model_key}: fabric status "
+                f"{task_set} shows what happened to its tasks"
+            )
+        writer.close()
+
+    stored = stream_file(out, write)
+    return Exported(out, stored.sha256, counted["rows"], counted["dim"], model_key)
+
+
+def _set_and_model(db: Engine, task_set: str, model_key: str | None) -> tuple[int, int, str]:
     with db.connect() as conn:
         found = conn.execute(
             select(TaskSet.id, TaskSet.current_plan_id).where(TaskSet.name == task_set)
@@ -65,39 +109,75 @@ def export_task_set(
         model = conn.execute(select(Model.id).where(Model.model_key == model_key)).scalar()
     if model is None:
         raise ExportError(f"no embeddings of model {model_key!r} in this database")
-    query = (
+    return set_id, model, model_key
+
+
+def _embeddings(set_id: int, model: int) -> Select[str, int, int, bytes]:
+    return (
         select(Task.task_id, Embedding.record_no, Embedding.n_tokens, Embedding.vector)
         .join(
             Task,
             (Task.task_set_id == Embedding.task_set_id) & (Task.record_no == Embedding.record_no),
         )
         .where(Embedding.task_set_id == set_id, Embedding.model_id == model)
-        .order_by(Embedding.record_no)
     )
-    counted = {"rows": 0, "dim": 0}
 
-    def write(sink: HashingWriter) -> None:
-        writer: pq.ParquetWriter | None = None
-        with db.connect() as conn:
-            result = conn.execution_options(stream_results=True, yield_per=BLOCK_ROWS)
-            for block in result.execute(query).partitions(BLOCK_ROWS):
-                table = _block_table(block)
-                if writer is None:
-                    counted["dim"] = table.schema.field("vector").type.list_size
-                    writer = pq.ParquetWriter(pa.PythonFile(sink, mode="w"), table.schema)
-                writer.write_table(table)
-                counted["rows"] += table.num_rows
-                if progress is not None:
-                    progress(counted["rows"])
-        if writer is None:
+
+def _record_order_blocks(db: Engine, set_id: int, model: int) -> Iterator[pa.Table]:
+    with db.connect() as conn:
+        result = conn.execution_options(stream_results=True, yield_per=BLOCK_ROWS)
+        query = _embeddings(set_id, model).order_by(Embedding.record_no)
+        for block in result.execute(query).partitions(BLOCK_ROWS):
+            yield _block_table(block)
+
+
+def _hidden_state_blocks(
+    db: Engine, task_set: str, set_id: int, model: int, model_key: str, layers: list[int]
+) -> Iterator[pa.Table]:
+    """One table per shard file: its tasks' rows, vectors and the asked layers' states."""
+    with db.connect() as conn:
+        shards = conn.execute(
+            select(HiddenStateShard)
+            .where(HiddenStateShard.task_set == task_set, HiddenStateShard.model_key == model_key)
+            .order_by(HiddenStateShard.plan_id, HiddenStateShard.batch_no)
+        ).all()
+    if not shards:
+        raise ExportError(
+            f"task set {task_set!r} kept no hidden states of {model_key}: run it with "
+            "--hook-layers to keep some"
+        )
+    for shard in shards:
+        kept = json.loads(shard.layers)
+        missing = [k for k in layers if k not in kept]
+        if missing:
             raise ExportError(
-                f"task set {task_set!r} has no embeddings of {model_key}: fabric status "
-                f"{task_set} shows what happened to its tasks"
+                f"task set {task_set!r} kept hidden states of layers {kept}, not {missing}: "
+                "export some of those, or run it again with them in --hook-layers"
             )
-        writer.close()
+        content = read_shard(Path(shard.path), shard.sha256)
+        task_ids = [str(task_id) for task_id in content["task_id"]]
+        with db.connect() as conn:
+            rows = {
+                row[0]: row
+                for row in conn.execute(
+                    _embeddings(set_id, model).where(Task.task_id.in_(task_ids))
+                ).all()
+            }
+        table = _block_table([rows[task_id] for task_id in task_ids])
+        for k in layers:
+            states = [np.asarray(s) for s in content[f"layer_{k}"]]
+            table = table.append_column(f"layer_{k}", _states_column(states))
+        yield table
 
-    stored = stream_file(out, write)
-    return Exported(out, stored.sha256, counted["rows"], counted["dim"], model_key)
+
+def _states_column(states: list[np.ndarray]) -> pa.Array:
+    """[tokens, hidden] float16 per task, as a list of fixed-size lists."""
+    hidden = states[0].shape[1] if states else 0
+    flat = np.concatenate([s.reshape(-1) for s in states]).astype(np.float16, copy=False)
+    offsets = np.zeros(len(states) + 1, np.int32)
+    np.cumsum([s.shape[0] for s in states], out=offsets[1:])
+    rows = pa.FixedSizeListArray.from_arrays(pa.array(flat, pa.float16()), hidden)
+    return pa.ListArray.from_arrays(pa.array(offsets), rows)
 
 
 def _block_table(rows: Sequence[Any]) -> pa.Table:
