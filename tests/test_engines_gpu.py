@@ -56,6 +56,17 @@ def _random_bert(seed: int = 0) -> Any:
     return BertModel(config, add_pooling_layer=False).eval()
 
 
+def _random_mpnet(seed: int = 0) -> Any:
+    from transformers import MPNetConfig, MPNetModel
+
+    torch.manual_seed(seed)
+    config = MPNetConfig(
+        vocab_size=30527, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+        intermediate_size=1024, max_position_embeddings=514,
+    )  # fmt: skip
+    return MPNetModel(config, add_pooling_layer=False).eval()
+
+
 def _minilm_dir() -> Path | None:
     env = os.environ.get("FABRIC_MINILM_DIR")
     if env and Path(env).is_dir():
@@ -159,6 +170,18 @@ def test_random_weights_through_the_runtime_match_the_cpu_reference(
         "runtime allocated in the hot loop"
     )
     assert stats["torch_allocated_delta"] == 0, "torch allocated in the hot loop"
+
+
+def test_random_mpnet_through_the_runtime_matches_the_cpu_reference() -> None:
+    """MPNet (all-mpnet-base-v2's architecture) runs padded, through the Hugging Face module
+    captured as CUDA graphs: its relative position bias comes with it."""
+    from fabric_gpu.engines.torch_engine import TorchEngine
+
+    reference = _random_mpnet()
+    engine = TorchEngine(_manifest("float16"), model=copy.deepcopy(reference), layout="padded")
+    lengths = np.random.default_rng(3).integers(1, 257, 200)
+    tokens, offsets, per_item, stats = _run(engine, lengths, seed=4)
+    _check_against_cpu(reference, tokens, offsets, per_item, stats, len(lengths))
 
 
 def test_real_minilm_through_the_runtime_matches_the_cpu_reference() -> None:
