@@ -479,6 +479,28 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0 if all(passed for _, passed in summary["checks"]) else 1
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """A job as it would run (lib/plan_preview.py): nothing is stored."""
+    from fabric_pipelines.defs.resources import EngineConfig
+    from fabric_pipelines.lib.plan_preview import preview_plan, render
+    from fabric_pipelines.lib.tasks.ingest import SubmissionError
+
+    path = Path(args.file)
+    if not path.is_file():
+        print(f"fabric plan: {path}: no such file", file=sys.stderr)
+        return 2
+    manifest = _engine_manifest(args)
+    truncate = EngineConfig(**_engine_config(args)).truncate
+    _, db = _open_database()
+    try:
+        preview = preview_plan(db, path, manifest, truncate=truncate, prompt=args.prompt or "")
+    except (SubmissionError, ValueError) as exc:
+        print(f"fabric plan: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(preview.to_mapping(), indent=2) if args.json else render(preview))
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     """A task set's pooled embeddings as a Parquet file (lib/export.py), with a progress bar."""
     from tqdm import tqdm
@@ -1056,6 +1078,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--json", action="store_true", help="machine-readable: one JSON object on stdout"
     )
     status.set_defaults(func=cmd_status)
+
+    plan = sub.add_parser(
+        "plan",
+        help="what a file would become: tasks, failures, lengths, batches, padding and the "
+        "predicted engine time, without running anything",
+    )
+    plan.add_argument("file")
+    plan.add_argument("--prompt", help="as `fabric submit --prompt` would put before each text")
+    plan.add_argument("--json", action="store_true", help="one JSON object, for scripts")
+    engine_options(plan)
+    plan.set_defaults(func=cmd_plan)
 
     export = sub.add_parser(
         "export", help="a task set's embeddings as a Parquet file (id, record_no, n_tokens, vector)"

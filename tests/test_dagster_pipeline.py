@@ -9,6 +9,7 @@ import dagster as dg
 import numpy as np
 import pytest
 from sqlalchemy import func, insert, select
+from sqlalchemy.orm import Session
 
 from fabric_pipelines.defs.extraction import extraction_outputs, shape_batches, tokenised_tasks
 from fabric_pipelines.defs.index import vector_index
@@ -89,6 +90,16 @@ def test_materialize_the_chain_then_again(paths: FabricPaths, db_url: str, tmp_p
     planned = _metadata(first, "shape_batches")
     assert extracted["plan_id"] == planned["plan_id"]  # names the plan it ran, and its file
     assert extracted["task_file_sha256"] == _metadata(first, "tokenised_tasks")["sha256"]
+    # The run recorded what its engine did, for `fabric plan`'s predictions.
+    from sqlalchemy import select
+
+    from fabric_pipelines.lib.store.models import EngineSpeed
+
+    with Session(make_engine(db_url)) as session:
+        speeds = session.scalars(select(EngineSpeed)).all()
+    assert [(s.source, s.real_tokens > 0, s.padded_tokens >= s.real_tokens) for s in speeds] == [
+        ("extraction of task set mixed", True, True)
+    ]
 
     index = dg.materialize([vector_index], instance=instance, resources=resources)
     assert index.success

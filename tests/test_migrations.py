@@ -25,7 +25,7 @@ TABLES = {
 }  # fmt: skip
 
 
-HEAD = "0008"
+HEAD = "0009"
 
 
 def test_upgrade_from_empty_then_downgrade_one_step(db_url: str) -> None:
@@ -35,7 +35,7 @@ def test_upgrade_from_empty_then_downgrade_one_step(db_url: str) -> None:
     assert current_revision(engine) == HEAD
     assert set(inspect(engine).get_table_names()) >= TABLES
     downgrade(engine, "-1")
-    assert current_revision(engine) == "0007"
+    assert current_revision(engine) == "0008"
     assert set(inspect(engine).get_table_names()) >= TABLES
     upgrade(engine)
     assert current_revision(engine) == HEAD

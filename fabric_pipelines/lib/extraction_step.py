@@ -4,6 +4,7 @@ what landed, verify the outputs, and say so (metadata, the accounting check, a d
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -14,6 +15,7 @@ from sqlalchemy import Engine
 from fabric_gpu.manifest import EngineManifest
 from fabric_pipelines.lib.broker.ledger import Accounting, accounting
 from fabric_pipelines.lib.broker.plans import current_plan
+from fabric_pipelines.lib.engine_speeds import record_speed
 from fabric_pipelines.lib.index import vector_tail
 from fabric_pipelines.lib.preload import INDEX_MODULES, preload
 from fabric_pipelines.lib.progress import TaskProgress, stage
@@ -91,6 +93,12 @@ def run_extraction_step(
             )  # fmt: skip
     finally:
         bar.close()
+    # What this engine really did, for `fabric plan`'s predictions (engine_speeds.py).
+    record_speed(
+        db, manifest, json.loads(plan.profile_json).get("layout", "padded"),
+        source=f"extraction of task set {task_set}", padded_tokens=report.padded_tokens,
+        real_tokens=report.real_tokens, seconds=report.pulling_seconds,
+    )  # fmt: skip
     # PostgreSQL: make the fresh rows countable from the primary key alone (store/settle.py).
     settle_started = time.perf_counter()
     if report.rows_inserted:

@@ -42,6 +42,7 @@ class ExtractionSummary:
     rows_inserted: int
     real_tokens: int
     seconds: float  # wall time of the stage, worker start-up included
+    padded_tokens: int = 0  # what the engine computed, padding included
     worker_seconds: tuple[float, ...] = ()  # each worker's run, from its engine's creation
     # From the first engine ready (graphs captured) to the last batch acknowledged, any worker.
     pulling_seconds: float = 0.0
@@ -125,6 +126,7 @@ def extract_task_set(
         stale_acks=sum(r["stale_acks"] for r in reports),
         rows_inserted=sum(r["rows_inserted"] for r in reports),
         real_tokens=sum(r["real_tokens"] for r in reports),
+        padded_tokens=sum(r.get("padded_tokens", 0) for r in reports),
         seconds=time.perf_counter() - started,
         worker_seconds=tuple(float(r["seconds"]) for r in reports),
         pulling_seconds=_pulling_window(reports),

@@ -202,3 +202,21 @@ class IndexReceipt(Base):
     recall_at_k: Mapped[float] = mapped_column(Float)
     receipt_json: Mapped[str] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class EngineSpeed(Base):
+    """One measured run of an engine (migration 0009): tokens computed over seconds taken."""
+
+    __tablename__ = "engine_speeds"
+    __table_args__ = (Index("ix_engine_speeds_engine", "model_key", "backend", "layout", "device"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    model_key: Mapped[str] = mapped_column(String(128))
+    backend: Mapped[str] = mapped_column(String(32))
+    layout: Mapped[str] = mapped_column(String(16))
+    device: Mapped[str] = mapped_column(String(256))
+    source: Mapped[str] = mapped_column(String(256))  # e.g. "extraction of task set X"
+    padded_tokens: Mapped[int] = mapped_column(BigInteger)
+    real_tokens: Mapped[int] = mapped_column(BigInteger)
+    seconds: Mapped[float] = mapped_column(Float)
+    measured_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
