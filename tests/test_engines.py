@@ -179,13 +179,13 @@ def test_torch_engine_loads_a_bert_checkpoint_without_importing_transformers() -
     assert out.split() == ["packed", "[]"]
 
 
-def _torch_manifest(dtype: str = "float32") -> EngineManifest:
+def _torch_manifest(dtype: str = "float32", normalize: bool = False) -> EngineManifest:
     return manifest_for_model(
         DEFAULT_MODEL_ID,
         backend="torch",
         dtype=dtype,
         profile=ConsumerProfile(2048, 16, 128, 8),
-        hooks=HookSpec((2, -1), "mean"),
+        hooks=HookSpec((2, -1), "mean", normalize=normalize),
     )
 
 
@@ -210,6 +210,10 @@ def test_torch_engine_eager_forward_matches_the_reference_engine(layout: str, cp
             reference.hooks[layer].astype(np.float32),
             atol=1e-2,
         )
+    # A normalising engine (the model folder's own choice) gives the same vectors at unit length.
+    unit = TorchEngine(_torch_manifest(normalize=True), device="cpu", layout=layout).forward(batch)
+    expected = reference.pooled / np.linalg.norm(reference.pooled, axis=1, keepdims=True)
+    np.testing.assert_allclose(unit.pooled, expected, atol=1e-5)
 
 
 def test_input_layout_follows_the_backend_and_architecture() -> None:
