@@ -380,7 +380,10 @@ def test_a_busy_worker_says_so_at_once_however_many_runs_knock(
     ]
     for knock in knocks:
         assert knock.done.wait(10)
-    assert all(k.state == "refused" and "busy with 'never'" in k.error for k in knocks)
+    answers = [(k.state, k.error) for k in knocks]
+    assert all(state == "refused" and "busy with 'never'" in error for state, error in answers), (
+        answers
+    )
     assert time.monotonic() - started < 5
     holder.close()  # the run goes away before its go: the worker gives the job up
     assert holder.done.wait(10)
