@@ -381,9 +381,8 @@ def test_a_busy_worker_says_so_at_once_however_many_runs_knock(
     for knock in knocks:
         assert knock.done.wait(10)
     answers = [(k.state, k.error) for k in knocks]
-    assert all(state == "refused" and "busy with 'never'" in error for state, error in answers), (
-        answers
-    )
+    odd = [a for a in answers if a[0] != "refused" or "busy with 'never'" not in a[1]]
+    assert odd == [], odd
     assert time.monotonic() - started < 5
     holder.close()  # the run goes away before its go: the worker gives the job up
     assert holder.done.wait(10)

@@ -355,12 +355,18 @@ def _connect(
     is bounded too: a full listen backlog would otherwise block it until the worker accepts."""
     address = socket_address(root, slot)
     deadline = time.monotonic() + start_timeout_s
+    backlog_full_until = time.monotonic() + hello_timeout_s
     while True:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.settimeout(hello_timeout_s)
         try:
             conn.connect(address)
             break
+        except BlockingIOError:  # EAGAIN: a worker listens but its backlog is full: try again
+            conn.close()
+            if given_up() or time.monotonic() >= backlog_full_until:
+                return None
+            time.sleep(0.01)
         except OSError:
             conn.close()
             waiting = starting is not None and starting()

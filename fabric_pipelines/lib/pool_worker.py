@@ -148,7 +148,9 @@ class PoolWorker:
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             # Bound once the engine is ready: a run that can connect gets a hello at once.
             listener.bind(socket_address(self.root, self.slot))
-            listener.listen(16)
+            # Room for every run that knocks at once while the accept thread waits for the GIL:
+            # a full backlog would refuse a connection as if no worker were there.
+            listener.listen(socket.SOMAXCONN)
             threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
             self.write_state()
             print(f"pool worker {self.slot} (pid {os.getpid()}) serving", flush=True)

@@ -250,7 +250,7 @@ def serve(root: Path, key: str, idle_seconds: float) -> int:
             print(f"runner {key}: another runner serves this key; exiting", flush=True)
             return 0
         with listener:
-            listener.listen(16)
+            listener.listen(socket.SOMAXCONN)  # a burst of runs never finds the backlog full
             _write_state(state, key, serving=True)
             print(f"runner {key}: serving (pid {os.getpid()}, idle exit {idle_seconds:g} s)",
                   flush=True)  # fmt: skip
