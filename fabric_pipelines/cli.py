@@ -554,7 +554,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from sqlalchemy.orm import Session
 
     from fabric_pipelines.lib.broker.ledger import accounting
-    from fabric_pipelines.lib.store.models import TaskFailure
+    from fabric_pipelines.lib.store.models import TaskFailure, TaskSet
     from fabric_pipelines.lib.tasks.catalog import list_task_sets
 
     _, db = _open_database()
@@ -580,6 +580,13 @@ def cmd_status(args: argparse.Namespace) -> int:
                     "queued": a.queued,
                     "balanced": a.balanced,
                     "finished": a.finished,
+                    # Tasks cut to max_seq_len (they count as tasks, completed or not).
+                    "truncated": int(
+                        conn.execute(
+                            select(TaskSet.truncated).where(TaskSet.name == name)
+                        ).scalar_one_or_none()
+                        or 0
+                    ),
                 }
             )
     failures = []
