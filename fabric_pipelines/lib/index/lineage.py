@@ -180,7 +180,10 @@ def render(lineage: Lineage) -> str:
         f"  quantizer {i['quantizer_sha256'][:16]}",
         f"  libraries {', '.join(f'{k} {v}' for k, v in sorted(i['libraries'].items()))}",
         f"  model     {m.get('model_id')}  weights {str(m.get('weights_sha256'))[:16]}  "
-        f"{m.get('pooling')} pooling, {m.get('dtype')}, {m.get('backend')} backend",
+        f"{m.get('pooling')} pooling"
+        + (", normalised" if m.get("normalize") else "")
+        + (f", {m['max_seq_len']} tokens" if m.get("max_seq_len") else "")
+        + f", {m.get('dtype')}, {m.get('backend')} backend",
     ]
     if lineage.code:
         lines.append(
