@@ -38,12 +38,20 @@ class ModelDefaultsError(ValueError):
 @dataclass(frozen=True)
 class ModelDefaults:
     max_seq_len: int
-    pooling: str
+    pooling: str | None  # None: the folder's pooling is one the engines do not compute
     normalize: bool
     do_lower_case: bool = False
     prompts: dict[str, str] = field(default_factory=dict)
     default_prompt_name: str | None = None
     source: str = "model config"  # which files they came from, for messages and receipts
+    pooling_refused: str = ""  # why `pooling` is None
+
+    def default_pooling(self) -> str:
+        """The pooling to use when none is set; an error saying what to set where the folder's
+        own is not one the engines compute."""
+        if self.pooling is None:
+            raise ModelDefaultsError(self.pooling_refused)
+        return self.pooling
 
 
 def model_defaults(model_dir: Path) -> ModelDefaults:
@@ -56,9 +64,11 @@ def model_defaults(model_dir: Path) -> ModelDefaults:
         if (model_dir / name).is_file()
     ]
     max_seq_len = (st_config or {}).get("max_seq_length") or _model_limit(model_dir)
+    pooling, refused = _pooling(model_dir, modules)
     return ModelDefaults(
         max_seq_len=int(max_seq_len),
-        pooling=_pooling(model_dir, modules),
+        pooling=pooling,
+        pooling_refused=refused,
         normalize=any(str(m.get("type", "")).endswith(".Normalize") for m in modules),
         do_lower_case=bool((st_config or {}).get("do_lower_case", False)),
         prompts={str(k): str(v) for k, v in (st_meta.get("prompts") or {}).items()},
@@ -67,25 +77,24 @@ def model_defaults(model_dir: Path) -> ModelDefaults:
     )
 
 
-def _pooling(model_dir: Path, modules: list[dict[str, Any]]) -> str:
+def _pooling(model_dir: Path, modules: list[dict[str, Any]]) -> tuple[str | None, str]:
+    """(the folder's pooling, "") or (None, why the engines cannot compute it)."""
     pooling_module = next((m for m in modules if str(m.get("type", "")).endswith(".Pooling")), None)
     if pooling_module is None:
-        return "mean"
+        return "mean", ""
     config = _json(model_dir / str(pooling_module.get("path", "")) / "config.json") or {}
     if "pooling_mode" in config:  # newer sentence-transformers write the mode by name
         config = {f"pooling_mode_{config['pooling_mode']}": True}
     chosen = [mode for mode in _POOLING_MODES if config.get(mode)]
     if not chosen:
-        return "mean"
+        return "mean", ""
     if len(chosen) > 1 or _POOLING_MODES[chosen[0]] is None:
-        raise ModelDefaultsError(
+        return None, (
             f"{model_dir}: its pooling ({', '.join(chosen)}) is not one the engines compute "
             "(mean, cls, last); set the pooling explicitly (manifest hooks.pooling, or "
             "--pooling) to use this model"
         )
-    pooling = _POOLING_MODES[chosen[0]]
-    assert pooling is not None
-    return pooling
+    return _POOLING_MODES[chosen[0]], ""
 
 
 def _model_limit(model_dir: Path) -> int:

@@ -63,7 +63,9 @@ def test_cls_pooling_prompts_and_lower_casing_are_read(tmp_path: Path) -> None:
     assert found.default_prompt_name == "query"
 
 
-def test_a_pooling_the_engines_do_not_compute_is_refused_saying_what_to_set(tmp_path: Path) -> None:
+def test_a_pooling_the_engines_do_not_compute_is_refused_only_where_it_is_needed(
+    tmp_path: Path,
+) -> None:
     folder = _folder(
         tmp_path,
         {
@@ -71,5 +73,7 @@ def test_a_pooling_the_engines_do_not_compute_is_refused_saying_what_to_set(tmp_
             "1_Pooling/config.json": {"pooling_mode_max_tokens": True},
         },
     )
+    found = model_defaults(folder)  # the rest of the folder's defaults still read
+    assert found.pooling is None and found.normalize is False
     with pytest.raises(ModelDefaultsError, match=r"pooling_mode_max_tokens.*set the pooling"):
-        model_defaults(folder)
+        found.default_pooling()

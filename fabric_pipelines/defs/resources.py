@@ -137,7 +137,7 @@ class EngineConfig(dg.ConfigurableResource):
             ),
             hooks=HookSpec(
                 tuple(self.hook_layers),
-                self.pooling or defaults.pooling,
+                self.pooling or defaults.default_pooling(),
                 defaults.normalize if self.normalize is None else self.normalize,
             ),
         )
