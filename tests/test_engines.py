@@ -20,7 +20,7 @@ import torch
 from fabric_gpu.engines import EngineError, input_layout
 from fabric_gpu.engines.bert_checkpoint import read_bert_checkpoint
 from fabric_gpu.engines.packed_bert import PackedBert, UnsupportedModelError
-from fabric_gpu.engines.torch_engine import TorchEngine, packed_capacity
+from fabric_gpu.engines.torch_engine import TorchEngine, additive_mask, packed_capacity
 from fabric_gpu.manifest import EngineManifest, HookSpec, manifest_for_model
 from fabric_gpu.model import DEFAULT_MODEL_ID, resolve_model_dir
 from fabric_gpu.profile import ConsumerProfile
@@ -98,6 +98,41 @@ def test_packed_forward_refuses_other_architectures() -> None:
 
     with pytest.raises(UnsupportedModelError, match="BERT-architecture"):
         PackedBert.from_model(GPT2Model(GPT2Config(n_layer=1, n_embd=32, n_head=2)))
+
+
+def _small_encoder(architecture: str) -> Any:
+    import transformers
+
+    common = dict(
+        vocab_size=600, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, max_position_embeddings=130,
+    )  # fmt: skip
+    config_class, model_class = {
+        "mpnet": (transformers.MPNetConfig, transformers.MPNetModel),
+        "roberta": (transformers.RobertaConfig, transformers.RobertaModel),
+        "bert": (transformers.BertConfig, transformers.BertModel),
+    }[architecture]
+    torch.manual_seed(0)
+    return model_class(config_class(**common), add_pooling_layer=False).eval()
+
+
+@pytest.mark.parametrize("architecture", ["mpnet", "roberta", "bert"])
+def test_the_ready_additive_mask_gives_the_modules_own_result(architecture: str) -> None:
+    """Encoders the packed path cannot run get a ready 4-D mask (Hugging Face's own 2-D mask
+    handling copies a host scalar to the GPU, which graph capture refuses); it must change
+    nothing: the real tokens' states equal those the module computes from the 2-D mask."""
+    model = _small_encoder(architecture)
+    lengths = [7, 3, 12, 1]
+    ids = torch.randint(5, 600, (len(lengths), 12))
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        mask[row, :n] = 1
+    ids = ids.masked_fill(mask == 0, 1)  # the padding id of RoBERTa's config
+    with torch.inference_mode():
+        own = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        ready = model(input_ids=ids, attention_mask=additive_mask(mask, torch.float32))
+    real = mask.bool()
+    torch.testing.assert_close(ready.last_hidden_state[real], own[real], atol=1e-5, rtol=1e-5)
 
 
 def _packed_tensors(packed: PackedBert) -> list[torch.Tensor]:

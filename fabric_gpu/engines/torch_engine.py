@@ -52,6 +52,13 @@ class CapturedShape:
     seq_len: int  # padded: sequence length; packed: token capacity
 
 
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A (rows, seq) 0/1 padding mask as the (rows, 1, 1, seq) additive mask attention adds to its
+    scores. Hugging Face builds this itself from a 2-D mask, but with a host-to-device copy that
+    CUDA graph capture refuses; a ready 4-D mask is used as given, and this one is all GPU ops."""
+    return (1.0 - mask[:, None, None, :].to(dtype)) * torch.finfo(dtype).min
+
+
 def packed_capacity(tokens: int) -> int:
     return max(PACKED_GRANULARITY, -(-tokens // PACKED_GRANULARITY) * PACKED_GRANULARITY)
 
@@ -163,7 +170,9 @@ class TorchEngine:
         if self._padded_bert is not None:  # it normalises itself
             pooled, *states = self._padded_bert(ids, mask)
             return pooled, states
-        out = self.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        out = self.model(
+            input_ids=ids, attention_mask=additive_mask(mask, self.dtype), output_hidden_states=True
+        )
         pooled = pool_padded(out.last_hidden_state, mask, self.manifest.hooks.pooling)
         hooks = [out.hidden_states[i].contiguous() for i in self.hook_indices]
         return unit_length(pooled, normalize), hooks
