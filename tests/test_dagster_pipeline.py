@@ -212,6 +212,19 @@ def test_the_recall_check_blocks_a_bad_index(paths: FabricPaths) -> None:
     assert receipt_sha256(receipt) == event.metadata["receipt_sha256"].value
     with engine.connect() as conn:
         assert conn.execute(select(func.count()).select_from(IndexReceipt)).scalar_one() == 1
+
+    # No row moved since: materialising again builds nothing; the served index is recorded
+    # again under its own receipt, with its recall check.
+    again = dg.materialize([vector_index], instance=instance, resources=resources)
+    assert again.success
+    same = again.get_asset_materialization_events()[0].materialization
+    assert same.metadata["receipt_sha256"] == event.metadata["receipt_sha256"]
+    assert "nothing was built" in str(same.metadata["note"].value)
+    assert same.tags is not None
+    assert same.tags["dagster/data_version"] == event.metadata["receipt_sha256"].value
+    assert [e.passed for e in again.get_asset_check_evaluations()] == [True]
+    with engine.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(IndexReceipt)).scalar_one() == 1
     engine.dispose()
 
 

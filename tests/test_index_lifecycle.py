@@ -3,6 +3,7 @@ damaged, and partly rebuilt when the database says some of its shards went stale
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import time
@@ -30,6 +31,7 @@ from fabric_pipelines.lib.index.publish import (
     build_and_publish,
     model_folder,
     split_shards,
+    unchanged_index,
 )
 from fabric_pipelines.lib.index.rebuild import ReceiptError, check_files, rebuild_from_receipt
 from fabric_pipelines.lib.index.recall import doublings
@@ -385,6 +387,46 @@ def test_the_staleness_sensor_asks_for_a_rebuild_of_the_stale_shards(
     assert len(requests) == 1
     assert requests[0].tags["fabric/stale_shards"] == "6"
     assert requests[0].tags["fabric/model_key"] == "m"
+
+
+def test_an_index_no_row_moved_since_is_not_built_again(db: Engine, paths: FabricPaths) -> None:
+    """Building again with no row changed (after a set whose every task failed, say) would make
+    the same index: the served one stands. A moved row, a lost file or another setting builds."""
+    model = _seed_rows(db)
+    first = _publish(db, paths)
+
+    def unchanged(spec: IndexSpec = SPEC, min_recall: float = 0.0) -> PublishedIndex | None:
+        return unchanged_index(
+            db, model_key="m", spec=spec, min_recall=min_recall,
+            index_folder=paths.indexes, receipt_folder=paths.receipts,
+        )  # fmt: skip
+
+    same = unchanged()
+    assert same is not None and same.unchanged and same.accepted
+    assert (same.receipt_sha256, same.index_path) == (first.receipt_sha256, first.index_path)
+    assert same.receipt == first.receipt and same.rebuilt_shards == []
+    # Other settings: another index.
+    assert unchanged(dataclasses.replace(SPEC, nprobe=8)) is None
+    assert unchanged(dataclasses.replace(SPEC, metric="l2")) is None
+    assert unchanged(dataclasses.replace(SPEC, factory="IVF16,Flat")) is None
+    assert unchanged(min_recall=0.5) is None
+    # The served file gone: build it again.
+    first.index_path.rename(first.index_path.with_suffix(".away"))
+    assert unchanged() is None
+    first.index_path.with_suffix(".away").rename(first.index_path)
+    assert unchanged() is not None
+    # A row deleted moves its shard's watermark.
+    row = _rows_of_shard(db, model, 3)[0]
+    with db.begin() as conn:
+        conn.execute(
+            delete(Embedding).where(
+                Embedding.model_id == model,
+                Embedding.task_set_id == row[0],
+                Embedding.record_no == row[1],
+            )
+        )
+    assert unchanged() is None
+    assert _publish(db, paths, previous=first.receipt).rebuilt_shards == [3]
 
 
 def test_fabric_index_cli_verifies_and_rebuilds(

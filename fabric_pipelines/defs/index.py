@@ -3,7 +3,7 @@ that builds it, and what rebuilds it (the eager automation, and the staleness se
 """
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import dagster as dg
 
@@ -20,6 +20,10 @@ from fabric_pipelines.lib.step_metadata import (
     refused_index_metadata,
 )
 from fabric_pipelines.lib.tasks.catalog import task_set_prompts
+
+if TYPE_CHECKING:  # the index modules load torch and FAISS: imported where a build runs
+    from fabric_pipelines.lib.index.build import IndexSpec
+    from fabric_pipelines.lib.index.publish import PublishedIndex
 
 
 class IndexConfig(dg.Config):
@@ -68,7 +72,11 @@ def vector_index(
     # Imported here, not with the definitions: torch and FAISS take seconds to load, and every
     # process that loads the definitions would pay them (the extraction step preloads them).
     from fabric_pipelines.lib.index.build import IndexSpec
-    from fabric_pipelines.lib.index.publish import EmptySourceError, build_and_publish
+    from fabric_pipelines.lib.index.publish import (
+        EmptySourceError,
+        build_and_publish,
+        unchanged_index,
+    )
 
     manifest, started = engine.manifest(), time.perf_counter()
     stage("index")
@@ -80,6 +88,21 @@ def vector_index(
     with db.connect() as conn:
         serving = latest_receipt(conn, manifest.model_key)
     previous = None if config.full_rebuild or serving is None else serving[1]
+    # Nothing to build where no row moved since the served index (a set whose every task
+    # failed, say): it stands, recorded again under its own receipt's data version.
+    unchanged = None
+    if previous is not None:
+        unchanged = unchanged_index(
+            db, model_key=manifest.model_key, spec=spec, min_recall=config.min_recall,
+            index_folder=store.paths().indexes, receipt_folder=store.paths().receipts,
+            code_version=CODE_VERSIONS["vector_index"],
+        )  # fmt: skip
+    if unchanged is not None:
+        context.log.info(
+            f"vector_index: no row changed since receipt {unchanged.receipt_sha256}; "
+            "the served index stands (set full_rebuild to build it again)"
+        )
+        return _published(unchanged, spec, config, time.perf_counter() - started)
     try:
         published = build_and_publish(
             db, model_key=manifest.model_key, model=manifest.receipt_model(), spec=spec,
@@ -104,7 +127,12 @@ def vector_index(
             metadata=dagster_metadata(refused_index_metadata(published, config.min_recall, served)),
             allow_retries=False,
         )
-    seconds = time.perf_counter() - started
+    return _published(published, spec, config, time.perf_counter() - started)
+
+
+def _published(
+    published: "PublishedIndex", spec: "IndexSpec", config: IndexConfig, seconds: float
+) -> dg.MaterializeResult:
     return dg.MaterializeResult(
         metadata=dagster_metadata(index_metadata(published, spec.nprobe, seconds)),
         data_version=dg.DataVersion(published.receipt_sha256),

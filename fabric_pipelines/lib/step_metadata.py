@@ -174,7 +174,13 @@ def index_metadata(published: PublishedIndex, nprobe_requested: int, seconds: fl
 
     receipt = published.receipt
     params = receipt["index"]["params"]
+    unchanged: Metadata = (
+        {"note": "no row changed since this receipt: the served index stands, nothing was built"}
+        if published.unchanged
+        else {}
+    )
     return {
+        **unchanged,
         "receipt_sha256": published.receipt_sha256,
         "index_sha256": receipt["index_sha256"],
         "index_path": FilePath(str(published.index_path)),

@@ -73,6 +73,7 @@ from fabric_pipelines.lib.index.receipt import (
     library_versions,
     receipt_sha256,
 )
+from fabric_pipelines.lib.index.staleness import staleness
 from fabric_pipelines.lib.index.vectors import VectorSet, check_vectors, load_vectors
 from fabric_pipelines.lib.plots import chart_and_table
 from fabric_pipelines.lib.store.db import insert_ignoring_duplicates
@@ -100,6 +101,8 @@ class PublishedIndex:
     seconds: dict[str, float] = field(default_factory=dict)
     # The vectors came from a tail that followed them during extraction, not from a read after.
     vectors_followed: bool = False
+    # Nothing was built: no row moved since this receipt, which stays the served index.
+    unchanged: bool = False
 
     @property
     def recall_at_k(self) -> float:
@@ -142,6 +145,51 @@ def read_verified(path: Path, sha256: str) -> faiss.Index:
     """An index file, refused unless it hashes to what the receipt recorded."""
     verify_sha256(path, sha256, "index file", "fabric index rebuild --receipt writes it again")
     return faiss.read_index(str(path))
+
+
+def unchanged_index(
+    db: Engine,
+    *,
+    model_key: str,
+    spec: IndexSpec,
+    min_recall: float,
+    index_folder: Path,
+    receipt_folder: Path,
+    code_version: str | None = None,
+) -> PublishedIndex | None:
+    """The model's served index, where a build now would only make it again: no shard's rows
+    moved since its receipt (the watermarks a partial rebuild trusts too), its index and receipt
+    files are there, and it was built by this code to the same settings (metric, shards,
+    factory, first nprobe, recall floor). None otherwise: then build. Where it was built (device,
+    k-means) is not compared: `full_rebuild` asks for a build regardless."""
+    with db.connect() as conn:
+        current = staleness(conn, model_key, index_folder)
+    if current is None or current.stale:
+        return None
+    receipt = current.receipt
+    index = receipt["index"]
+    params = index["params"]
+    receipt_path = receipt_folder / f"{current.receipt_sha256}.json"
+    same = (
+        receipt.get("schema") == RECEIPT_SCHEMA
+        and receipt_path.is_file()
+        and index["metric"] == spec.metric
+        and index["shards"] == spec.shards
+        and spec.factory in ("auto", index["factory"])
+        and params.get("nprobe_requested", params.get("nprobe")) == spec.nprobe
+        and params.get("min_recall", min_recall) == min_recall  # a Flat index has no floor
+        and (code_version is None or receipt.get("code", {}).get("vector_index") == code_version)
+    )
+    if not same:
+        return None
+    vector_tail.drop(db, model_key)  # followed for a build that is not needed
+    return PublishedIndex(
+        receipt,
+        current.receipt_sha256,
+        model_folder(index_folder, model_key) / receipt["index_file"],
+        receipt_path,
+        unchanged=True,
+    )
 
 
 def build_and_publish(

@@ -495,6 +495,14 @@ def following(db: Engine, model_key: str, task_set: str) -> Iterator[VectorTail 
             before.close()
 
 
+def drop(db: Engine, model_key: str) -> None:
+    """Let go of the tail of this database and model, unclaimed (no build needs its vectors)."""
+    with _tails_lock:
+        tail = _tails.pop(_key(db, model_key), None)
+    if tail is not None:
+        tail.close()
+
+
 def claim(db: Engine, model_key: str) -> VectorSet | None:
     """The vectors a tail of this database and model followed, as of a snapshot taken now; None
     where there is none or it cannot stand for the table (the caller reads the table then)."""
