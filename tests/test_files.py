@@ -15,6 +15,7 @@ import pytest
 from fabric_pipelines.lib.files import (
     CorruptFileError,
     HashingWriter,
+    copy_file,
     sha256_file,
     stream_content_addressed,
     stream_file,
@@ -185,6 +186,21 @@ def test_a_streamed_file_records_the_sha256_of_the_bytes_on_disk(tmp_path: Path)
     assert small.sha256 == sha256_file(small.path) and small.bytes == 2
     names = {p.name for p in tmp_path.iterdir()}
     assert names == {"0.bin", "1.bin", "2.bin", "small.json"}  # no staging file left
+
+
+def test_a_copied_file_is_the_source_byte_for_byte_with_its_sha256(tmp_path: Path) -> None:
+    """A submitted file is copied in chunks (larger than one and not a multiple of it), hashed
+    as it is written."""
+    import hashlib
+
+    data = np.random.default_rng(0).bytes((8 << 20) * 2 + 12345)
+    source = tmp_path / "source.parquet"
+    source.write_bytes(data)
+    (tmp_path / "inbox").mkdir()
+    stored = copy_file(source, tmp_path / "inbox" / "set.parquet")
+    assert stored.path.read_bytes() == data and stored.bytes == len(data)
+    assert stored.sha256 == hashlib.sha256(data).hexdigest() == sha256_file(stored.path)
+    assert [p.name for p in (tmp_path / "inbox").iterdir()] == ["set.parquet"]
 
 
 def test_a_stream_failing_half_way_leaves_neither_the_target_nor_a_staging_file(

@@ -265,6 +265,18 @@ def write_bytes(path: Path, data: bytes) -> StoredFile:
     return stream_file(path, lambda out: out.write(data))
 
 
+def copy_file(source: Path, path: Path) -> StoredFile:
+    """Store a copy of `source` at `path`, hashed as it is written: one read of the source, no
+    read-back (a large submitted file is copied once, not copied and then read again)."""
+
+    def copy(out: HashingWriter) -> None:
+        with open(source, "rb") as handle:
+            for block in iter(lambda: handle.read(CHUNK_BYTES), b""):
+                out.write(block)
+
+    return stream_file(path, copy)
+
+
 def write_content_addressed(
     folder: Path, suffix: str, write: Callable[[Path], object], *, fan_out: bool = False
 ) -> StoredFile:

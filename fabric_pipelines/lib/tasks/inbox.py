@@ -16,12 +16,11 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from fabric_pipelines.lib.files import sha256_file, write_bytes, write_file
+from fabric_pipelines.lib.files import copy_file, sha256_file, write_bytes
 from fabric_pipelines.lib.names import InvalidNameError, validate_task_set_name
 from fabric_pipelines.lib.tasks.ingest import SUPPORTED_SUFFIXES, SubmissionError
 
@@ -144,7 +143,7 @@ def submit(
         for old in present:  # never ingested: the new file replaces the old one
             if old != target:
                 old.unlink()
-    stored = write_file(target, lambda tmp: shutil.copyfile(source, tmp))
+    stored = copy_file(source, target)
     record_submitted(inbox, task_set, stored.sha256)
     return InboxFile(task_set, target, stored.sha256)
 
