@@ -193,7 +193,12 @@ def database_for(db: str, root: Path, pg_server: str | None) -> Iterator[str]:
 
 
 def run_product(
-    root: Path, tasks_file: Path, manifest_file: Path, db_url: str, gpus: int
+    root: Path,
+    tasks_file: Path,
+    manifest_file: Path,
+    db_url: str,
+    gpus: int,
+    task_set: str = TASK_SET,
 ) -> dict[str, Any]:
     """`fabric submit FILE --task-set e2e --run` in a fresh process; wall time from launch to
     exit, the run's own report, and the exactly-once check read back from the database."""
@@ -207,7 +212,7 @@ def run_product(
     env["FABRIC_WARM_RUNNER"] = "0"
     command = [
         sys.executable, "-c", "from fabric_pipelines.cli import run_command; run_command()",
-        "submit", str(tasks_file), "--task-set", TASK_SET, "--run",
+        "submit", str(tasks_file), "--task-set", task_set, "--run",
         "--manifest", str(manifest_file), "--workers", str(gpus), "--report", str(report_file),
     ]  # fmt: skip
     launched_at, start = time.time(), time.perf_counter()
@@ -224,7 +229,7 @@ def run_product(
         "wall_seconds": wall,
         "report": report,
         "clock": run_clock(report, launched_at, launched_at + wall),
-        **exactly_once(db_url, manifest_file),
+        **exactly_once(db_url, manifest_file, task_set),
     }
 
 
