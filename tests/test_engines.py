@@ -20,7 +20,12 @@ import torch
 from fabric_gpu.engines import EngineError, input_layout
 from fabric_gpu.engines.bert_checkpoint import read_bert_checkpoint
 from fabric_gpu.engines.packed_bert import PackedBert, UnsupportedModelError
-from fabric_gpu.engines.torch_engine import TorchEngine, additive_mask, packed_capacity
+from fabric_gpu.engines.torch_engine import (
+    LengthCachedBias,
+    TorchEngine,
+    additive_mask,
+    packed_capacity,
+)
 from fabric_gpu.manifest import EngineManifest, HookSpec, manifest_for_model
 from fabric_gpu.model import DEFAULT_MODEL_ID, resolve_model_dir
 from fabric_gpu.profile import ConsumerProfile
@@ -133,6 +138,26 @@ def test_the_ready_additive_mask_gives_the_modules_own_result(architecture: str)
         ready = model(input_ids=ids, attention_mask=additive_mask(mask, torch.float32))
     real = mask.bool()
     torch.testing.assert_close(ready.last_hidden_state[real], own[real], atol=1e-5, rtol=1e-5)
+
+
+def test_mpnet_position_bias_cached_per_length_changes_nothing() -> None:
+    """MPNet's relative position bias is computed once per sequence length (outside graph
+    capture) and replayed: outputs equal the module's own, whatever the batch size."""
+    import copy
+
+    model = _small_encoder("mpnet")
+    cached = copy.deepcopy(model)
+    bias = LengthCachedBias(cached.encoder.compute_position_bias)
+    cached.encoder.compute_position_bias = bias
+    with torch.inference_mode():
+        for rows, length in ((3, 9), (5, 9), (2, 17)):
+            ids = torch.randint(5, 600, (rows, length))
+            mask = torch.ones_like(ids)
+            mask[0, length // 2 :] = 0
+            own = model(input_ids=ids, attention_mask=mask).last_hidden_state
+            replayed = cached(input_ids=ids, attention_mask=mask).last_hidden_state
+            torch.testing.assert_close(replayed, own, atol=1e-6, rtol=1e-6)
+    assert sorted(bias.by_length) == [(9, 32), (17, 32)]  # one bias per length, shared by sizes
 
 
 def _packed_tensors(packed: PackedBert) -> list[torch.Tensor]:

@@ -59,6 +59,29 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (1.0 - mask[:, None, None, :].to(dtype)) * torch.finfo(dtype).min
 
 
+class LengthCachedBias:
+    """A relative position bias that depends only on the sequence length (MPNet's), computed
+    once per length, outside CUDA graph capture, and replayed from that tensor. Hugging Face
+    builds it from host tensors copied to the GPU on every call, which capture refuses; the
+    engine's warm-up runs each shape eagerly before capturing it, which fills the cache."""
+
+    def __init__(self, compute: Any) -> None:
+        self._compute = compute
+        self.by_length: dict[tuple[int, int], torch.Tensor] = {}
+
+    def __call__(
+        self, x: torch.Tensor, position_ids: torch.Tensor | None = None, num_buckets: int = 32
+    ) -> torch.Tensor:
+        if position_ids is not None:  # positions of their own: not a function of length alone
+            return self._compute(x, position_ids=position_ids, num_buckets=num_buckets)
+        key = (int(x.size(1)), num_buckets)
+        bias = self.by_length.get(key)
+        if bias is None:
+            bias = self._compute(x[:1], num_buckets=num_buckets)  # [1, heads, length, length]
+            self.by_length[key] = bias
+        return bias.expand(x.size(0), -1, -1, -1)
+
+
 def packed_capacity(tokens: int) -> int:
     return max(PACKED_GRANULARITY, -(-tokens // PACKED_GRANULARITY) * PACKED_GRANULARITY)
 
@@ -115,6 +138,9 @@ class TorchEngine:
         self.hook_indices = normalise_layers(manifest.hooks.layers, self.num_layers)
         self.packed = bert if layout in ("auto", "packed") else None
         self.layout = "packed" if self.packed is not None else "padded"
+        encoder: Any = getattr(self.model, "encoder", None)
+        if bert is None and hasattr(encoder, "compute_position_bias"):  # MPNet
+            encoder.compute_position_bias = LengthCachedBias(encoder.compute_position_bias)
         # Padded BERT runs this module's own forward: no data-dependent Python, so it captures
         # into a CUDA graph; other encoders run the Hugging Face module (it must be capturable).
         self._padded_bert = (
