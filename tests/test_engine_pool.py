@@ -253,6 +253,24 @@ def test_a_bad_job_gets_an_error_naming_its_field_and_the_worker_serves_on(
     assert process.poll() is None and pool_states(paths.root)[0].jobs_done == 0
 
 
+def test_a_run_knocking_right_after_a_status_probe_is_served_not_told_busy(
+    paths: FabricPaths, tiny_model_dir: Path
+) -> None:
+    """A probe (hello read, connection closed) holds the worker until it notices the probe went
+    away; a run that connects in that moment waits for it and is served. Before, it was told
+    busy about one time in three and started a worker of its own."""
+    process = _worker(paths, _manifest(tiny_model_dir), idle=60)
+    for _ in range(300):
+        probe = wait_until_serving(paths.root, "cpu0", process, 10)
+        assert probe is not None and probe["busy"] == ""
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(socket_address(paths.root, "cpu0"))
+            conn.settimeout(10)
+            hello = json.loads(conn.makefile("rb").readline())["hello"]
+        assert hello["busy"] == "", hello
+    assert process.poll() is None
+
+
 def test_an_idle_pool_worker_exits_after_its_idle_time_and_removes_its_state(
     paths: FabricPaths, tiny_model_dir: Path
 ) -> None:

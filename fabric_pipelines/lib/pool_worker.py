@@ -7,6 +7,8 @@ another until it has idled for its idle time.
 
 Connections are accepted on a thread of their own. When the worker is free, the connection is
 the next job's; when it is busy, the run is told so at once (`{"hello": {..., "busy": SET}}`)
+(a connection that holds the worker without a job yet, such as a status probe, settles first:
+a run that knocks meanwhile waits for it a moment instead of being turned away)
 and closed, so it starts its own worker without waiting and nothing piles up in the listen
 backlog. While a job runs, a watcher sees the run's connection end (the run was cancelled, or
 its process died) and ends this process: a pool worker never goes on extracting for a run that
@@ -49,6 +51,9 @@ from fabric_pipelines.lib.files import write_bytes
 
 JOB_READ_TIMEOUT_S = 30.0  # a run that connected sends its job within this
 WATCH_EVERY_S = 0.25  # how often a running job's connection is looked at
+# A connection that holds the worker without a job yet (a status probe, or a run about to send
+# its job) settles within moments: a run that knocks meanwhile waits this long for it.
+SETTLING_WAIT_S = 2.0
 RUN_GONE_EXIT = 75  # the run whose job this worker ran went away
 
 JOB_FIELDS: dict[str, type | tuple[type, ...]] = {
@@ -112,7 +117,8 @@ class PoolWorker:
         self.busy_with = ""
         self._databases: dict[str, Any] = {}
         self._jobs: queue.Queue[socket.socket] = queue.Queue(maxsize=1)
-        self._lock = threading.Lock()  # guards `_holding` and `_leaving`
+        self._lock = threading.Lock()  # guards `_holding`, `_leaving` and `busy_with`
+        self._settled = threading.Condition(self._lock)  # one of them changed
         self._holding = False  # a run's connection is queued or being served
         self._leaving = False
 
@@ -156,9 +162,7 @@ class PoolWorker:
             print(f"pool worker {self.slot} (pid {os.getpid()}) serving", flush=True)
             while (conn := self._next_job()) is not None:
                 with conn:
-                    healthy = self._handle(conn, engine)
-                with self._lock:
-                    self._holding = False
+                    healthy = self._handle(conn, engine)  # frees the slot before its answer
                 if not healthy:
                     return 1  # the engine failed a job: retire
             print(f"idle for {self.idle_seconds:g} s: exiting", flush=True)
@@ -169,6 +173,7 @@ class PoolWorker:
     def _leave(self, listener: socket.socket | None, engine: Any) -> None:
         with self._lock:
             self._leaving = True
+            self._settled.notify_all()
         if listener is not None:
             with contextlib.suppress(OSError):
                 listener.close()  # first: no run connects to a worker on its way out
@@ -184,6 +189,7 @@ class PoolWorker:
             with self._lock:
                 if not self._holding:
                     self._leaving = True  # late connections are told so from now on
+                    self._settled.notify_all()
                     return None
             return self._jobs.get()  # one arrived as the wait ended
 
@@ -195,6 +201,12 @@ class PoolWorker:
             except OSError:
                 return  # the listener closed: the worker is leaving
             with self._lock:
+                # Held, but with no job yet: a probe that goes away, or a run whose job is on
+                # its way. Wait for it to settle rather than turn this run away as busy.
+                self._settled.wait_for(
+                    lambda: not self._holding or self._leaving or bool(self.busy_with),
+                    timeout=SETTLING_WAIT_S,
+                )
                 free = not self._holding and not self._leaving
                 if free:
                     self._holding = True
@@ -211,6 +223,15 @@ class PoolWorker:
             "jobs_done": self.jobs_done, "busy": busy,
         }  # fmt: skip
 
+    def _free(self, retiring: bool = False) -> None:
+        """Take the next run's connection from now on (retiring: tell runs it is leaving).
+        Called before a job's last message: a run that connects as soon as it reads the
+        answer must find the worker free, not be told it is busy."""
+        with self._lock:
+            self._holding = False
+            self._leaving = self._leaving or retiring
+            self._settled.notify_all()
+
     def _handle(self, conn: socket.socket, engine: Any) -> bool:
         """Run one connection's job; False when the engine failed it (the worker retires)."""
         try:
@@ -219,14 +240,18 @@ class PoolWorker:
             message = read_message(conn)
             conn.settimeout(None)
         except (OSError, ValueError):
+            self._free()
             return True  # the run went away before sending its job (a status probe): next one
         try:
             job = check_job(message.get("job"))
         except ValueError as exc:
+            self._free()
             with contextlib.suppress(OSError):
                 send_message(conn, {"error": str(exc)})
             return True
-        self.busy_with = job["task_set"]
+        with self._lock:
+            self.busy_with = job["task_set"]
+            self._settled.notify_all()  # a run knocking meanwhile is told busy at once
         self.write_state()
         healthy = True
         try:
@@ -240,6 +265,7 @@ class PoolWorker:
         self.jobs_done += 1
         self.busy_with = ""
         self.write_state()
+        self._free(retiring=not healthy)
         with contextlib.suppress(OSError):
             send_message(conn, answer)
         return healthy
