@@ -374,6 +374,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
             "real tokens/s",
             f"{extraction.get('real_tokens_per_s', 0):,.0f} (delivered: written and acked)",
         ),
+        *([("extraction", str(extraction["efficiency"]))] if extraction.get("efficiency") else []),
         *_index_rows(index),
         (
             "checks",

@@ -90,6 +90,12 @@ def test_materialize_the_chain_then_again(paths: FabricPaths, db_url: str, tmp_p
     planned = _metadata(first, "shape_batches")
     assert extracted["plan_id"] == planned["plan_id"]  # names the plan it ran, and its file
     assert extracted["task_file_sha256"] == _metadata(first, "tokenised_tasks")["sha256"]
+    # Where the step's time went: the engine's window and the rest add up to the step.
+    seconds = extracted["efficiency_record"]["seconds"]
+    assert seconds["engine"] > 0 and seconds["before_engine"] >= 0
+    parts = sum(v for k, v in seconds.items() if k != "step")
+    assert parts == pytest.approx(seconds["step"], abs=0.01)
+    assert "engine pulled batches for" in str(extracted["efficiency"])
     # The run recorded what its engine did, for `fabric plan`'s predictions.
     from sqlalchemy import select
 

@@ -151,6 +151,7 @@ def extraction_outputs(
         raise dg.Failure(description=str(exc), allow_retries=False) from exc
     if step.report.superseded:
         context.log.warning(step.report.superseded)
+    context.log.info(f"{task_set}: {step.efficiency.sentence()}")
     return dg.MaterializeResult(
         metadata=dagster_metadata(step.metadata),
         data_version=dg.DataVersion(step.data_version),

@@ -15,6 +15,7 @@ from sqlalchemy import Engine
 from fabric_gpu.manifest import EngineManifest
 from fabric_pipelines.lib.broker.ledger import Accounting, accounting
 from fabric_pipelines.lib.broker.plans import current_plan
+from fabric_pipelines.lib.efficiency import Efficiency, extraction_efficiency
 from fabric_pipelines.lib.engine_speeds import record_speed
 from fabric_pipelines.lib.index import vector_tail
 from fabric_pipelines.lib.preload import INDEX_MODULES, preload
@@ -51,6 +52,7 @@ class ExtractionStep:
     data_version: str
     metadata: Metadata
     check_metadata: Metadata
+    efficiency: Efficiency  # how well the engine was fed, and where the rest of the time went
 
 
 def run_extraction_step(
@@ -66,7 +68,7 @@ def run_extraction_step(
 ) -> ExtractionStep:
     """LookupError if the set has no plan (shape_batches has not run). `devices()`: the GPUs
     the workers may use, held for the step; `on_progress`: the set's counts as they move."""
-    started = time.perf_counter()
+    started, started_at = time.perf_counter(), time.time()
     plan = current_plan(db, task_set)
     stage("extract", tasks=plan.n_items, real_tokens=plan.real_tokens)
     bar = TaskProgress(f"extract {task_set}")
@@ -93,6 +95,7 @@ def run_extraction_step(
             )  # fmt: skip
     finally:
         bar.close()
+    workers_done_at = time.time()
     # What this engine really did, for `fabric plan`'s predictions (engine_speeds.py).
     record_speed(
         db, manifest, json.loads(plan.profile_json).get("layout", "padded"),
@@ -119,9 +122,14 @@ def run_extraction_step(
     if report.superseded:  # another run re-planned the set: say so, not a bare failed count
         problems.insert(0, report.superseded)
     task_file = get_task_set(db, task_set)
+    efficiency = extraction_efficiency(
+        real_tokens=report.real_tokens, padded_tokens=report.padded_tokens,
+        timelines=report.timelines, step_started_at=started_at, workers_done_at=workers_done_at,
+        step_ended_at=time.time(), settle_seconds=settle_seconds, verify_seconds=verify_seconds,
+    )  # fmt: skip
     metadata = extraction_metadata(
         report, counts, plan, model_key=manifest.model_key, database=database_name,
-        task_file=(str(task_file.path), task_file.content_sha256),
+        task_file=(str(task_file.path), task_file.content_sha256), efficiency=efficiency,
         seconds={
             "step": time.perf_counter() - started, "settle": settle_seconds,
             "verify": verify_seconds,
@@ -136,4 +144,5 @@ def run_extraction_step(
         data_version=hashlib.sha256(version.encode()).hexdigest(),
         metadata=metadata,
         check_metadata=accounting_check_metadata(task_set, counts, verified, problems),
+        efficiency=efficiency,
     )

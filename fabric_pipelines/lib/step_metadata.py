@@ -13,6 +13,7 @@ from fabric_pipelines.lib.plots import chart_and_table
 if TYPE_CHECKING:
     from fabric_pipelines.lib.broker.ledger import Accounting
     from fabric_pipelines.lib.broker.plans import PlanSummary
+    from fabric_pipelines.lib.efficiency import Efficiency
     from fabric_pipelines.lib.index.publish import PublishedIndex
     from fabric_pipelines.lib.run_extraction import ExtractionSummary
     from fabric_pipelines.lib.store.models import BatchPlan as BatchPlanRow
@@ -112,6 +113,7 @@ def extraction_metadata(
     database: str,
     task_file: tuple[str, str],
     seconds: dict[str, float],
+    efficiency: Efficiency | None = None,
 ) -> Metadata:
     """`task_file`: the set's stored file (path, sha256); `seconds`: the step's wall time
     ("step") and its parts ("settle", "verify")."""
@@ -144,6 +146,15 @@ def extraction_metadata(
         "plan_path": FilePath(str(plan.path)),
         "task_file_sha256": task_file[1],
         "task_file_path": FilePath(task_file[0]),
+        # Where the step's time went and how well the engine was fed (lib/efficiency.py).
+        **(
+            {
+                "efficiency": efficiency.sentence(),
+                "efficiency_record": Json(efficiency.as_mapping()),
+            }
+            if efficiency is not None
+            else {}
+        ),
     }
 
 

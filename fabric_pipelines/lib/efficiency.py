@@ -1,0 +1,126 @@
+"""How well an extraction step fed its engine, and where the rest of its wall time went: the
+record a user reads when a run was slower than `fabric plan` predicted.
+
+The step's wall time splits, on the wall clock, into:
+  before the engine   step start to the first worker ready for batches (worker start-up, model
+                      load, graph capture, waiting for the plan: a warm pool worker has most of
+                      this done before the step starts);
+  engine              the pulling window: the first worker ready to the last batch acknowledged
+                      (what `fabric plan` predicts, and what engine_speeds records);
+  after the engine    the last acknowledgement to the workers done (their last writes, closing);
+  settle, verify      the step's own work after the workers (PostgreSQL's settle; the check);
+  other               the rest (the step's own start-up and bookkeeping).
+GPU busy time inside the window is not measured in product runs (the runtime's per-batch timing
+marks are off there; `bench/extract.py` measures it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    real_tokens: int
+    padded_tokens: int
+    step_seconds: float
+    before_engine_seconds: float
+    engine_seconds: float
+    after_engine_seconds: float
+    settle_seconds: float
+    verify_seconds: float
+
+    @property
+    def other_seconds(self) -> float:
+        accounted = (
+            self.before_engine_seconds + self.engine_seconds + self.after_engine_seconds
+            + self.settle_seconds + self.verify_seconds
+        )  # fmt: skip
+        return max(0.0, self.step_seconds - accounted)
+
+    @property
+    def real_tokens_per_s(self) -> float:
+        return self.real_tokens / self.step_seconds if self.step_seconds > 0 else 0.0
+
+    @property
+    def engine_real_tokens_per_s(self) -> float:
+        return self.real_tokens / self.engine_seconds if self.engine_seconds > 0 else 0.0
+
+    @property
+    def padding_fraction(self) -> float:
+        return 1.0 - self.real_tokens / self.padded_tokens if self.padded_tokens > 0 else 0.0
+
+    @property
+    def engine_share(self) -> float:
+        """The part of the step's wall time the engine was pulling batches."""
+        return self.engine_seconds / self.step_seconds if self.step_seconds > 0 else 0.0
+
+    def as_mapping(self) -> dict[str, Any]:
+        return {
+            "real_tokens_per_s": round(self.real_tokens_per_s, 1),
+            "engine_real_tokens_per_s": round(self.engine_real_tokens_per_s, 1),
+            "padding_fraction": round(self.padding_fraction, 5),
+            "engine_share": round(self.engine_share, 4),
+            "gpu_busy_fraction": None,  # not measured in product runs (module docstring)
+            "seconds": {
+                "step": round(self.step_seconds, 3),
+                "before_engine": round(self.before_engine_seconds, 3),
+                "engine": round(self.engine_seconds, 3),
+                "after_engine": round(self.after_engine_seconds, 3),
+                "settle": round(self.settle_seconds, 3),
+                "verify": round(self.verify_seconds, 3),
+                "other": round(self.other_seconds, 3),
+            },
+        }
+
+    def sentence(self) -> str:
+        """One line for a person: the speed, the engine's share, and where the rest went."""
+        if self.engine_seconds <= 0:
+            return (
+                f"no batch ran in this step ({self.step_seconds:.2f} s: the set's work was "
+                "already done or failed)"
+            )
+        return (
+            f"{self.real_tokens_per_s:,.0f} real tokens/s over the step's {self.step_seconds:.2f} s; "
+            f"the engine pulled batches for {self.engine_seconds:.2f} s "
+            f"({self.engine_share:.0%}, {self.engine_real_tokens_per_s:,.0f} tokens/s, "
+            f"{self.padding_fraction:.1%} padding); before its first batch "
+            f"{self.before_engine_seconds:.2f} s, after its last {self.after_engine_seconds:.2f} s, "
+            f"settle {self.settle_seconds:.2f} s, check {self.verify_seconds:.2f} s, "
+            f"other {self.other_seconds:.2f} s"
+        )
+
+
+def extraction_efficiency(
+    *,
+    real_tokens: int,
+    padded_tokens: int,
+    timelines: tuple[dict[str, float], ...],
+    step_started_at: float,
+    workers_done_at: float,
+    step_ended_at: float,
+    settle_seconds: float,
+    verify_seconds: float,
+) -> Efficiency:
+    """From the workers' timelines (wall-clock `started_at` plus offsets in seconds, as
+    run_extraction reports them) and the step's own wall-clock marks."""
+    ready = [t["started_at"] + t["ready"] for t in timelines if "ready" in t]
+    acked = [t["started_at"] + t["last_ack"] for t in timelines if "last_ack" in t]
+    if ready and acked:
+        first_ready, last_ack = min(ready), max(acked)
+        before = max(0.0, first_ready - step_started_at)
+        engine = max(0.0, last_ack - first_ready)
+        after = max(0.0, workers_done_at - last_ack)
+    else:  # no batch ran: the whole workers' part is before any engine
+        before, engine, after = max(0.0, workers_done_at - step_started_at), 0.0, 0.0
+    return Efficiency(
+        real_tokens=real_tokens,
+        padded_tokens=padded_tokens,
+        step_seconds=max(0.0, step_ended_at - step_started_at),
+        before_engine_seconds=before,
+        engine_seconds=engine,
+        after_engine_seconds=after,
+        settle_seconds=settle_seconds,
+        verify_seconds=verify_seconds,
+    )
