@@ -94,6 +94,19 @@ def _rows_of_shard(db: Engine, model: int, shard: int) -> list[tuple[int, int]]:
     return [k for k, m in zip(keys, mine, strict=True) if m]
 
 
+def _delete_a_row_of_shard(db: Engine, model: int, shard: int) -> None:
+    """Delete one row of `shard` (its watermark moves: the shard is stale)."""
+    task_set_id, record_no = _rows_of_shard(db, model, shard)[0]
+    with db.begin() as conn:
+        conn.execute(
+            delete(Embedding).where(
+                Embedding.model_id == model,
+                Embedding.task_set_id == task_set_id,
+                Embedding.record_no == record_no,
+            )
+        )
+
+
 def test_rebuild_from_receipt_is_bitwise_and_repairs_lost_files(
     db: Engine, paths: FabricPaths
 ) -> None:
@@ -374,15 +387,7 @@ def test_the_staleness_sensor_asks_for_a_rebuild_of_the_stale_shards(
         return result
 
     assert evaluate().run_requests == []
-    row = _rows_of_shard(db, model, 6)[0]
-    with db.begin() as conn:
-        conn.execute(
-            delete(Embedding).where(
-                Embedding.model_id == model,
-                Embedding.task_set_id == row[0],
-                Embedding.record_no == row[1],
-            )
-        )
+    _delete_a_row_of_shard(db, model, 6)
     requests = evaluate().run_requests or []
     assert len(requests) == 1
     assert requests[0].tags["fabric/stale_shards"] == "6"
@@ -416,15 +421,7 @@ def test_an_index_no_row_moved_since_is_not_built_again(db: Engine, paths: Fabri
     first.index_path.with_suffix(".away").rename(first.index_path)
     assert unchanged() is not None
     # A row deleted moves its shard's watermark.
-    row = _rows_of_shard(db, model, 3)[0]
-    with db.begin() as conn:
-        conn.execute(
-            delete(Embedding).where(
-                Embedding.model_id == model,
-                Embedding.task_set_id == row[0],
-                Embedding.record_no == row[1],
-            )
-        )
+    _delete_a_row_of_shard(db, model, 3)
     assert unchanged() is None
     assert _publish(db, paths, previous=first.receipt).rebuilt_shards == [3]
 
