@@ -68,7 +68,7 @@ def run_extraction_step(
 ) -> ExtractionStep:
     """LookupError if the set has no plan (shape_batches has not run). `devices()`: the GPUs
     the workers may use, held for the step; `on_progress`: the set's counts as they move."""
-    started, started_at = time.perf_counter(), time.time()
+    started_at = time.time()  # the wall clock: the workers' timelines are on it too
     plan = current_plan(db, task_set)
     stage("extract", tasks=plan.n_items, real_tokens=plan.real_tokens)
     bar = TaskProgress(f"extract {task_set}")
@@ -130,10 +130,6 @@ def run_extraction_step(
     metadata = extraction_metadata(
         report, counts, plan, model_key=manifest.model_key, database=database_name,
         task_file=(str(task_file.path), task_file.content_sha256), efficiency=efficiency,
-        seconds={
-            "step": time.perf_counter() - started, "settle": settle_seconds,
-            "verify": verify_seconds,
-        },
     )  # fmt: skip
     version = f"{plan.plan_id}:{counts.completed}:{counts.failed}"
     return ExtractionStep(

@@ -112,11 +112,10 @@ def extraction_metadata(
     model_key: str,
     database: str,
     task_file: tuple[str, str],
-    seconds: dict[str, float],
-    efficiency: Efficiency | None = None,
+    efficiency: Efficiency,
 ) -> Metadata:
-    """`task_file`: the set's stored file (path, sha256); `seconds`: the step's wall time
-    ("step") and its parts ("settle", "verify")."""
+    """`task_file`: the set's stored file (path, sha256); `efficiency`: the step's wall time
+    and its parts (lib/efficiency.py)."""
     pulling = report.pulling_seconds
     return {
         "model_key": model_key,
@@ -130,11 +129,11 @@ def extraction_metadata(
         "real_tokens_per_s": round(report.tokens_per_second, 1),
         # The step's wall time; the workers' part of it; their pulling window (first engine
         # ready, graphs captured, to the last batch acknowledged); the check after.
-        "seconds": round(seconds["step"], 3),
+        "seconds": round(efficiency.step_seconds, 3),
         "extract_seconds": round(report.seconds, 3),
         "pulling_seconds": round(pulling, 3),
-        "settle_seconds": round(seconds["settle"], 3),
-        "verify_seconds": round(seconds["verify"], 3),
+        "settle_seconds": round(efficiency.settle_seconds, 3),
+        "verify_seconds": round(efficiency.verify_seconds, 3),
         "worker_timelines": Json(list(report.timelines)),
         "pulling_tokens_per_s": round(report.real_tokens / pulling if pulling else 0.0, 1),
         "completed": counts.completed,
@@ -147,14 +146,8 @@ def extraction_metadata(
         "task_file_sha256": task_file[1],
         "task_file_path": FilePath(task_file[0]),
         # Where the step's time went and how well the engine was fed (lib/efficiency.py).
-        **(
-            {
-                "efficiency": efficiency.sentence(),
-                "efficiency_record": Json(efficiency.as_mapping()),
-            }
-            if efficiency is not None
-            else {}
-        ),
+        "efficiency": efficiency.sentence(),
+        "efficiency_record": Json(efficiency.as_mapping()),
     }
 
 
