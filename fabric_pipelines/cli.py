@@ -428,6 +428,7 @@ def _submit(args: argparse.Namespace, prepared: Future[tuple[Any, Any]] | None =
     from fabric_pipelines.lib.tasks.inbox import submit
     from fabric_pipelines.lib.tasks.ingest import SubmissionError
     from fabric_pipelines.lib.tasks.prompts import PromptError, chosen_prompt, record_prompt
+    from fabric_pipelines.lib.tasks.source_read import read_ahead
 
     mark("warm_pool_started")
     paths, db = _open_database()
@@ -437,6 +438,8 @@ def _submit(args: argparse.Namespace, prepared: Future[tuple[Any, Any]] | None =
         staged = submit(
             Path(args.file), paths.inbox, args.task_set, ingested=lambda n: is_ingested(db, n)
         )
+        if args.run:  # read and parsed while Dagster loads; the ingest step takes it over
+            read_ahead(staged.path)
         if args.prompt is not None or args.prompt_name is not None:
             prompt = chosen_prompt(_engine_manifest(args).model_id, args.prompt, args.prompt_name)
             assert prompt is not None
@@ -473,11 +476,24 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         _prepare_environment()  # DAGSTER_HOME, which the instance is opened from
         prepared = prepare_pipeline()  # Dagster's definitions and instance while the database opens
-        _open_database()[1].dispose()  # the schema first, before two runs' steps race to make it
+        paths, db = _open_database()  # the schema first, before two runs' steps race to make it
+        _read_ahead_if_new(paths, db, args.task_set)
+        db.dispose()
         summary = run_pipeline(args.task_set, args, prepared)
     _write_report(args, summary)
     _print_summary(summary)
     return 0 if all(passed for _, passed in summary["checks"]) else 1
+
+
+def _read_ahead_if_new(paths: FabricPaths, db: Engine, task_set: str) -> None:
+    """A set not ingested yet: its inbox file is read and parsed while Dagster loads."""
+    from fabric_pipelines.lib.tasks.catalog import is_ingested
+    from fabric_pipelines.lib.tasks.inbox import submission_path
+    from fabric_pipelines.lib.tasks.source_read import read_ahead
+
+    with contextlib.suppress(Exception):  # no file, or a bad one: the ingest step reports it
+        if not is_ingested(db, task_set):
+            read_ahead(submission_path(paths.inbox, task_set))
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

@@ -24,7 +24,7 @@ from fabric_gpu.model import DEFAULT_MODEL_ID, load_tokenizer, resolve_model_dir
 from fabric_pipelines.lib.files import sha256_file
 from fabric_pipelines.lib.settings import FabricPaths
 from fabric_pipelines.lib.store.models import Task, TaskFailure, TaskSet
-from fabric_pipelines.lib.tasks import catalog
+from fabric_pipelines.lib.tasks import catalog, source_read
 from fabric_pipelines.lib.tasks.catalog import (
     IngestSummary,
     attach_task_ids,
@@ -191,7 +191,7 @@ def test_a_file_parsed_again_from_disk_is_checked_again(
     file changed meanwhile is refused."""
     source = _token_ids_file(tmp_path / "s.parquet", _mixed(80, seed=4))
     expected = ingest(source, tokenizer, max_seq_len=MAX)
-    monkeypatch.setattr(catalog, "plain_parquet", lambda data: None)
+    monkeypatch.setattr(source_read, "plain_parquet", lambda data: None)
     submit(source, paths.inbox, "disk")
     _assert_stored_as_ingest_makes_it(db, _ingest(db, paths, "disk"), expected)
 
@@ -209,6 +209,85 @@ def test_a_file_parsed_again_from_disk_is_checked_again(
     with Session(db) as session:
         assert session.scalars(select(TaskSet.name)).all() == ["disk"]
         assert not (paths.task_sets / "moved").exists()
+
+
+# ---- read ahead (fabric submit --run) ------------------------------------------------------------
+
+
+def test_a_file_read_ahead_is_ingested_as_one_read_now(
+    db: Engine, paths: FabricPaths, tmp_path: Path, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ingest takes the read started ahead (it parses nothing itself) and stores what
+    ingest() makes of the file; the read-ahead is taken once."""
+    source = _token_ids_file(tmp_path / "ahead.parquet", _mixed(300, seed=5))
+    expected = ingest(source, tokenizer, max_seq_len=MAX)
+    staged = submit(source, paths.inbox, "ahead")
+    source_read.read_ahead(staged.path)
+    parsed_now: list[object] = []
+    real_read = source_read.read_source
+    monkeypatch.setattr(
+        catalog, "read_source", lambda *a, **k: parsed_now.append(a) or real_read(*a, **k)
+    )
+    _assert_stored_as_ingest_makes_it(db, _ingest(db, paths, "ahead"), expected)
+    assert parsed_now == []  # the read-ahead served it
+    assert source_read.take_read_ahead(staged.path) is None  # and is gone
+
+
+def test_a_read_ahead_of_a_file_since_replaced_is_not_taken(
+    db: Engine, paths: FabricPaths, tmp_path: Path, tokenizer: Any
+) -> None:
+    """A file replaced after its read-ahead (another inode, size, mtime) is read again, so the
+    ingest checks the bytes now there against the submission record and refuses them."""
+    first = _token_ids_file(tmp_path / "first.parquet", _mixed(60, seed=6))
+    staged = submit(first, paths.inbox, "swap")
+    source_read.read_ahead(staged.path)
+    replacement = _token_ids_file(tmp_path / "second.parquet", _mixed(70, seed=7))
+    replacement.replace(staged.path)  # a new inode in the inbox, under the submitted name
+    assert source_read.take_read_ahead(staged.path) is None
+    source_read.read_ahead(first)  # a read-ahead of one path is never taken for another
+    with pytest.raises(catalog.SubmissionError, match="changed after it was submitted"):
+        _ingest(db, paths, "swap")
+    assert source_read.take_read_ahead(first) is not None
+
+
+def test_a_read_ahead_that_failed_leaves_the_ingest_to_read_the_file(
+    db: Engine, paths: FabricPaths, tmp_path: Path, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = _token_ids_file(tmp_path / "fails.parquet", _mixed(90, seed=8))
+    expected = ingest(source, tokenizer, max_seq_len=MAX)
+    staged = submit(source, paths.inbox, "fails")
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise OSError("read error")
+
+    monkeypatch.setattr(source_read, "read_source", broken)  # the read-ahead's thread's read
+    source_read.read_ahead(staged.path)
+    assert source_read.take_read_ahead(staged.path) is None
+    source_read.read_ahead(staged.path)  # the ingest finds it failed and reads the file itself
+    _assert_stored_as_ingest_makes_it(db, _ingest(db, paths, "fails"), expected)
+
+
+def test_two_sets_read_ahead_at_once_each_ingest_their_own(
+    db: Engine, paths: FabricPaths, tmp_path: Path, tokenizer: Any
+) -> None:
+    """Two threads submit, read ahead and ingest a set each at the same time (two runs in one
+    process): each set gets its own file's tasks."""
+    names = ("left", "right")
+    files = {
+        name: _token_ids_file(tmp_path / f"{name}.parquet", _mixed(200 + 50 * i, seed=10 + i))
+        for i, name in enumerate(names)
+    }
+
+    def run(name: str) -> IngestSummary:
+        staged = submit(files[name], paths.inbox, name)
+        source_read.read_ahead(staged.path)
+        return _ingest(db, paths, name)
+
+    with ThreadPoolExecutor(2) as pool:
+        summaries = dict(zip(names, pool.map(run, names), strict=True))
+    for name in names:
+        expected = ingest(files[name], tokenizer, max_seq_len=MAX)
+        _assert_stored_as_ingest_makes_it(db, summaries[name], expected)
 
 
 # ---- task ids in bulk ----------------------------------------------------------------------------

@@ -11,7 +11,6 @@ verifies is rebuilt from the inbox file when that still hashes to what was inges
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -56,10 +55,10 @@ from fabric_pipelines.lib.tasks.ingest import (
     SubmissionError,
     TokenisedTasks,
     ingest,
-    plain_parquet,
     storable_failure,
 )
 from fabric_pipelines.lib.tasks.prompts import forget_prompt
+from fabric_pipelines.lib.tasks.source_read import SourceRead, done, read_source, take_read_ahead
 from fabric_pipelines.lib.tasks.store import read_table, single_chunk, to_table, write_ipc
 
 # SQLite page cache while task ids are inserted, in KiB (the default is 2 MiB).
@@ -117,7 +116,8 @@ def ingest_task_set(
     source = submission_path(paths.inbox, task_set)
     existing = _find(db, task_set)
     with ThreadPoolExecutor(4, thread_name_prefix="ingest") as pool:
-        read = _read_source(pool, source, parse=existing is None)
+        # Read ahead by `fabric submit --run` in this process while Dagster loaded, else now.
+        read = take_read_ahead(source) or read_source(pool, source, parse=existing is None)
         source_sha = read.sha256()
         _check_as_submitted(paths, task_set, source, source_sha, existing)
         model_dir = resolve_model_dir(model_id)
@@ -143,7 +143,7 @@ def ingest_task_set(
                     "file alone and run again"
                 )
         del columns
-        read = _Source(_done(source_sha))  # lets go of the file's bytes and columns
+        read = SourceRead(done(source_sha))  # lets go of the file's bytes and columns
         # The stored file is written, hashed and synced while the rows go into the database.
         storing = pool.submit(
             _store, paths, task_set, tasks, source_sha, model_id, tok_sha, max_seq_len, prompt
@@ -174,41 +174,6 @@ def ingest_task_set(
         tasks.failures,
         prompt,
     )
-
-
-@dataclass
-class _Source:
-    """The inbox file as read: the hashing of its bytes, and the parsing of its columns (by
-    `plain_parquet`, from the same bytes)."""
-
-    hashing: Future[str]
-    parsing: Future[pa.Table | None] | None = None
-
-    def sha256(self) -> str:
-        return self.hashing.result()
-
-    def columns(self) -> pa.Table | None:
-        return None if self.parsing is None else self.parsing.result()
-
-
-def _read_source(pool: ThreadPoolExecutor, source: Path, *, parse: bool) -> _Source:
-    """A Parquet file to ingest is read once, into memory: a thread hashes its bytes while
-    another parses its columns from them (hashlib and Arrow let go of the GIL). Any other file
-    is only hashed here; ingest reads it itself."""
-    if not parse or source.suffix.lower() != ".parquet":
-        return _Source(_done(sha256_file(source)))
-    with pa.OSFile(str(source), "rb") as handle:
-        data = handle.read_buffer()
-    return _Source(
-        hashing=pool.submit(lambda: hashlib.sha256(memoryview(data)).hexdigest()),
-        parsing=pool.submit(plain_parquet, data),
-    )
-
-
-def _done(sha: str) -> Future[str]:
-    done: Future[str] = Future()
-    done.set_result(sha)
-    return done
 
 
 def is_ingested(db: Engine, task_set: str) -> bool:
