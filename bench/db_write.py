@@ -30,6 +30,7 @@ from fabric_pipelines.lib.broker.ledger import claim_many, register_plan
 from fabric_pipelines.lib.result_writer import BatchRows, WriteBehind
 from fabric_pipelines.lib.store.db import create_schema, make_engine
 from fabric_pipelines.lib.store.keys import model_id
+from fabric_pipelines.lib.store.models import BatchPlan as BatchPlanRow
 from fabric_pipelines.lib.store.models import Embedding, TaskSet
 from fabric_pipelines.lib.store.scratch import scratch_database
 
@@ -58,6 +59,14 @@ def prepare(engine, n_batches: int) -> tuple[int, int, list]:  # type: ignore[no
             },
         ).scalar_one()  # fmt: skip
         model = model_id(conn, "bench-model")
+        conn.execute(
+            insert(BatchPlanRow),
+            {
+                "plan_id": "plan", "task_set_id": set_id, "model_id": model, "profile_json": "{}",
+                "n_batches": n_batches, "n_items": n_batches * BATCH_ROWS, "real_tokens": 0,
+                "padded_tokens": 0, "path": "p", "sha256": "x",
+            },
+        )  # fmt: skip
         register_plan(conn, "plan", "bench", plan)
     leases = claim_many(engine, "plan", "bench", 3600, n_batches)
     return set_id, model, leases

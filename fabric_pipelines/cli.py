@@ -609,10 +609,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     failures = []
     if args.failures:
         with Session(db) as session:
-            query = select(TaskFailure).where(TaskFailure.task_set.in_(names))
-            failures = list(
-                session.scalars(query.order_by(TaskFailure.task_set, TaskFailure.record_no))
+            query = (
+                select(TaskFailure)
+                .join(TaskSet, TaskSet.id == TaskFailure.task_set_id)
+                .where(TaskSet.name.in_(names))
             )
+            failures = list(session.scalars(query.order_by(TaskSet.name, TaskFailure.record_no)))
     if args.json:  # for scripts and monitoring: the same accounting, and the failures if asked
         listed = [
             {"task_set": f.task_set, "record_no": f.record_no, "id": f.task_id, "stage": f.stage,
@@ -722,11 +724,11 @@ def cmd_db(args: argparse.Namespace) -> int:
 def cmd_index(args: argparse.Namespace) -> int:
     """Check an index's files against its receipt, or rebuild it from the receipt."""
     from fabric_pipelines.lib.index.rebuild import (
-        ReceiptError,
         check_files,
         load_verified_receipt,
         rebuild_from_receipt,
     )
+    from fabric_pipelines.lib.index.receipt import ReceiptError
     from fabric_pipelines.lib.index.staleness import indexed_models, staleness
 
     paths, db = _open_database()

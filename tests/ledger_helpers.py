@@ -3,15 +3,20 @@
 
 from __future__ import annotations
 
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Connection, Engine, insert, select
 
+from fabric_gpu.batching import BatchPlan
 from fabric_pipelines.lib.broker.ledger import (
     Lease,
     StaleLeaseError,
     ack_many,
     claim_many,
+    register_plan,
     stale_reason,
 )
+from fabric_pipelines.lib.store.keys import model_id
+from fabric_pipelines.lib.store.models import BatchPlan as BatchPlanRow
+from fabric_pipelines.lib.store.models import TaskSet
 
 
 def claim(
@@ -26,3 +31,29 @@ def ack(conn: Connection, lease: Lease) -> None:
     """Retire the batch inside the caller's transaction; StaleLeaseError if the lease moved on."""
     if ack_many(conn, [lease]):
         raise StaleLeaseError(stale_reason(lease))
+
+
+def store_plan(conn: Connection, plan_id: str, task_set: str, plan: BatchPlan) -> int:
+    """A task set (made if absent), its plan row and the plan's ledger rows, as the foreign keys
+    ask: for tests that need a ledger, not a real task set. Returns the set's id."""
+    set_id = conn.execute(select(TaskSet.id).where(TaskSet.name == task_set)).scalar()
+    if set_id is None:
+        set_id = conn.execute(
+            insert(TaskSet).returning(TaskSet.id),
+            {
+                "name": task_set, "source_sha256": "s", "content_sha256": "c", "path": "p",
+                "model_id": "m", "tokenizer_sha256": "t", "max_seq_len": 64,
+                "n_records": len(plan.order), "n_tasks": len(plan.order), "truncated": 0,
+                "current_plan_id": plan_id,
+            },
+        ).scalar_one()  # fmt: skip
+    conn.execute(
+        insert(BatchPlanRow).values(task_set_id=set_id, model_id=model_id(conn, "m")),
+        {
+            "plan_id": plan_id, "profile_json": "{}", "n_batches": plan.n_batches,
+            "n_items": len(plan.order), "real_tokens": 0, "padded_tokens": 0, "path": "p",
+            "sha256": "x",
+        },
+    )  # fmt: skip
+    register_plan(conn, plan_id, task_set, plan)
+    return int(set_id)

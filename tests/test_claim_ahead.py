@@ -14,9 +14,10 @@ from sqlalchemy import select
 
 from fabric_gpu.batching import BatchPlan
 from fabric_pipelines.lib.broker.claim_ahead import ClaimAhead
-from fabric_pipelines.lib.broker.ledger import Lease, claim_many, register_plan
+from fabric_pipelines.lib.broker.ledger import Lease, claim_many
 from fabric_pipelines.lib.store.db import create_schema, make_engine
 from fabric_pipelines.lib.store.models import Batch
+from tests.ledger_helpers import store_plan
 
 
 def _lease(batch_no: int) -> Lease:
@@ -183,7 +184,7 @@ def test_two_workers_claiming_ahead_on_one_sqlite_ledger_take_every_batch_once(
         real_tokens=8 * ones, padded_tokens=8 * ones,
     )  # fmt: skip
     with db.begin() as conn:
-        register_plan(conn, "p", "s", plan)
+        store_plan(conn, "p", "s", plan)
     taken: dict[str, list[int]] = {}
 
     def work(owner: str) -> None:

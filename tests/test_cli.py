@@ -76,6 +76,7 @@ def test_status_failures_prints_each_reason_in_full(
     from fabric_pipelines.cli import main
     from fabric_pipelines.lib.settings import FabricPaths, database_url
     from fabric_pipelines.lib.store.db import create_schema, make_engine
+    from fabric_pipelines.lib.store.keys import set_id_of
     from fabric_pipelines.lib.store.models import TaskFailure, TaskSet
 
     paths = FabricPaths(tmp_path / "home").ensure()
@@ -92,8 +93,8 @@ def test_status_failures_prints_each_reason_in_full(
              "n_tasks": 0},
         )  # fmt: skip
         conn.execute(
-            insert(TaskFailure),
-            {"task_set": "s", "record_no": 3, "task_id": "r3", "stage": "ingest", "reason": reason},
+            insert(TaskFailure).values(task_set_id=set_id_of("s")),
+            {"record_no": 3, "task_id": "r3", "stage": "ingest", "reason": reason},
         )
     db.dispose()
     assert main(["status", "s", "--failures"]) == 0

@@ -21,6 +21,7 @@ from fabric_pipelines.lib.extraction import ExtractionJob, LeaseHeartbeat, gathe
 from fabric_pipelines.lib.files import CorruptFileError
 from fabric_pipelines.lib.hidden_states import read_shard
 from fabric_pipelines.lib.settings import FabricPaths
+from fabric_pipelines.lib.store.keys import set_id_of
 from fabric_pipelines.lib.store.models import Batch, HiddenStateShard
 from fabric_pipelines.lib.tasks.catalog import ingest_task_set
 from fabric_pipelines.lib.tasks.inbox import submit
@@ -224,7 +225,9 @@ def test_batches_finished_by_another_run_while_a_plan_is_computed_are_not_planne
     assert (second.plan_id, second.outstanding, second.new_batches) == (first.plan_id, 0, 0)
     with db.connect() as conn:
         queued = conn.scalars(
-            select(Batch.batch_no).where(Batch.task_set == "race", Batch.state == "queued")
+            select(Batch.batch_no).where(
+                Batch.task_set_id == set_id_of("race"), Batch.state == "queued"
+            )
         ).all()
         a = accounting(conn, "race")
     assert queued == [] and a.finished and a.completed == len(TEXTS)

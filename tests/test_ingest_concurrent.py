@@ -23,6 +23,7 @@ from sqlalchemy.orm import Session
 from fabric_gpu.model import DEFAULT_MODEL_ID, load_tokenizer, resolve_model_dir
 from fabric_pipelines.lib.files import sha256_file
 from fabric_pipelines.lib.settings import FabricPaths
+from fabric_pipelines.lib.store.keys import set_id_of
 from fabric_pipelines.lib.store.models import Task, TaskFailure, TaskSet
 from fabric_pipelines.lib.tasks import catalog, source_read
 from fabric_pipelines.lib.tasks.catalog import (
@@ -89,7 +90,7 @@ def _assert_stored_as_ingest_makes_it(
         ).all()
         failures = session.execute(
             select(TaskFailure.record_no, TaskFailure.task_id, TaskFailure.reason)
-            .where(TaskFailure.task_set == summary.task_set)
+            .where(TaskFailure.task_set_id == set_id_of(summary.task_set))
             .order_by(TaskFailure.record_no)
         ).all()
     assert [tuple(t) for t in tasks] == list(

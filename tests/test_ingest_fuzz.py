@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 
 from fabric_gpu.model import DEFAULT_MODEL_ID
 from fabric_pipelines.lib.settings import FabricPaths
+from fabric_pipelines.lib.store.keys import set_id_of
 from fabric_pipelines.lib.store.models import TaskFailure, TaskSet
 from fabric_pipelines.lib.tasks.catalog import ingest_task_set
 from fabric_pipelines.lib.tasks.inbox import submit
@@ -103,7 +104,7 @@ def _ingest_and_check(db: Engine, paths: FabricPaths, source: Path, n_records: i
                 session.scalar(
                     select(func.count())
                     .select_from(TaskFailure)
-                    .where(TaskFailure.task_set == task_set)
+                    .where(TaskFailure.task_set_id == set_id_of(task_set))
                 )
                 == 0
             )

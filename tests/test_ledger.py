@@ -26,6 +26,7 @@ from fabric_pipelines.lib.broker.ledger import (
     report_failure,
     superseded_by,
 )
+from fabric_pipelines.lib.store.keys import model_id, set_id_of
 from fabric_pipelines.lib.store.models import Batch, BatchPlan, TaskFailure, TaskSet
 from tests.ledger_helpers import ack, claim
 
@@ -46,9 +47,11 @@ def _setup(db: Engine, n_items: int = 40, name: str = "set") -> tuple[str, int]:
             },
         )  # fmt: skip
         conn.execute(
-            insert(BatchPlan),
+            insert(BatchPlan).values(
+                task_set_id=set_id_of(name), model_id=model_id(conn, "m")
+            ),
             {
-                "plan_id": "plan-1", "task_set": name, "model_key": "m", "profile_json": "{}",
+                "plan_id": "plan-1", "profile_json": "{}",
                 "n_batches": plan.n_batches, "n_items": n_items, "real_tokens": 0,
                 "padded_tokens": 0, "path": "p", "sha256": "x",
             },
@@ -238,9 +241,11 @@ def test_a_replanned_set_names_the_plan_that_superseded_the_old_one(db: Engine) 
     assert lease is not None
     with db.begin() as conn:
         conn.execute(
-            insert(BatchPlan),
+            insert(BatchPlan).values(
+                task_set_id=set_id_of("set"), model_id=model_id(conn, "m")
+            ),
             {
-                "plan_id": "plan-2", "task_set": "set", "model_key": "m", "profile_json": "{}",
+                "plan_id": "plan-2", "profile_json": "{}",
                 "n_batches": 1, "n_items": 40, "real_tokens": 0, "padded_tokens": 0,
                 "path": "p", "sha256": "y",
             },
@@ -265,9 +270,11 @@ def test_a_plan_registered_again_queues_the_batches_a_later_plan_superseded(db: 
     assert old_lease is not None
     with db.begin() as conn:  # another engine's plan for the same items supersedes plan-1
         conn.execute(
-            insert(BatchPlan),
+            insert(BatchPlan).values(
+                task_set_id=set_id_of("set"), model_id=model_id(conn, "m2")
+            ),
             {
-                "plan_id": "plan-2", "task_set": "set", "model_key": "m2", "profile_json": "{}",
+                "plan_id": "plan-2", "profile_json": "{}",
                 "n_batches": 1, "n_items": 40, "real_tokens": 0, "padded_tokens": 0,
                 "path": "p", "sha256": "y",
             },

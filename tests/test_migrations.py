@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import Engine, create_engine, insert, inspect, text
+from sqlalchemy import Engine, create_engine, insert, inspect, select, text
 from sqlalchemy.exc import IntegrityError
 
 from fabric_pipelines.lib.store.db import create_schema, make_engine
@@ -25,7 +25,7 @@ TABLES = {
 }  # fmt: skip
 
 
-HEAD = "0009"
+HEAD = "0010"
 
 
 def test_upgrade_from_empty_then_downgrade_one_step(db_url: str) -> None:
@@ -35,7 +35,7 @@ def test_upgrade_from_empty_then_downgrade_one_step(db_url: str) -> None:
     assert current_revision(engine) == HEAD
     assert set(inspect(engine).get_table_names()) >= TABLES
     downgrade(engine, "-1")
-    assert current_revision(engine) == "0008"
+    assert current_revision(engine) == "0009"
     assert set(inspect(engine).get_table_names()) >= TABLES
     upgrade(engine)
     assert current_revision(engine) == HEAD
@@ -122,9 +122,183 @@ def test_0004_keys_shard_rows_by_batch_and_back(db_url: str) -> None:
     ]
     with pytest.raises(IntegrityError):
         _insert_shards(engine, [_shard("aa", "r", 0)])
+    upgrade(engine, "0009")  # (0010 drops shard rows of sets and batches that are not stored)
+    assert _shard_keys(engine) == [("aa", "p", 0), ("cc", "p", 1)]
+    engine.dispose()
+
+
+def _fill_at_0009(engine: Engine) -> None:
+    """Two task sets with a plan, ledger rows, failures, shard rows, results and a receipt, as
+    the schema before 0010 stored them (names, not ids), and rows naming a set that is gone."""
+    rows = {
+        "task_sets": [
+            {"id": 3, "name": "alpha", "n": 2},
+            {"id": 7, "name": "beta", "n": 1},
+        ],
+        "models": [{"id": 1, "model_key": "m@a:mean"}],
+        "task_failures": [
+            {"task_set": "alpha", "record_no": 2, "stage": "ingest", "reason": "too long"},
+            {"task_set": "beta", "record_no": 1, "stage": "extract", "reason": "bad"},
+            {"task_set": "gone", "record_no": 0, "stage": "ingest", "reason": "orphan"},
+        ],
+        "batch_plans": [
+            {"plan_id": "pa", "task_set": "alpha", "model_key": "m@a:mean"},
+            {"plan_id": "pb", "task_set": "beta", "model_key": "m@b:cls"},  # not registered
+            {"plan_id": "pg", "task_set": "gone", "model_key": "m@a:mean"},
+        ],
+        "batches": [
+            {"plan_id": "pa", "batch_no": 0, "task_set": "alpha", "state": "completed"},
+            {"plan_id": "pa", "batch_no": 1, "task_set": "alpha", "state": "queued"},
+            {"plan_id": "pb", "batch_no": 0, "task_set": "beta", "state": "completed"},
+            {"plan_id": "pg", "batch_no": 0, "task_set": "gone", "state": "completed"},
+        ],
+        "hidden_state_shards": [
+            {**_shard("aa", "pa", 0), "task_set": "alpha", "model_key": "m@a:mean"},
+            {**_shard("aa", "pb", 0), "task_set": "beta", "model_key": "m@b:cls"},
+        ],
+    }
+    with engine.begin() as conn:
+        for ts in rows["task_sets"]:
+            conn.execute(
+                text(
+                    "INSERT INTO task_sets (id, name, source_sha256, content_sha256, path, "
+                    "model_id, tokenizer_sha256, max_seq_len, n_records, n_tasks, truncated, "
+                    "prompt, created_at) VALUES (:id, :name, 's', 'c', '/p', 'm', 't', 8, :n, "
+                    ":n, 0, '', CURRENT_TIMESTAMP)"
+                ),
+                ts,
+            )
+        conn.execute(text("INSERT INTO models (id, model_key) VALUES (:id, :model_key)"),
+                     rows["models"])  # fmt: skip
+        conn.execute(
+            text(
+                "INSERT INTO task_failures (task_set, record_no, stage, reason, created_at) "
+                "VALUES (:task_set, :record_no, :stage, :reason, CURRENT_TIMESTAMP)"
+            ),
+            rows["task_failures"],
+        )
+        conn.execute(
+            text(
+                "INSERT INTO batch_plans (plan_id, task_set, model_key, profile_json, n_batches, "
+                "n_items, real_tokens, padded_tokens, path, sha256, created_at) VALUES "
+                "(:plan_id, :task_set, :model_key, '{}', 2, 2, 6, 8, '/plan', 'h', "
+                "CURRENT_TIMESTAMP)"
+            ),
+            rows["batch_plans"],
+        )
+        conn.execute(
+            text(
+                "INSERT INTO batches (plan_id, batch_no, task_set, state, seq_len, item_start, "
+                "item_count, real_tokens, padded_tokens, lease_epoch, attempts) VALUES "
+                "(:plan_id, :batch_no, :task_set, :state, 4, 0, 1, 3, 4, 0, 0)"
+            ),
+            rows["batches"],
+        )
+        conn.execute(
+            text(
+                "INSERT INTO index_receipts (receipt_sha256, model_key, index_path, index_sha256, "
+                "n_vectors, recall_at_k, receipt_json, created_at) VALUES ('r1', 'm@b:cls', "
+                "'/i', 'ih', 2, 0.99, '{\"task_sets\": [\"beta\"]}', CURRENT_TIMESTAMP)"
+            )
+        )
+        conn.execute(
+            text(
+                "INSERT INTO engine_speeds (model_key, backend, layout, device, source, "
+                "padded_tokens, real_tokens, seconds, measured_at) VALUES "
+                "('m@c:mean', 'cpu', 'padded', 'cpu', 'bench', 10, 8, 0.5, CURRENT_TIMESTAMP)"
+            )
+        )
+        conn.execute(
+            insert(Embedding).values(model_id=1, task_set_id=3, record_no=0, n_tokens=3,
+                                     vector=b"\0" * 4)
+        )  # fmt: skip
+    _insert_shards(engine, [
+        *rows["hidden_state_shards"],
+        {**_shard("bb", "pa", 1), "task_set": "alpha", "model_key": "m@a:mean"},
+        {**_shard("cc", "pg", 0), "task_set": "gone", "model_key": "m@a:mean"},
+    ])  # fmt: skip
+
+
+def test_0010_upgrades_a_filled_database_in_place_to_ids_under_foreign_keys(
+    db_url: str,
+) -> None:
+    """Every row that refers to a stored set is kept under the set's and model's ids, names read
+    back as before; rows naming a set that is gone are dropped; the keys then hold (a row
+    naming no set is refused, deleting a set deletes its rows); downgrade gives the names back."""
+    from sqlalchemy.orm import Session
+
+    from fabric_pipelines.lib.store.models import (
+        Batch,
+        BatchPlan,
+        EngineSpeed,
+        HiddenStateShard,
+        IndexReceipt,
+        TaskFailure,
+    )  # fmt: skip
+
+    engine = make_engine(db_url)
+    upgrade(engine, "0009")
+    _fill_at_0009(engine)
     upgrade(engine)
     assert current_revision(engine) == HEAD
-    assert _shard_keys(engine) == [("aa", "p", 0), ("cc", "p", 1)]
+    with Session(engine) as session:
+        failures = [
+            (f.task_set_id, f.task_set, f.record_no, f.reason)
+            for f in session.scalars(select(TaskFailure).order_by(TaskFailure.reason))
+        ]
+        plans = [
+            (p.plan_id, p.task_set_id, p.task_set, p.model_key)
+            for p in session.scalars(select(BatchPlan).order_by(BatchPlan.plan_id))
+        ]
+        batches = [
+            (b.plan_id, b.batch_no, b.task_set_id, b.state)
+            for b in session.scalars(select(Batch).order_by(Batch.plan_id, Batch.batch_no))
+        ]
+        shards = [
+            (h.plan_id, h.batch_no, h.task_set, h.model_key, h.sha256)
+            for h in session.scalars(
+                select(HiddenStateShard).order_by(
+                    HiddenStateShard.plan_id, HiddenStateShard.batch_no
+                )
+            )
+        ]
+        receipt = session.scalars(select(IndexReceipt)).one()
+        speed = session.scalars(select(EngineSpeed)).one()
+    assert failures == [(7, "beta", 1, "bad"), (3, "alpha", 2, "too long")]
+    assert plans == [("pa", 3, "alpha", "m@a:mean"), ("pb", 7, "beta", "m@b:cls")]
+    assert batches == [("pa", 0, 3, "completed"), ("pa", 1, 3, "queued"), ("pb", 0, 7, "completed")]
+    assert shards == [("pa", 0, "alpha", "m@a:mean", "aa"), ("pa", 1, "alpha", "m@a:mean", "bb"),
+                      ("pb", 0, "beta", "m@b:cls", "aa")]  # fmt: skip
+    assert (receipt.receipt_sha256, receipt.model_key, receipt.receipt_json) == (
+        "r1",
+        "m@b:cls",
+        '{"task_sets": ["beta"]}',
+    )
+    assert (speed.model_key, speed.real_tokens) == ("m@c:mean", 8)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM embeddings")).scalar() == 1
+
+    with pytest.raises(IntegrityError), engine.begin() as conn:  # a failure of no stored set
+        conn.execute(insert(TaskFailure).values(
+                task_set_id=99, record_no=0, stage="ingest", reason="x"))  # fmt: skip
+    with pytest.raises(IntegrityError), engine.begin() as conn:  # a batch of no stored plan
+        conn.execute(insert(Batch).values(
+                plan_id="nope", batch_no=0, task_set_id=3, state="queued", seq_len=4,
+                item_start=0, item_count=1, real_tokens=1, padded_tokens=4))  # fmt: skip
+    with engine.begin() as conn:  # the set's failures, plan, batches and shard rows go with it
+        conn.execute(text("DELETE FROM task_sets WHERE name = 'alpha'"))
+    with engine.connect() as conn:
+        left = {
+            t: conn.execute(text(f"SELECT count(*) FROM {t}")).scalar()
+            for t in ("task_failures", "batch_plans", "batches", "hidden_state_shards")
+        }
+    assert left == {"task_failures": 1, "batch_plans": 1, "batches": 1, "hidden_state_shards": 1}
+
+    downgrade(engine, "0009")
+    with engine.connect() as conn:
+        back = conn.execute(text("SELECT plan_id, task_set, model_key FROM batch_plans")).all()
+        receipts = conn.execute(text("SELECT model_key FROM index_receipts")).scalars().all()
+    assert [tuple(r) for r in back] == [("pb", "beta", "m@b:cls")] and receipts == ["m@b:cls"]
     engine.dispose()
 
 

@@ -20,7 +20,7 @@ from fabric_pipelines.lib.files import StoredFile
 from fabric_pipelines.lib.result_writer import BatchRows, write_group
 from fabric_pipelines.lib.run_extraction import extract_task_set
 from fabric_pipelines.lib.settings import FabricPaths
-from fabric_pipelines.lib.store.keys import model_id
+from fabric_pipelines.lib.store.keys import model_id, set_id_of
 from fabric_pipelines.lib.store.models import Batch, HiddenStateShard, TaskSet
 from fabric_pipelines.lib.store.models import BatchPlan as BatchPlanRow
 from fabric_pipelines.lib.tasks.catalog import forget_task_set, ingest_task_set
@@ -68,7 +68,7 @@ def _shards(db: Engine, name: str) -> list[Any]:
         return list(
             conn.execute(
                 select(HiddenStateShard)
-                .where(HiddenStateShard.task_set == name)
+                .where(HiddenStateShard.task_set_id == set_id_of(name))
                 .order_by(HiddenStateShard.batch_no)
             ).all()
         )
@@ -78,7 +78,7 @@ def _completed(db: Engine, name: str) -> list[tuple[str, int]]:
     with db.connect() as conn:
         rows = conn.execute(
             select(Batch.plan_id, Batch.batch_no)
-            .where(Batch.task_set == name, Batch.state == COMPLETED)
+            .where(Batch.task_set_id == set_id_of(name), Batch.state == COMPLETED)
             .order_by(Batch.batch_no)
         ).all()
     return [(r.plan_id, r.batch_no) for r in rows]
@@ -133,9 +133,11 @@ def test_a_replayed_batch_keeps_one_shard_row_and_batches_sharing_a_file_get_one
             },
         ).scalar_one()  # fmt: skip
         conn.execute(
-            insert(BatchPlanRow),
+            insert(BatchPlanRow).values(
+                task_set_id=set_id_of("w"), model_id=model_id(conn, "model")
+            ),
             {
-                "plan_id": "plan", "task_set": "w", "model_key": "model", "profile_json": "{}",
+                "plan_id": "plan", "profile_json": "{}",
                 "n_batches": 2, "n_items": 4, "real_tokens": 20, "padded_tokens": 32,
                 "path": "p", "sha256": "x",
             },

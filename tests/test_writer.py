@@ -24,7 +24,7 @@ from fabric_pipelines.lib.result_writer import (
     WriterGaveUp,
 )
 from fabric_pipelines.lib.store.db import make_engine
-from fabric_pipelines.lib.store.keys import model_id
+from fabric_pipelines.lib.store.keys import model_id, set_id_of
 from fabric_pipelines.lib.store.models import Batch, TaskSet
 from fabric_pipelines.lib.store.models import BatchPlan as BatchPlanRow
 from fabric_pipelines.lib.store.scratch import empty_public_schema
@@ -55,9 +55,11 @@ def _ledger(db: Engine, batches: int) -> list[BatchRows]:
             },
         ).scalar_one()  # fmt: skip
         conn.execute(
-            insert(BatchPlanRow),
+            insert(BatchPlanRow).values(
+                task_set_id=set_id_of("w"), model_id=model_id(conn, "model")
+            ),
             {
-                "plan_id": "plan", "task_set": "w", "model_key": "model", "profile_json": "{}",
+                "plan_id": "plan", "profile_json": "{}",
                 "n_batches": batches, "n_items": batches * ITEMS, "real_tokens": 0,
                 "padded_tokens": 0, "path": "p", "sha256": "x",
             },

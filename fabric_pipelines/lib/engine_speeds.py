@@ -12,6 +12,7 @@ from sqlalchemy import Engine, insert, select
 from sqlalchemy.orm import Session
 
 from fabric_gpu.manifest import EngineManifest
+from fabric_pipelines.lib.store.keys import model_id, model_id_of
 from fabric_pipelines.lib.store.models import EngineSpeed
 
 
@@ -48,7 +49,7 @@ def record_speed(
         conn.execute(
             insert(EngineSpeed),
             {
-                "model_key": manifest.model_key,
+                "model_id": model_id(conn, manifest.model_key),
                 "backend": manifest.backend,
                 "layout": layout,
                 "device": engine_device(manifest),
@@ -68,7 +69,7 @@ def predict(
         measured = session.scalars(
             select(EngineSpeed)
             .where(
-                EngineSpeed.model_key == manifest.model_key,
+                EngineSpeed.model_id == model_id_of(manifest.model_key),
                 EngineSpeed.backend == manifest.backend,
                 EngineSpeed.layout == layout,
                 EngineSpeed.device == engine_device(manifest),

@@ -104,7 +104,9 @@ def _set_and_model(db: Engine, task_set: str, model_key: str | None) -> tuple[in
                     f"task set {task_set!r} has not been extracted yet: fabric run {task_set}"
                 )
             model_key = conn.execute(
-                select(BatchPlan.model_key).where(BatchPlan.plan_id == plan_id)
+                select(Model.model_key)
+                .join(BatchPlan, BatchPlan.model_id == Model.id)
+                .where(BatchPlan.plan_id == plan_id)
             ).scalar_one()
         model = conn.execute(select(Model.id).where(Model.model_key == model_key)).scalar()
     if model is None:
@@ -138,7 +140,7 @@ def _hidden_state_blocks(
     with db.connect() as conn:
         shards = conn.execute(
             select(HiddenStateShard)
-            .where(HiddenStateShard.task_set == task_set, HiddenStateShard.model_key == model_key)
+            .where(HiddenStateShard.task_set_id == set_id, HiddenStateShard.model_id == model)
             .order_by(HiddenStateShard.plan_id, HiddenStateShard.batch_no)
         ).all()
     if not shards:

@@ -25,6 +25,7 @@ from fabric_pipelines.lib.broker.plans import plan_id
 from fabric_pipelines.lib.files import write_bytes
 from fabric_pipelines.lib.index.receipt import receipt_sha256
 from fabric_pipelines.lib.settings import FabricPaths
+from fabric_pipelines.lib.store.keys import set_id_of
 from fabric_pipelines.lib.store.models import (
     Batch,
     BatchPlan,
@@ -63,7 +64,7 @@ def find_plan(db: Engine, task_set: str, plan: str | None) -> BatchPlan:
     with Session(db, expire_on_commit=False) as session:
         rows = session.scalars(
             select(BatchPlan).where(
-                BatchPlan.task_set == task_set,
+                BatchPlan.task_set_id == set_id_of(task_set),
                 BatchPlan.plan_id.startswith(plan, autoescape=True),
             )
         ).all()
@@ -166,7 +167,7 @@ def requeue_batches(
         ).rowcount
         failures_deleted = conn.execute(
             delete(TaskFailure).where(
-                TaskFailure.task_set == task_set,
+                TaskFailure.task_set_id == set_id_of(task_set),
                 TaskFailure.stage == "extract",
                 TaskFailure.record_no.in_(records),
             )
@@ -239,8 +240,8 @@ def _candidate_rows(
         earlier = conn.execute(
             select(BatchPlan)
             .where(
-                BatchPlan.task_set == ts.name,
-                BatchPlan.model_key == plan_row.model_key,
+                BatchPlan.task_set_id == ts.id,
+                BatchPlan.model_id == plan_row.model_id,
                 BatchPlan.created_at < plan_row.created_at,
             )
             .order_by(BatchPlan.created_at)
@@ -272,7 +273,7 @@ def _candidate_rows(
         )
         failed = np.fromiter(
             conn.execute(
-                select(TaskFailure.record_no).where(TaskFailure.task_set == ts.name)
+                select(TaskFailure.record_no).where(TaskFailure.task_set_id == set_id_of(ts.name))
             ).scalars(),
             dtype=np.int64,
         )

@@ -275,8 +275,8 @@ def _shard_row(batch: BatchRows) -> dict[str, Any]:
     assert batch.shard is not None
     return {
         "sha256": batch.shard.sha256,
-        "task_set": batch.task_set,
-        "model_key": batch.model_key,
+        "task_set_id": batch.task_set_id,
+        "model_id": batch.model_id,
         "plan_id": batch.lease.plan_id,
         "batch_no": batch.lease.batch_no,
         "layers": json.dumps(list(batch.layers)),

@@ -21,6 +21,7 @@ import numpy as np
 from sqlalchemy import Connection, Engine, Select, func, insert, select, tuple_, update
 
 from fabric_gpu.batching import BatchPlan
+from fabric_pipelines.lib.store.keys import set_id_of, task_set_id
 from fabric_pipelines.lib.store.models import Batch, Embedding, Model, TaskFailure, TaskSet
 from fabric_pipelines.lib.store.models import BatchPlan as BatchPlanRow
 
@@ -89,7 +90,7 @@ class Accounting:
 def supersede_open_batches(conn: Connection, task_set: str, keep_plan: str | None) -> None:
     """Mark the set's queued and leased batches superseded, but `keep_plan`'s: none of them can be
     acked after this (an ack needs its batch leased), so they finish nothing more."""
-    open_batches = update(Batch).where(Batch.task_set == task_set)
+    open_batches = update(Batch).where(Batch.task_set_id == set_id_of(task_set))
     if keep_plan is not None:
         open_batches = open_batches.where(Batch.plan_id != keep_plan)
     conn.execute(open_batches.where(Batch.state.in_((QUEUED, LEASED))).values(state=SUPERSEDED))
@@ -114,11 +115,12 @@ def register_plan(conn: Connection, plan_id: str, task_set: str, plan: BatchPlan
             .values(state=QUEUED, lease_owner=None, lease_deadline=None)
         )
         return 0
+    set_id = task_set_id(conn, task_set)
     rows = [
         {
             "plan_id": plan_id,
             "batch_no": i,
-            "task_set": task_set,
+            "task_set_id": set_id,
             "state": QUEUED,
             "seq_len": int(plan.seq_len[i]),
             "item_start": int(plan.item_start[i]),
@@ -319,10 +321,9 @@ def report_failure(
         if final and failed_items:
             reason = f"extraction failed after {lease.attempts} attempts: {error}"[:4000]
             conn.execute(
-                insert(TaskFailure),
+                insert(TaskFailure).values(task_set_id=set_id_of(task_set)),
                 [
                     {
-                        "task_set": task_set,
                         "record_no": record_no,
                         "task_id": task_id,
                         "stage": "extract",
@@ -363,14 +364,11 @@ def accounting(conn: Connection, task_set: str, model_key: str | None = None) ->
     `completed` counts result rows of `model_key`, by default the model of the set's current plan.
     """
     current_plan = select(TaskSet.current_plan_id).where(TaskSet.name == task_set).scalar_subquery()
-    key: Any = model_key
-    if model_key is None:
-        key = (
-            select(BatchPlanRow.model_key)
-            .where(BatchPlanRow.plan_id == current_plan)
-            .scalar_subquery()
-        )
-    model = select(Model.id).where(Model.model_key == key).scalar_subquery()
+    model: Any = (
+        select(BatchPlanRow.model_id).where(BatchPlanRow.plan_id == current_plan).scalar_subquery()
+        if model_key is None
+        else select(Model.id).where(Model.model_key == model_key).scalar_subquery()
+    )
 
     def batch_items(state: str):
         return (
@@ -387,7 +385,7 @@ def accounting(conn: Connection, task_set: str, model_key: str | None = None) ->
         .scalar_subquery(),
         select(func.count())
         .select_from(TaskFailure)
-        .where(TaskFailure.task_set == task_set)
+        .where(TaskFailure.task_set_id == TaskSet.id)
         .scalar_subquery(),
         batch_items(LEASED),
         batch_items(QUEUED),
@@ -423,7 +421,7 @@ def outstanding_rows(
     )
     failed = np.fromiter(
         conn.execute(
-            select(TaskFailure.record_no).where(TaskFailure.task_set == task_set)
+            select(TaskFailure.record_no).where(TaskFailure.task_set_id == set_id_of(task_set))
         ).scalars(),
         dtype=np.int64,
     )

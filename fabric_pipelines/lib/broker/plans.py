@@ -24,7 +24,8 @@ from fabric_pipelines.lib.broker.ledger import (
 )
 from fabric_pipelines.lib.settings import FabricPaths
 from fabric_pipelines.lib.store.db import insert_ignoring_duplicates
-from fabric_pipelines.lib.store.models import Batch, TaskSet
+from fabric_pipelines.lib.store.keys import model_id
+from fabric_pipelines.lib.store.models import Batch, Model, TaskSet
 from fabric_pipelines.lib.store.models import BatchPlan as BatchPlanRow
 from fabric_pipelines.lib.tasks.catalog import get_task_set
 from fabric_pipelines.lib.tasks.store import (
@@ -182,8 +183,8 @@ def _store_plan(
             insert_ignoring_duplicates(db, BatchPlanRow),
             {
                 "plan_id": pid,
-                "task_set": task_set,
-                "model_key": model_key,
+                "task_set_id": ts.id,
+                "model_id": model_id(conn, model_key),
                 "profile_json": json.dumps(profile.__dict__, sort_keys=True),
                 "n_batches": plan.n_batches,
                 "n_items": int(plan.item_count.sum()),
@@ -200,7 +201,8 @@ def _store_plan(
 
 def _current_plan_model_key(conn: Connection, task_set: str) -> str | None:
     current = (
-        select(BatchPlanRow.model_key)
+        select(Model.model_key)
+        .join(BatchPlanRow, BatchPlanRow.model_id == Model.id)
         .join(TaskSet, TaskSet.current_plan_id == BatchPlanRow.plan_id)
         .where(TaskSet.name == task_set)
     )

@@ -12,6 +12,8 @@ from typing import Any
 from sqlalchemy import Connection, func, select
 
 from fabric_pipelines.lib.index.build import recorded_builder
+from fabric_pipelines.lib.index.receipt import Receipt
+from fabric_pipelines.lib.store.keys import model_id_of, set_id_of
 from fabric_pipelines.lib.store.models import (
     Batch,
     BatchPlan,
@@ -70,13 +72,14 @@ def find_receipt(conn: Connection, ref: str) -> tuple[str, dict[str, Any]]:
         select(
             IndexReceipt.receipt_sha256,
             IndexReceipt.index_sha256,
-            IndexReceipt.model_key,
+            Model.model_key,
             IndexReceipt.receipt_json,
         )
+        .join(Model, Model.id == IndexReceipt.model_id)
         .where(
             IndexReceipt.receipt_sha256.startswith(ref)
             | IndexReceipt.index_sha256.startswith(ref)
-            | (IndexReceipt.model_key == ref)
+            | (Model.model_key == ref)
         )
         .order_by(IndexReceipt.created_at.desc(), IndexReceipt.receipt_sha256)
     ).all()
@@ -99,13 +102,14 @@ def find_receipt(conn: Connection, ref: str) -> tuple[str, dict[str, Any]]:
     return rows[0].receipt_sha256, json.loads(rows[0].receipt_json)
 
 
-def trace(conn: Connection, receipt_sha256: str, receipt: dict[str, Any]) -> Lineage:
-    model = receipt["model"]
-    model_key = model["model_key"]
+def trace(conn: Connection, receipt_sha256: str, recorded: dict[str, Any]) -> Lineage:
+    receipt = Receipt.parse(recorded, f"receipt {receipt_sha256}")
+    model = receipt.model.model_dump(mode="json")
+    model_key = receipt.model_key
     model_row = conn.execute(select(Model.id).where(Model.model_key == model_key)).scalar()
-    runs = {i["partition"]: i for i in receipt.get("inputs", [])}
+    runs = {i["partition"]: i for i in receipt.inputs}
     sets = []
-    for name in receipt["source"]["task_sets"]:
+    for name in receipt.source.task_sets:
         ts = conn.execute(select(TaskSet).where(TaskSet.name == name)).first()
         if ts is None:
             sets.append(TaskSetLineage(name, "?", "?", "?", 0, 0, 0, None, None))
@@ -129,7 +133,10 @@ def trace(conn: Connection, receipt_sha256: str, receipt: dict[str, Any]) -> Lin
         )
         plans = conn.execute(
             select(BatchPlan)
-            .where(BatchPlan.task_set == name, BatchPlan.model_key == model_key)
+            .where(
+                BatchPlan.task_set_id == set_id_of(name),
+                BatchPlan.model_id == model_id_of(model_key),
+            )
             .order_by(BatchPlan.created_at)
         ).all()
         for plan in plans:
@@ -155,19 +162,19 @@ def trace(conn: Connection, receipt_sha256: str, receipt: dict[str, Any]) -> Lin
             )
         sets.append(entry)
     index = {
-        "index_sha256": receipt["index_sha256"],
-        "index_file": receipt["index_file"],
-        "factory": receipt["index"]["factory"],
-        "metric": receipt["index"]["metric"],
-        "shards": receipt["index"]["shards"],
-        "vectors": receipt["source"]["rows"],
-        "recall_at_10": receipt["quality"].get("recall_at_10"),
-        "build_device": receipt["build_device"],
-        "builder": recorded_builder(receipt["training"]),
-        "quantizer_sha256": receipt["training"]["quantizer_sha256"],
-        "libraries": receipt["libraries"],
+        "index_sha256": receipt.index_sha256,
+        "index_file": receipt.index_file,
+        "factory": receipt.index.factory,
+        "metric": receipt.index.metric,
+        "shards": receipt.index.shards,
+        "vectors": receipt.source.rows,
+        "recall_at_10": receipt.quality.get("recall_at_10"),
+        "build_device": receipt.build_device,
+        "builder": recorded_builder(receipt.training.as_dict()),
+        "quantizer_sha256": receipt.training.quantizer_sha256,
+        "libraries": receipt.libraries,
     }
-    return Lineage(receipt_sha256, index, model, receipt.get("code", {}), sets)
+    return Lineage(receipt_sha256, index, model, receipt.code, sets)
 
 
 def render(lineage: Lineage) -> str:

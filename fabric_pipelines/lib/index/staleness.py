@@ -16,8 +16,8 @@ from typing import Any
 from sqlalchemy import Connection, select
 
 from fabric_pipelines.lib.index import shards
-from fabric_pipelines.lib.store.keys import model_id
-from fabric_pipelines.lib.store.models import IndexReceipt
+from fabric_pipelines.lib.store.keys import model_id, model_id_of
+from fabric_pipelines.lib.store.models import IndexReceipt, Model
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ def latest_receipt(conn: Connection, model_key: str) -> tuple[str, dict[str, Any
     """(sha256, receipt) of the model's newest published index, or None."""
     row = conn.execute(
         select(IndexReceipt.receipt_sha256, IndexReceipt.receipt_json)
-        .where(IndexReceipt.model_key == model_key)
+        .where(IndexReceipt.model_id == model_id_of(model_key))
         .order_by(IndexReceipt.created_at.desc(), IndexReceipt.receipt_sha256)
         .limit(1)
     ).first()
@@ -48,7 +48,11 @@ def latest_receipt(conn: Connection, model_key: str) -> tuple[str, dict[str, Any
 
 
 def indexed_models(conn: Connection) -> list[str]:
-    return sorted(conn.execute(select(IndexReceipt.model_key).distinct()).scalars())
+    return sorted(
+        conn.execute(
+            select(Model.model_key).join(IndexReceipt, IndexReceipt.model_id == Model.id).distinct()
+        ).scalars()
+    )
 
 
 def staleness(conn: Connection, model_key: str, index_folder: Path) -> Staleness | None:

@@ -48,6 +48,8 @@ def make_engine(url: str) -> Engine:
             cursor.execute("PRAGMA journal_mode=WAL")
             cursor.execute("PRAGMA synchronous=NORMAL")
             cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+            # SQLite checks foreign keys (store/models.py) only when each connection asks.
+            cursor.execute("PRAGMA foreign_keys=ON")
             cursor.close()
 
         @event.listens_for(engine, "begin")

@@ -6,6 +6,8 @@ so a fresh database needs no manual step (`fabric db upgrade` does the same by h
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from alembic import command
@@ -44,9 +46,35 @@ def lock_schema(conn: Connection) -> None:
         conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": SCHEMA_LOCK_KEY})
 
 
+@contextmanager
+def _migrating(engine: Engine) -> Iterator[Connection]:
+    """A transaction to change the schema in, under the schema lock.
+
+    SQLite changes a table by copying it (Alembic's batch mode), and with foreign keys on,
+    dropping the old copy would cascade into the tables that refer to it: they are off for the
+    migration (the pragma takes effect outside a transaction only) and checked at its end.
+    """
+    with engine.connect() as conn:
+        sqlite = conn.dialect.name == "sqlite"
+        if sqlite:
+            conn.connection.dbapi_connection.execute("PRAGMA foreign_keys=OFF")  # type: ignore[union-attr]
+        try:
+            with conn.begin():
+                lock_schema(conn)
+                yield conn
+                if sqlite:
+                    broken = conn.exec_driver_sql("PRAGMA foreign_key_check").first()
+                    if broken is not None:
+                        raise RuntimeError(
+                            f"the migration left a broken reference: {tuple(broken)}"
+                        )
+        finally:
+            if sqlite:
+                conn.connection.dbapi_connection.execute("PRAGMA foreign_keys=ON")  # type: ignore[union-attr]
+
+
 def upgrade(engine: Engine, revision: str = "head") -> None:
-    with engine.begin() as conn:
-        lock_schema(conn)
+    with _migrating(engine) as conn:
         # Asked under the lock: another process's upgrade has committed or not begun.
         unversioned = MigrationContext.configure(conn).get_current_revision() is None
         if unversioned and "embeddings" in inspect(conn).get_table_names():
@@ -59,8 +87,7 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
 
 
 def downgrade(engine: Engine, revision: str = "-1") -> None:
-    with engine.begin() as conn:
-        lock_schema(conn)
+    with _migrating(engine) as conn:
         command.downgrade(_config(conn), revision)
 
 
