@@ -33,8 +33,9 @@ from fabric_pipelines.lib.index.publish import (
     split_shards,
     unchanged_index,
 )
-from fabric_pipelines.lib.index.rebuild import ReceiptError, check_files, rebuild_from_receipt
+from fabric_pipelines.lib.index.rebuild import check_files, rebuild_from_receipt
 from fabric_pipelines.lib.index.recall import doublings
+from fabric_pipelines.lib.index.receipt import ReceiptError
 from fabric_pipelines.lib.index.shards import shard_of
 from fabric_pipelines.lib.index.staleness import staleness
 from fabric_pipelines.lib.index.vectors import ID_STRIDE, load_vectors

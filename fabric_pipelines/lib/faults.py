@@ -29,12 +29,14 @@ import numpy as np
 from sqlalchemy import Engine, create_engine, func, select, text
 
 from fabric_pipelines.lib.settings import FabricPaths
+from fabric_pipelines.lib.store.keys import set_id_of
 from fabric_pipelines.lib.store.models import (
     Batch,
     BatchPlan,
     Embedding,
     HiddenStateShard,
     IndexReceipt,
+    Model,
     Task,
     TaskFailure,
     TaskSet,
@@ -238,7 +240,7 @@ def completed_batches(db: Engine, task_set: str) -> int:
             conn.execute(
                 select(func.count())
                 .select_from(Batch)
-                .where(Batch.task_set == task_set, Batch.state == "completed")
+                .where(Batch.task_set_id == set_id_of(task_set), Batch.state == "completed")
             ).scalar_one()
         )
 
@@ -477,6 +479,7 @@ def stored_files(db: Engine, paths: FabricPaths, task_set: str) -> list[StoredIt
     """Every file the product stored for `task_set`, the files of each model's index in
     service, and every receipt file."""
     from fabric_pipelines.lib.index.publish import model_folder
+    from fabric_pipelines.lib.index.receipt import Receipt
     from fabric_pipelines.lib.index.staleness import latest_receipt
 
     items: list[StoredItem] = []
@@ -484,27 +487,26 @@ def stored_files(db: Engine, paths: FabricPaths, task_set: str) -> list[StoredIt
         ts = conn.execute(select(TaskSet).where(TaskSet.name == task_set)).one()
         items.append(StoredItem("task_set", Path(ts.path), ts.content_sha256))
         for path, sha in conn.execute(
-            select(BatchPlan.path, BatchPlan.sha256).where(BatchPlan.task_set == task_set)
+            select(BatchPlan.path, BatchPlan.sha256).where(
+                BatchPlan.task_set_id == set_id_of(task_set)
+            )
         ):
             items.append(StoredItem("plan", Path(path), sha))
         for path, sha in conn.execute(
             select(HiddenStateShard.path, HiddenStateShard.sha256).where(
-                HiddenStateShard.task_set == task_set
+                HiddenStateShard.task_set_id == set_id_of(task_set)
             )
         ):
             items.append(StoredItem("shard", Path(path), sha))
-        for model_key in conn.execute(select(IndexReceipt.model_key).distinct()).scalars():
+        for model_key in conn.execute(
+            select(Model.model_key).join(IndexReceipt, IndexReceipt.model_id == Model.id).distinct()
+        ).scalars():
             latest = latest_receipt(conn, model_key)
             assert latest is not None
-            receipt = latest[1]
+            receipt = Receipt.parse(latest[1], f"receipt {latest[0]}")
             folder = model_folder(paths.indexes, model_key)
             # The files of the index in service (older receipts' files are not promised).
-            named = [(receipt["index_file"], receipt["index_sha256"])]
-            named.append(
-                (receipt["training"]["quantizer_file"], receipt["training"]["quantizer_sha256"])
-            )
-            named += [(s["index_file"], s["index_sha256"]) for s in receipt["shards"]]
-            items += [StoredItem("index", folder / name, sha) for name, sha in named]
+            items += [StoredItem("index", folder / name, sha) for name, sha in receipt.files()]
         for sha in conn.execute(select(IndexReceipt.receipt_sha256)).scalars():
             items.append(StoredItem("receipt", paths.receipts / f"{sha}.json", sha))
     unique = {item.path: item for item in items}  # shared content-addressed files count once
@@ -616,11 +618,13 @@ def outcome(db: Engine, task_set: str) -> Outcome:
             )
         ).scalar_one()
         failure_rows = conn.execute(
-            select(func.count()).select_from(TaskFailure).where(TaskFailure.task_set == task_set)
+            select(func.count())
+            .select_from(TaskFailure)
+            .where(TaskFailure.task_set_id == set_id_of(task_set))
         ).scalar_one()
         failed = conn.execute(
             select(func.count(func.distinct(TaskFailure.record_no))).where(
-                TaskFailure.task_set == task_set
+                TaskFailure.task_set_id == set_id_of(task_set)
             )
         ).scalar_one()
         has_result = (
@@ -630,7 +634,10 @@ def outcome(db: Engine, task_set: str) -> Outcome:
         )
         has_failure = (
             select(TaskFailure.record_no)
-            .where(TaskFailure.task_set == task_set, TaskFailure.record_no == Task.record_no)
+            .where(
+                TaskFailure.task_set_id == set_id_of(task_set),
+                TaskFailure.record_no == Task.record_no,
+            )
             .exists()
         )
         lost = conn.execute(
@@ -674,7 +681,9 @@ def acked_without_shard(db: Engine, task_set: str) -> int:
             conn.execute(
                 select(func.count())
                 .select_from(Batch)
-                .where(Batch.task_set == task_set, Batch.state == "completed", ~has_shard)
+                .where(
+                    Batch.task_set_id == set_id_of(task_set), Batch.state == "completed", ~has_shard
+                )
             ).scalar_one()
         )
 

@@ -176,8 +176,8 @@ def index_metadata(published: PublishedIndex, nprobe_requested: int, seconds: fl
         receipt_summary,
     )
 
-    receipt = published.receipt
-    params = receipt["index"]["params"]
+    receipt = published.record
+    params = receipt.index.params
     unchanged: Metadata = (
         {"note": "no row changed since this receipt: the served index stands, nothing was built"}
         if published.unchanged
@@ -186,18 +186,18 @@ def index_metadata(published: PublishedIndex, nprobe_requested: int, seconds: fl
     return {
         **unchanged,
         "receipt_sha256": published.receipt_sha256,
-        "index_sha256": receipt["index_sha256"],
+        "index_sha256": receipt.index_sha256,
         "index_path": FilePath(str(published.index_path)),
         "receipt_path": FilePath(str(published.receipt_path)),
-        "vectors": receipt["source"]["rows"],
-        "factory": receipt["index"]["factory"],
+        "vectors": receipt.source.rows,
+        "factory": receipt.index.factory,
         "recall_at_10": published.recall_at_k,
         "rebuilt_shards": Json(published.rebuilt_shards),
-        "recall_curve": Markdown(recall_curve_chart(receipt["quality"])),
-        "cluster_health": Markdown(cluster_health_table(receipt["quality"])),
-        "cluster_sizes": Markdown(cluster_sizes_chart(receipt["quality"])),
+        "recall_curve": Markdown(recall_curve_chart(receipt.quality)),
+        "cluster_health": Markdown(cluster_health_table(receipt.quality)),
+        "cluster_sizes": Markdown(cluster_sizes_chart(receipt.quality)),
         "published": published.accepted,
-        "builder": receipt["training"].get("builder", ""),
+        "builder": receipt.training.as_dict().get("builder", ""),
         "nprobe": params.get("nprobe", 0),
         "nprobe_requested": params.get("nprobe_requested", nprobe_requested),
         "shortfall": published.shortfall or "none",
@@ -205,8 +205,8 @@ def index_metadata(published: PublishedIndex, nprobe_requested: int, seconds: fl
         "vectors_followed": published.vectors_followed,
         "phase_seconds": Json({k: round(v, 3) for k, v in published.seconds.items()}),
         # The essentials; the whole receipt is the file at receipt_path.
-        "receipt": Markdown(receipt_summary(receipt, published.receipt_sha256)),
-        **input_links(receipt["inputs"]),
+        "receipt": Markdown(receipt_summary(published.receipt, published.receipt_sha256)),
+        **input_links(receipt.inputs),
     }
 
 
@@ -214,7 +214,7 @@ def recall_check_metadata(published: PublishedIndex, floor: float) -> Metadata:
     return {
         "recall_at_10": published.recall_at_k,
         "floor": floor,
-        "nprobe": published.receipt["index"]["params"].get("nprobe", 0),
+        "nprobe": published.record.index.params.get("nprobe", 0),
         "what_to_change": published.shortfall or "nothing",
     }
 

@@ -27,10 +27,12 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 from sqlalchemy import Connection, Engine, Text, cast, func, select
+from sqlalchemy.orm import Session
 
 from fabric_gpu.model import DEFAULT_MODEL_ID
 from fabric_pipelines.lib.broker.ledger import COMPLETED, LEASED, QUEUED, accounting
 from fabric_pipelines.lib.files import sha256_file
+from fabric_pipelines.lib.index.receipt import Receipt
 from fabric_pipelines.lib.index.staleness import indexed_models, latest_receipt, staleness
 from fabric_pipelines.lib.settings import FabricPaths
 from fabric_pipelines.lib.store.models import (
@@ -42,7 +44,7 @@ from fabric_pipelines.lib.store.models import (
     Model,
     TaskSet,
 )
-from fabric_pipelines.lib.tasks.ingest import SUPPORTED_SUFFIXES
+from fabric_pipelines.lib.tasks.inbox import submitted_files
 from fabric_pipelines.lib.tasks.store import read_table
 
 
@@ -218,8 +220,10 @@ def _verify_task_set(
         raise LookupError(f"no task set named {name!r}: `fabric status` lists them")
     report.count("task_sets")
     ctx = _Context(name, row, report, current_plan=row.current_plan_id, rehash=rehash_shards)
-    shard_rows = conn.execute(
-        select(HiddenStateShard).where(HiddenStateShard.task_set == name)
+    # ORM rows: they carry the model key read through the model's id (store/models.py).
+    session = Session(conn)
+    shard_rows = session.scalars(
+        select(HiddenStateShard).where(HiddenStateShard.task_set_id == row.id)
     ).all()
     # In the order the engine kept them: a repair run must keep the same layers.
     ctx.layers_seen = list(dict.fromkeys(x for s in shard_rows for x in json.loads(s.layers)))
@@ -227,8 +231,8 @@ def _verify_task_set(
         ctx.layers_seen = list(hook_layers)
     ctx.table = _check_task_set_file(ctx, paths)
 
-    plans = conn.execute(
-        select(BatchPlan).where(BatchPlan.task_set == name).order_by(BatchPlan.created_at)
+    plans = session.scalars(
+        select(BatchPlan).where(BatchPlan.task_set_id == row.id).order_by(BatchPlan.created_at)
     ).all()
     batches = [
         _Batch(*b)
@@ -241,7 +245,7 @@ def _verify_task_set(
                 Batch.item_count,
                 Batch.lease_deadline,
             )
-            .where(Batch.task_set == name)
+            .where(Batch.task_set_id == row.id)
             .order_by(Batch.plan_id, Batch.batch_no)
         ).all()
     ]
@@ -365,8 +369,7 @@ def _task_set_repair(ctx: _Context, paths: FabricPaths) -> str:
     """Ingest writes a lost or corrupt task-set file again from the set's unchanged inbox file;
     without that file the original must be submitted again first."""
     name, run = ctx.name, ctx.run()
-    inbox = [paths.inbox / f"{name}{s}" for s in SUPPORTED_SUFFIXES]
-    present = [p for p in inbox if p.is_file()]
+    present = [p for p in submitted_files(paths.inbox, name) if p.is_file()]
     original = f"ORIGINAL_FILE  # the file first submitted, sha256 {ctx.row.source_sha256}"
     if len(present) == 1 and sha256_file(present[0]) == ctx.row.source_sha256:
         return run
@@ -597,7 +600,8 @@ def _verify_index(
     if latest is None:
         report.notes.append(f"{model_key}: no index yet")
         return
-    sha, receipt = latest
+    sha, recorded = latest
+    receipt = Receipt.parse(recorded, f"receipt {sha} of {model_key}")
     receipt_path = paths.receipts / f"{sha}.json"
     report.count("receipt_files")
     problem = check_receipt_file(receipt_path)
@@ -611,16 +615,14 @@ def _verify_index(
             f"since receipt {sha[:16]}; the staleness sensor or the nightly schedule rebuilds it"
         )
     folder = model_folder(paths.indexes, model_key)
-    wanted = {receipt["index_file"]: receipt["index_sha256"]}
-    wanted[receipt["training"]["quantizer_file"]] = receipt["training"]["quantizer_sha256"]
-    wanted.update({s["index_file"]: s["index_sha256"] for s in receipt["shards"]})
+    wanted = dict(receipt.files())
     report.count("index_files", len(wanted))
     for p in check_files(receipt, paths.indexes):
         path = folder / p.file
         detail = file_problem(path, wanted[p.file]) or p.problem
         if stale:
             # The receipt's rows changed: a fresh build over today's rows replaces its files.
-            sets = receipt["source"]["task_sets"]
+            sets = receipt.source.task_sets
             row = conn.execute(select(TaskSet).where(TaskSet.name == sets[0])).first() if sets else None  # fmt: skip
             repair = (
                 run_command(row, [])

@@ -68,10 +68,11 @@ from fabric_pipelines.lib.index.quality import measure, shortfall
 from fabric_pipelines.lib.index.recall import NprobeChoice
 from fabric_pipelines.lib.index.receipt import (
     RECEIPT_SCHEMA,
+    SHARD_RULE,
+    Receipt,
     array_sha256,
     canonical_json,
     library_versions,
-    receipt_sha256,
 )
 from fabric_pipelines.lib.index.staleness import staleness
 from fabric_pipelines.lib.index.vectors import VectorSet, check_vectors, load_vectors
@@ -90,7 +91,7 @@ class EmptySourceError(ValueError):
 
 @dataclass(frozen=True)
 class PublishedIndex:
-    receipt: dict[str, Any]
+    receipt: dict[str, Any]  # as stored (canonical JSON's object); `record` reads it typed
     receipt_sha256: str
     index_path: Path
     receipt_path: Path
@@ -105,8 +106,12 @@ class PublishedIndex:
     unchanged: bool = False
 
     @property
+    def record(self) -> Receipt:
+        return Receipt.parse(self.receipt, f"receipt {self.receipt_sha256}")
+
+    @property
     def recall_at_k(self) -> float:
-        return float(self.receipt["quality"]["recall_at_k"])
+        return self.record.recall_at_k
 
 
 class PhaseClock:
@@ -300,7 +305,7 @@ def build_and_publish(
             "params": params,
             "train_sample": spec.train_sample,
             "shards": spec.shards,
-            "shard_rule": "(task_set_id * 7919 + record_no) mod shards",
+            "shard_rule": SHARD_RULE,
         },
         "training": training,
         "shards": entries,
@@ -315,9 +320,11 @@ def build_and_publish(
         "code": code or {},
     }
     with clock.phase("write"):
-        sha = receipt_sha256(receipt)
+        # Read back as the rebuild will read it: a receipt it could not use is never written.
+        typed = Receipt.parse(receipt, f"the receipt of {model_key}")
+        sha = typed.sha256()
         receipt_path = receipt_folder / f"{sha}.json"
-        write_bytes(receipt_path, canonical_json(receipt))
+        write_bytes(receipt_path, typed.canonical_json())
         missed = shortfall(
             receipt["quality"], quality.choice, built.training["factory"], min_recall
         )
@@ -503,7 +510,7 @@ def _record(
             insert_ignoring_duplicates(db, IndexReceipt),
             {
                 "receipt_sha256": sha,
-                "model_key": model_key,
+                "model_id": model_id(conn, model_key),
                 "index_path": str(index_path),
                 "index_sha256": index_sha,
                 "n_vectors": receipt["source"]["rows"],

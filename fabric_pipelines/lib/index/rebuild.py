@@ -41,12 +41,8 @@ from fabric_pipelines.lib.index.publish import (
     store_index,
 )
 from fabric_pipelines.lib.index.recall import RecallProbe
-from fabric_pipelines.lib.index.receipt import RECEIPT_SCHEMA, array_sha256, receipt_sha256
+from fabric_pipelines.lib.index.receipt import Receipt, ReceiptError, array_sha256, receipt_sha256
 from fabric_pipelines.lib.index.vectors import VectorSet, load_vectors
-
-
-class ReceiptError(ValueError):
-    """The receipt cannot be rebuilt: wrong schema, changed source rows, or a lost quantizer."""
 
 
 @dataclass(frozen=True)
@@ -66,14 +62,12 @@ class RebuildReport:
     repaired: list[str] = field(default_factory=list)
 
 
-def check_files(receipt: dict[str, Any], index_folder: Path) -> list[FileProblem]:
+def check_files(receipt: Receipt | dict[str, Any], index_folder: Path) -> list[FileProblem]:
     """Every file the receipt names (served index, quantizer, shards), hashed against it."""
-    folder = model_folder(index_folder, receipt["model"]["model_key"])
-    wanted = [(receipt["index_file"], receipt["index_sha256"])]
-    wanted.append((receipt["training"]["quantizer_file"], receipt["training"]["quantizer_sha256"]))
-    wanted += [(s["index_file"], s["index_sha256"]) for s in receipt["shards"]]
+    typed = receipt if isinstance(receipt, Receipt) else Receipt.parse(receipt)
+    folder = model_folder(index_folder, typed.model_key)
     problems = []
-    for name, sha in wanted:
+    for name, sha in typed.files():
         path = folder / name
         if not path.is_file():
             problems.append(FileProblem(name, "missing"))
@@ -113,77 +107,73 @@ def load_verified_receipt(path: Path) -> dict[str, Any]:
     return receipt
 
 
-def spec_from_receipt(receipt: dict[str, Any], device: str | None = None) -> IndexSpec:
+def spec_from_receipt(receipt: Receipt, device: str | None = None) -> IndexSpec:
     """The spec that rebuilds `receipt`: its builder where this machine has it. A torch-cuda
     build is redone by torch on the CPU where torch sees no GPU (same algorithm; the receipt's
     tolerance says how close it must come); a faiss-gpu build (older receipts) by faiss-cpu."""
-    index, training = receipt["index"], receipt["training"]
-    builder = recorded_builder(training)
+    index, training = receipt.index, receipt.training
+    builder = recorded_builder(training.as_dict())
     where, kmeans = {
         "torch-cuda": ("auto", "torch"),
         "torch-cpu": ("cpu", "torch"),
     }.get(builder, ("cpu", "faiss"))
     return IndexSpec(
-        factory=training["factory"],
-        metric=index["metric"],
+        factory=training.factory,
+        metric=index.metric,
         # Shards keep the nprobe asked for; the served index the one chosen (params.nprobe).
-        nprobe=index["params"].get("nprobe_requested", index["params"]["nprobe"]),
-        train_sample=training["max_sample"],
-        seed=training["seed"],
-        recall_queries=receipt["quality"]["queries"] or 1,
-        k=receipt["quality"]["k"],
-        shards=index["shards"],
+        nprobe=index.params.get("nprobe_requested", index.params["nprobe"]),
+        train_sample=training.max_sample,
+        seed=training.seed,
+        recall_queries=receipt.quality["queries"] or 1,
+        k=receipt.quality["k"],
+        shards=index.shards,
         device=device or where,
         kmeans=kmeans,
     )
 
 
-def _check_source(receipt: dict[str, Any], source: VectorSet) -> None:
+def _check_source(receipt: Receipt, source: VectorSet) -> None:
     ids_sha = array_sha256(source.ids)
     vectors_sha = array_sha256(source.vectors)
-    if ids_sha != receipt["ids_sha256"] or vectors_sha != receipt["vectors_sha256"]:
-        what = "ids" if ids_sha != receipt["ids_sha256"] else "vectors"
+    if ids_sha != receipt.ids_sha256 or vectors_sha != receipt.vectors_sha256:
+        what = "ids" if ids_sha != receipt.ids_sha256 else "vectors"
         raise ReceiptError(
-            f"the rows of model {receipt['model']['model_key']} are no longer those of this "
-            f"receipt: {len(source.ids)} rows now, {receipt['source']['rows']} recorded, and "
+            f"the rows of model {receipt.model_key} are no longer those of this "
+            f"receipt: {len(source.ids)} rows now, {receipt.source.rows} recorded, and "
             f"their {what} hash differs. A receipt rebuilds only the rows it describes; "
             "materialise vector_index for an index over the current rows."
         )
 
 
 def rebuild_from_receipt(
-    db: Engine, receipt: dict[str, Any], index_folder: Path, *, repair: bool = True
+    db: Engine, recorded: Receipt | dict[str, Any], index_folder: Path, *, repair: bool = True
 ) -> RebuildReport:
-    if receipt.get("schema") != RECEIPT_SCHEMA:
-        raise ReceiptError(
-            f"receipt schema {receipt.get('schema')!r}: this version rebuilds {RECEIPT_SCHEMA}"
-        )
-    model_key = receipt["model"]["model_key"]
+    receipt = recorded if isinstance(recorded, Receipt) else Receipt.parse(recorded)
+    model_key = receipt.model_key
     with db.connect() as conn:
-        source = load_vectors(conn, receipt["source"]["predicate"]["model_key"])
+        source = load_vectors(conn, receipt.source.predicate["model_key"])
     _check_source(receipt, source)
     spec = spec_from_receipt(receipt)
     folder = model_folder(index_folder, model_key)
-    training = receipt["training"]
+    training = receipt.training
+    recorded_by = recorded_builder(training.as_dict())
     outputs: dict[str, faiss.Index] = {}  # file -> what the rebuild made for it
 
-    trained_on = training["trained_on"]
+    trained_on = training.trained_on
     # Trained on exactly these rows (ids and vectors): train again. A partial build reuses an
     # earlier quantizer, trained on other rows or older vectors: only its file reproduces it.
     if (trained_on["ids_sha256"], trained_on["vectors_sha256"]) == (
-        receipt["ids_sha256"],
-        receipt["vectors_sha256"],
+        receipt.ids_sha256,
+        receipt.vectors_sha256,
     ):
-        builder = planned_builder(spec, len(source.ids), source.dim, training["factory"])
+        builder = planned_builder(spec, len(source.ids), source.dim, training.factory)
         rows = prepare_rows(source.vectors, source.ids, spec, builder)
-        built = train_rows(rows, spec, training["factory"])
+        built = train_rows(rows, spec, training.factory)
         quantizer, builder = built.index, built.builder
-        outputs[training["quantizer_file"]] = quantizer
+        outputs[training.quantizer_file] = quantizer
     else:
         try:
-            quantizer = read_verified(
-                folder / training["quantizer_file"], training["quantizer_sha256"]
-            )
+            quantizer = read_verified(folder / training.quantizer_file, training.quantizer_sha256)
         except (FileNotFoundError, CorruptFileError) as exc:
             raise ReceiptError(
                 f"the quantizer was trained on earlier rows ({trained_on['rows']} of them, "
@@ -193,33 +183,33 @@ def rebuild_from_receipt(
         builder = choose_builder(spec, quantizer)
         rows = prepare_rows(source.vectors, source.ids, spec, builder)
     served = faiss.clone_index(quantizer)
-    for entry, positions in zip(receipt["shards"], shard_rows(source, spec.shards), strict=True):
+    for entry, positions in zip(receipt.shards, shard_rows(source, spec.shards), strict=True):
         x, ids = rows.on_host(positions), source.ids[positions]
         lists = assign(quantizer, rows, positions, builder, spec.metric, gathered=x)
-        outputs[entry["index_file"]] = fill_assigned(quantizer, x, ids, lists, spec.nprobe)
+        outputs[entry.index_file] = fill_assigned(quantizer, x, ids, lists, spec.nprobe)
         add_rows(served, x, ids, lists)  # as merging the shards does
-    set_nprobe(served, receipt["index"]["params"]["nprobe"])
-    outputs[receipt["index_file"]] = served
+    set_nprobe(served, receipt.index.params["nprobe"])
+    outputs[receipt.index_file] = served
     with ThreadPoolExecutor(len(outputs)) as pool:  # hashlib lets the threads run side by side
         hashes = dict(zip(outputs, pool.map(index_sha256, outputs.values()), strict=True))
 
-    expected = receipt["index_sha256"]
-    rebuilt_sha = hashes[receipt["index_file"]]
-    tol = receipt["tolerance"]
-    if builder == recorded_builder(training) and tol["kind"] == "bitwise":
+    expected = receipt.index_sha256
+    rebuilt_sha = hashes[receipt.index_file]
+    tol = receipt.tolerance
+    if builder == recorded_by and tol["kind"] == "bitwise":
         matches = rebuilt_sha == expected
         detail = "bitwise identical" if matches else f"sha256 {rebuilt_sha} differs from {expected}"
     elif rebuilt_sha == expected:
         matches, detail = True, "bitwise identical"
     else:
         recall, _ = RecallProbe(rows, spec, spec.k).recall(served, spec.k)
-        recorded = float(receipt["quality"]["recall_at_k"])
-        drop = recorded - recall
+        recorded_recall = receipt.recall_at_k
+        drop = recorded_recall - recall
         limit = float(tol.get("max_recall_drop", 0.0))
         matches = drop <= limit
         detail = (
-            f"not bitwise ({builder} rebuild of a {recorded_builder(training)} build); "
-            f"recall@{spec.k} {recall:.4f} vs recorded {recorded:.4f} (allowed drop {limit})"
+            f"not bitwise ({builder} rebuild of a {recorded_by} build); "
+            f"recall@{spec.k} {recall:.4f} vs recorded {recorded_recall:.4f} (allowed drop {limit})"
         )
     report = RebuildReport(expected, rebuilt_sha, builder, tol, matches, detail)
     if repair and matches and rebuilt_sha == expected:
@@ -228,7 +218,7 @@ def rebuild_from_receipt(
 
 
 def _repair(
-    receipt: dict[str, Any],
+    receipt: Receipt,
     folder: Path,
     outputs: dict[str, faiss.Index],
     hashes: dict[str, str],

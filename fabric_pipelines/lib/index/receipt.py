@@ -2,6 +2,12 @@
 
 Canonical means sorted keys, no insignificant whitespace, UTF-8: the same receipt always has the
 same bytes, so its sha256 identifies it and is the index asset's data version.
+
+`Receipt` is the one reading of that JSON: every part the product reads is a typed field, and a
+receipt that lacks one (or names a shard rule this version does not compute) is refused with the
+field named, before anything is rebuilt from it. Parts that are records, not inputs (quality
+measures, library versions, the code and runs behind the inputs), stay free-form, and every part
+round-trips: `Receipt.parse(r).as_dict() == r`, so the sha256 of a stored receipt never moves.
 """
 
 from __future__ import annotations
@@ -15,9 +21,151 @@ from typing import Any
 import faiss
 import numpy as np
 import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from fabric_pipelines.lib.store.watermarks import SHARD_PRIME
 
 RECEIPT_SCHEMA = "fabric.index_receipt/2"
 BLOCK_BYTES = 1 << 24  # rows gathered per hash update when hashing a selection of rows
+# Which shard a row is in; index/shards.py and the database's triggers compute exactly this.
+SHARD_RULE = f"(task_set_id * {SHARD_PRIME} + record_no) mod shards"
+
+
+class ReceiptError(ValueError):
+    """A receipt this version cannot read or rebuild from (the message names the field)."""
+
+
+class _Part(BaseModel):
+    # strict: a value is kept as written (no "3" -> 3), so the bytes round-trip exactly.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class _OpenPart(BaseModel):
+    """A part whose named fields are read; other fields are kept as recorded."""
+
+    model_config = ConfigDict(extra="allow", frozen=True, strict=True)
+
+
+class Watermark(_Part):
+    n_shards: int
+    versions: list[int]
+
+
+class Source(_Part):
+    table: str
+    predicate: dict[str, str]
+    rows: int
+    task_sets: list[str]
+    watermark: Watermark
+
+
+class IndexSection(_Part):
+    factory: str
+    metric: str
+    params: dict[str, Any]
+    train_sample: int
+    shards: int
+    shard_rule: str
+
+    @field_validator("shard_rule")
+    @classmethod
+    def _known_rule(cls, rule: str) -> str:
+        if rule != SHARD_RULE:
+            raise ValueError(f"this version shards rows by {SHARD_RULE!r}, not {rule!r}")
+        return rule
+
+
+class ModelSection(_OpenPart):
+    model_key: str
+    dim: int
+
+
+class Training(_OpenPart):
+    factory: str
+    quantizer_file: str
+    quantizer_sha256: str
+    trained_on: dict[str, Any]
+    max_sample: int
+    seed: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+class ShardEntry(_OpenPart):
+    index_file: str
+    index_sha256: str
+
+
+class Receipt(_Part):
+    schema_: str = Field(alias="schema")
+    source: Source
+    ids_sha256: str
+    vectors_sha256: str
+    model: ModelSection
+    index: IndexSection
+    training: Training
+    shards: list[ShardEntry]
+    libraries: dict[str, Any]
+    build_device: str
+    tolerance: dict[str, Any]
+    index_sha256: str
+    index_file: str
+    index_bytes: int
+    quality: dict[str, Any]
+    inputs: list[dict[str, Any]]
+    code: dict[str, Any]
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, populate_by_name=True)
+
+    @classmethod
+    def parse(cls, receipt: dict[str, Any], where: str = "receipt") -> Receipt:
+        """The typed receipt; ReceiptError naming `where` and each field that is wrong."""
+        if receipt.get("schema") != RECEIPT_SCHEMA:
+            raise ReceiptError(
+                f"{where}: schema {receipt.get('schema')!r}, this version reads {RECEIPT_SCHEMA}"
+            )
+        try:
+            return cls.model_validate(receipt)
+        except ValidationError as error:
+            fields = "; ".join(
+                f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors()
+            )
+            raise ReceiptError(f"{where} cannot be read: {fields}") from None
+
+    @classmethod
+    def from_json(cls, text: str | bytes, where: str = "receipt") -> Receipt:
+        try:
+            loaded = json.loads(text)
+        except ValueError as error:
+            raise ReceiptError(f"{where} is not JSON: {error}") from None
+        if not isinstance(loaded, dict):
+            raise ReceiptError(f"{where} is not a JSON object")
+        return cls.parse(loaded, where)
+
+    def as_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", by_alias=True)
+
+    def canonical_json(self) -> bytes:
+        return canonical_json(self.as_dict())
+
+    def sha256(self) -> str:
+        return hashlib.sha256(self.canonical_json()).hexdigest()
+
+    @property
+    def model_key(self) -> str:
+        return self.model.model_key
+
+    @property
+    def recall_at_k(self) -> float:
+        return float(self.quality["recall_at_k"])
+
+    def files(self) -> list[tuple[str, str]]:
+        """(file, sha256) of every index file the receipt names, relative to the model's
+        folder: the served index, the quantizer and each shard."""
+        named = [(self.index_file, self.index_sha256)]
+        named.append((self.training.quantizer_file, self.training.quantizer_sha256))
+        return named + [(s.index_file, s.index_sha256) for s in self.shards]
 
 
 def canonical_json(receipt: dict[str, Any]) -> bytes:
