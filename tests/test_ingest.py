@@ -18,6 +18,7 @@ from fabric_gpu.model import DEFAULT_MODEL_ID, load_tokenizer, resolve_model_dir
 from fabric_pipelines.lib.broker.ledger import accounting
 from fabric_pipelines.lib.files import sha256_file
 from fabric_pipelines.lib.settings import FabricPaths
+from fabric_pipelines.lib.store.keys import set_id_of
 from fabric_pipelines.lib.store.models import Task, TaskFailure, TaskSet
 from fabric_pipelines.lib.tasks import catalog
 from fabric_pipelines.lib.tasks.catalog import (
@@ -32,7 +33,9 @@ from fabric_pipelines.lib.tasks.inbox import (
     record_first_seen,
     record_submitted,
     scan,
+    set_aside_path,
     submit,
+    submitted_sha256,
 )
 from fabric_pipelines.lib.tasks.ingest import SubmissionError, TokenisedTasks, ingest
 from fabric_pipelines.lib.tasks.store import read_table
@@ -201,7 +204,7 @@ def stored_records(db: Engine, task_set: str) -> tuple[TaskSet, list[Task], list
         failures = list(
             session.scalars(
                 select(TaskFailure)
-                .where(TaskFailure.task_set == task_set)
+                .where(TaskFailure.task_set_id == set_id_of(task_set))
                 .order_by(TaskFailure.record_no)
             )
         )
@@ -446,3 +449,28 @@ def test_a_corrupt_file_stored_under_the_old_name_is_rebuilt_under_its_hash(
     assert healed.path == first.path and not legacy.exists()
     row, _, _ = stored_records(db, "old")
     assert Path(row.path) == first.path and sha256_file(first.path) == row.content_sha256
+
+
+def test_a_stored_sets_file_leaves_the_inbox_and_stays_usable(
+    db: Engine, paths: FabricPaths, tmp_path: Path
+) -> None:
+    """Ingest moves the file out of the inbox (a scan no longer sees it) into `.submitted/`;
+    ingesting again reuses the stored set from it; the same file submitted again is a no-op,
+    other content under the name is refused; forgetting the set removes the kept file."""
+    source = _jsonl(tmp_path / "a.jsonl", [{"id": f"r{i}", "text": f"text {i}"} for i in range(5)])
+    submit(source, paths.inbox, "kept")
+    first = _ingest(db, paths, "kept")
+    assert not first.reused
+    kept = set_aside_path(paths.inbox, "kept", ".jsonl")
+    assert not (paths.inbox / "kept.jsonl").exists() and kept.is_file()
+    assert sha256_file(kept) == sha256_file(source) == submitted_sha256(paths.inbox, "kept")
+    assert scan(paths.inbox) == ([], [])
+    again = _ingest(db, paths, "kept")  # a second materialisation reads the kept file
+    assert again.reused and again.content_sha256 == first.content_sha256
+    assert submit(source, paths.inbox, "kept").path == kept
+    assert not (paths.inbox / "kept.jsonl").exists()
+    other = _jsonl(tmp_path / "b.jsonl", [{"id": "x", "text": "other"}])
+    with pytest.raises(SubmissionError, match="immutable"):
+        submit(other, paths.inbox, "kept", ingested=lambda _: True)
+    catalog.forget_task_set(db, paths, "kept")
+    assert not kept.exists() and submitted_sha256(paths.inbox, "kept") is None

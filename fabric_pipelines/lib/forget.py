@@ -11,7 +11,7 @@ from fabric_pipelines.lib.broker.ledger import accounting
 from fabric_pipelines.lib.names import validate_task_set_name
 from fabric_pipelines.lib.settings import FabricPaths
 from fabric_pipelines.lib.tasks.catalog import forget_task_set
-from fabric_pipelines.lib.tasks.inbox import SUPPORTED_SUFFIXES
+from fabric_pipelines.lib.tasks.inbox import submitted_files
 
 
 class ForgetRefused(ValueError):
@@ -39,7 +39,7 @@ def forget(
     where no such set exists or a run is extracting it (unless `force`). A partition with no
     set behind it (added in the UI without a file) is accepted: the caller drops it."""
     name = validate_task_set_name(task_set)
-    in_inbox = any((paths.inbox / f"{name}{suffix}").exists() for suffix in SUPPORTED_SUFFIXES)
+    in_inbox = bool(submitted_files(paths.inbox, name))
     try:
         with db.connect() as conn:
             counts = accounting(conn, name)

@@ -34,11 +34,9 @@ from fabric_pipelines.lib.files import (
 from fabric_pipelines.lib.settings import FabricPaths
 from fabric_pipelines.lib.store import task_partitions
 from fabric_pipelines.lib.store.db import sqlite_has_json
+from fabric_pipelines.lib.store.keys import set_id_of
 from fabric_pipelines.lib.store.models import (
-    Batch,
-    BatchPlan,
     Embedding,
-    HiddenStateShard,
     Task,
     TaskFailure,
     TaskSet,
@@ -46,6 +44,7 @@ from fabric_pipelines.lib.store.models import (
 from fabric_pipelines.lib.tasks.inbox import (
     forget_submitted,
     record_submitted,
+    set_aside,
     submission_path,
     submitted_sha256,
 )
@@ -108,7 +107,39 @@ def ingest_task_set(
     progress: bool = False,
 ) -> IngestSummary:
     """Ingest the inbox file of `task_set` (or reuse what is stored, see the module's doc).
-    `prompt` goes before every text (a set is its file and its prompt).
+    `prompt` goes before every text (a set is its file and its prompt). Once the set is stored
+    its file leaves the inbox (tasks/inbox.set_aside)."""
+
+    def run() -> IngestSummary:
+        return _ingest_task_set(
+            db, paths, task_set, model_id=model_id, max_seq_len=max_seq_len, truncate=truncate,
+            prompt=prompt, progress=progress,
+        )  # fmt: skip
+
+    try:
+        summary = run()
+    except FileNotFoundError:
+        # Another run stored the set and moved its file aside while this one read it: that
+        # run's set counts, and this run reads it as stored.
+        if _find(db, task_set) is None:
+            raise
+        summary = run()
+    set_aside(paths.inbox, task_set)
+    return summary
+
+
+def _ingest_task_set(
+    db: Engine,
+    paths: FabricPaths,
+    task_set: str,
+    *,
+    model_id: str,
+    max_seq_len: int,
+    truncate: bool,
+    prompt: str,
+    progress: bool,
+) -> IngestSummary:
+    """The ingest of `ingest_task_set`.
 
     Independent steps overlap, in threads (hashing, Arrow, SQLite and the PostgreSQL server all
     run without the GIL): a Parquet file is read into memory once, hashed while its columns are
@@ -303,7 +334,7 @@ def _complete(
             insert(TaskFailure),
             [
                 {
-                    "task_set": row.task_set,
+                    "task_set_id": set_id,
                     "record_no": f.record_no,
                     "task_id": f.task_id,
                     "stage": "ingest",
@@ -357,7 +388,10 @@ def _reuse(
             Failure(f.record_no, f.task_id, f.reason)
             for f in session.scalars(
                 select(TaskFailure)
-                .where(TaskFailure.task_set == existing.name, TaskFailure.stage == "ingest")
+                .where(
+                    TaskFailure.task_set_id == set_id_of(existing.name),
+                    TaskFailure.stage == "ingest",
+                )
                 .order_by(TaskFailure.record_no)
             )
         ]
@@ -558,8 +592,7 @@ def forget_task_set(db: Engine, paths: FabricPaths, task_set: str) -> None:
             # PostgreSQL: a set's own partition goes after the commit, rows and all.
             if conn.dialect.name != "postgresql" or not task_partitions.has_own(conn, set_id):
                 conn.execute(delete(Task).where(Task.task_set_id == set_id))
-        for table in (TaskFailure, Batch, BatchPlan, HiddenStateShard):
-            conn.execute(delete(table).where(table.task_set == task_set))
+        # Its failures, plans, ledger rows and shard rows go with it (foreign keys, cascading).
         conn.execute(delete(TaskSet).where(TaskSet.name == task_set))
     if set_id is not None and db.dialect.name == "postgresql":
         task_partitions.drop(db, set_id)

@@ -9,6 +9,11 @@ The sha256 of each submitted file is recorded beside it, in `.submitted/<task se
 changed after it was submitted instead of reading it silently; beside it, `<task set>.stat` keeps
 the file's size, times and inode when it was last hashed, so a scan hashes only files that
 changed. Dot-folders are not scanned.
+
+Once its task set is stored, a file leaves the inbox: ingest moves it (one rename) to
+`.submitted/<task set>.<suffix>`, beside its recorded sha256. The inbox then holds only what is
+waiting, so a scan costs what is waiting, not everything ever submitted; the file is kept, as
+submitted, for a task-set file that must be written again (`fabric verify` names the repair).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from fabric_pipelines.lib.files import copy_file, sha256_file, write_bytes
+from fabric_pipelines.lib.files import copy_file, fsync_folder, sha256_file, write_bytes
 from fabric_pipelines.lib.names import InvalidNameError, validate_task_set_name
 from fabric_pipelines.lib.tasks.ingest import SUPPORTED_SUFFIXES, SubmissionError
 
@@ -41,11 +46,40 @@ class Rejected:
     reason: str
 
 
+def set_aside_path(inbox: Path, task_set: str, suffix: str) -> Path:
+    """Where the file of a stored task set is kept once it has left the inbox."""
+    return inbox / SUBMITTED / f"{validate_task_set_name(task_set)}{suffix}"
+
+
+def submitted_files(inbox: Path, task_set: str) -> list[Path]:
+    """The set's files: waiting in the inbox, else set aside after ingest."""
+    waiting = [inbox / f"{task_set}{suffix}" for suffix in SUPPORTED_SUFFIXES]
+    waiting = [p for p in waiting if p.exists() or p.is_symlink()]
+    if waiting:
+        return waiting
+    aside = [set_aside_path(inbox, task_set, suffix) for suffix in SUPPORTED_SUFFIXES]
+    return [p for p in aside if p.is_file()]
+
+
+def set_aside(inbox: Path, task_set: str) -> None:
+    """Move the stored set's inbox file out of the inbox (kept in `.submitted/`); a file already
+    moved, or moved by another run meanwhile, is left as it is."""
+    for suffix in SUPPORTED_SUFFIXES:
+        waiting = inbox / f"{task_set}{suffix}"
+        if waiting.is_file() and not waiting.is_symlink():
+            target = set_aside_path(inbox, task_set, suffix)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                waiting.replace(target)  # one rename: the file is in one place or the other
+                fsync_folder(target.parent)
+                fsync_folder(inbox)
+
+
 def submission_path(inbox: Path, task_set: str) -> Path:
-    """The inbox file of `task_set`; SubmissionError if there is none (or more than one)."""
+    """The file of `task_set` (in the inbox, or set aside once stored); SubmissionError if there
+    is none (or more than one)."""
     validate_task_set_name(task_set)
-    found = [inbox / f"{task_set}{suffix}" for suffix in SUPPORTED_SUFFIXES]
-    found = [p for p in found if p.exists()]
+    found = submitted_files(inbox, task_set)
     if not found:
         raise SubmissionError(
             f"task set {task_set!r} has no file in the inbox {inbox}; submit it with "
@@ -125,6 +159,9 @@ def submit(
     target = inbox / f"{task_set}{suffix}"
     source_sha = sha256_file(source)
     recorded = submitted_sha256(inbox, task_set)
+    aside = set_aside_path(inbox, task_set, suffix)
+    if recorded == source_sha and aside.is_file():
+        return InboxFile(task_set, aside, source_sha)  # stored already, from this very file
     present = [inbox / f"{task_set}{s}" for s in SUPPORTED_SUFFIXES]
     present = [p for p in present if p.exists() or p.is_symlink()]
     if present == [target] and recorded in (None, source_sha) and sha256_file(target) == source_sha:
@@ -179,6 +216,8 @@ def record_first_seen(inbox: Path, files: Iterable[InboxFile]) -> list[InboxFile
 def forget_submitted(inbox: Path, task_set: str) -> None:
     submitted_path(inbox, task_set).unlink(missing_ok=True)
     (inbox / SUBMITTED / f"{task_set}.stat").unlink(missing_ok=True)
+    for suffix in SUPPORTED_SUFFIXES:
+        set_aside_path(inbox, task_set, suffix).unlink(missing_ok=True)
 
 
 def _check_inside(inbox: Path, path: Path) -> None:
