@@ -157,7 +157,9 @@ def cpu_engine(manifest: EngineManifest) -> Iterator[Any]:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A small random BERT with the real MiniLM tokenizer: real engine code, fast forwards."""
+    """A small random BERT with the real MiniLM tokenizer: real engine code, fast forwards.
+    FABRIC_MINILM_TOKENIZER: a folder holding that tokenizer's files, used instead of the
+    model package's."""
     import shutil
 
     import torch
@@ -172,7 +174,10 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         intermediate_size=128, max_position_embeddings=512,
     )  # fmt: skip
     BertModel(config, add_pooling_layer=False).save_pretrained(folder)
-    source = resolve_model_dir(DEFAULT_MODEL_ID)
+    # A folder of the real tokenizer's files stands in where the model package is not installed
+    # (the GPU machine: its weights are too large to carry there).
+    tokenizer = os.environ.get("FABRIC_MINILM_TOKENIZER")
+    source = Path(tokenizer) if tokenizer else resolve_model_dir(DEFAULT_MODEL_ID)
     for name in ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(source / name, folder / name)
     return folder

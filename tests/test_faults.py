@@ -36,7 +36,7 @@ from fabric_pipelines.lib.store.db import create_schema, make_engine
 from fabric_pipelines.lib.store.models import Batch
 from fabric_pipelines.lib.store.scratch import empty_public_schema
 from fabric_pipelines.lib.tasks.catalog import ImmutableTaskSetError, get_task_set, ingest_task_set
-from fabric_pipelines.lib.tasks.inbox import submit
+from fabric_pipelines.lib.tasks.inbox import set_aside_path, submit
 from fabric_pipelines.lib.tasks.ingest import SubmissionError
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -368,10 +368,11 @@ def test_an_inbox_file_changed_after_submit_is_refused(
     with pytest.raises(LookupError):
         get_task_set(db, "set")  # nothing of the changed file was ingested
 
-    # After a clean ingest, changing the inbox file is refused as well.
+    # After a clean ingest, changing the kept file (set aside from the inbox) is refused as well.
     submit(source, paths.inbox, "again")
     ingest_task_set(db, paths, "again", model_id=model, max_seq_len=16)
-    changed = paths.inbox / "again.jsonl"
+    assert not (paths.inbox / "again.jsonl").exists()
+    changed = set_aside_path(paths.inbox, "again", ".jsonl")
     faults.corrupt(changed, "append", seeded.rng)
     with pytest.raises(REFUSED, match="again"):
         ingest_task_set(db, paths, "again", model_id=model, max_seq_len=16)

@@ -210,59 +210,104 @@ def run_worker(
     those that expire (their holder died), so the plan ends with nothing queued or in flight.
     A plan superseded meanwhile (another run re-planned the set) ends the worker early, saying
     so in `report.superseded`."""
-    every = heartbeat_interval(lease_seconds, heartbeat_seconds)
+    settings = WorkerSettings(
+        owner=owner, lease_seconds=lease_seconds,
+        heartbeat_seconds=heartbeat_interval(lease_seconds, heartbeat_seconds),
+        max_attempts=max_attempts, max_in_flight=max_in_flight, progress=progress,
+        progress_every_s=progress_every_s, wait_for_others=wait_for_others,
+        retry_budget_s=retry_budget_s,
+    )  # fmt: skip
+    return WorkerRun(db, engine, job, settings).run()
 
-    def db_call(operation: str, attempt: Callable[[], T]) -> T:
-        return retry(operation, attempt, budget_s=retry_budget_s)
 
-    tokens, offsets = flat_tokens(job.tasks)
-    # Batches are gathered from a private copy, not from the memory-mapped task file: on the
-    # H200 machine MiniLM's pulling window (host-bound) took 12.2 s with this copy and 17–18 s
-    # after it was dropped (other changes landed between those runs too). The copy: ~0.1 s/GB.
-    tokens = np.array(tokens, copy=True)
-    record_no = job.tasks.column("record_no").to_numpy()
-    task_ids = job.tasks.column("id")  # Arrow: taken per batch only where ids are needed
-    report = ExtractionReport()
-    in_flight: dict[int, tuple[Lease, np.ndarray]] = {}
-    started = last_progress = time.perf_counter()
-    set_id, model = db_call(f"looking up task set {job.task_set!r}", lambda: _keys(db, job))
-    heartbeat = LeaseHeartbeat(db, lease_seconds, every)
+@dataclass(frozen=True)
+class WorkerSettings:
+    owner: str
+    lease_seconds: float
+    heartbeat_seconds: float
+    max_attempts: int
+    max_in_flight: int
+    progress: ProgressFn | None
+    progress_every_s: float
+    wait_for_others: bool
+    retry_budget_s: float
 
-    def fail(lease: Lease, rows: np.ndarray, message: str) -> None:
-        heartbeat.release(lease)
-        _fail(db, job, lease, rows, record_no, task_ids, message, max_attempts, report, db_call)
 
-    def written(outcome: GroupOutcome) -> None:  # the writer thread, after each commit
-        for batch, why in outcome.stale:
-            heartbeat.release(batch.lease)
-            report.stale_acks += 1
-            report.errors.append(why)
-        for batch in outcome.acked:
-            lease = batch.lease
-            heartbeat.release(lease)
-            report.batches_done += 1
-            report.items_done += lease.item_count
-            report.real_tokens += lease.real_tokens
-            report.padded_tokens += lease.padded_tokens
-        for batch, why in outcome.rejected:  # not acked: back to the ledger, to run again
-            assert batch.task_rows is not None
-            fail(batch.lease, batch.task_rows, why)
-        for failed in outcome.failed:  # the engine failed these batches
-            fail(failed.lease, failed.task_rows, failed.error)
-        report.rows_inserted += outcome.inserted
-        report.seconds = time.perf_counter() - started
-        if outcome.acked:
-            report.last_ack_at = time.time()
+class WorkerRun:
+    """One worker's extraction of one plan, as one object that owns the run.
 
-    def hidden_states_to_shard(batch: BatchRows) -> None:  # the writer thread, before the write
+    Three threads take part, each in its own methods:
+    - the submit loop (`run`, the caller's thread) claims batches and submits them;
+    - the runtime's drain thread (`_on_result`) turns each result into one event for the writer:
+      `BatchRows` (done) or `BatchFailed`; it touches nothing else;
+    - the writer thread (result_writer.WriteBehind) writes each batch's hidden-state file
+      (`_write_hidden_states`) and rows, acks, and then reports the group (`_written`): it acks,
+      fails batches back to the ledger and counts them in the report, the only thread that does.
+    """
+
+    def __init__(
+        self, db: Engine, engine: ExtractionEngine, job: ExtractionJob, settings: WorkerSettings
+    ) -> None:
+        self.db, self.engine, self.job, self.settings = db, engine, job, settings
+        self.report = ExtractionReport()
+        tokens, self.offsets = flat_tokens(job.tasks)
+        # Batches are gathered from a private copy, not from the memory-mapped task file: on
+        # the H200 machine MiniLM's pulling window (host-bound) took 12.2 s with this copy and
+        # 17-18 s after it was dropped (other changes landed between those runs too). The copy:
+        # ~0.1 s/GB.
+        self.tokens = np.array(tokens, copy=True)
+        self.record_no = job.tasks.column("record_no").to_numpy()
+        self.task_ids = job.tasks.column("id")  # Arrow: taken per batch only where ids are needed
+        # Submitted and not yet drained: the submit loop adds, the drain thread takes.
+        self.in_flight: dict[int, tuple[Lease, np.ndarray]] = {}
+        self.heartbeat = LeaseHeartbeat(db, settings.lease_seconds, settings.heartbeat_seconds)
+        self.started = time.perf_counter()
+        self.set_id, self.model_id = self._db_call(
+            f"looking up task set {job.task_set!r}", lambda: _keys(db, job)
+        )
+        self.writer: WriteBehind | None = None
+
+    def _db_call(self, operation: str, attempt: Callable[[], T]) -> T:
+        return retry(operation, attempt, budget_s=self.settings.retry_budget_s)
+
+    # ---- the drain thread --------------------------------------------------------------------
+
+    def _on_result(self, result: BatchResult) -> None:
+        lease, rows = self.in_flight.pop(result.batch_id)
+        assert self.writer is not None
+        if result.error:
+            self.writer.put(BatchFailed(lease, rows, result.error))
+            return
+        assert result.pooled is not None
+        self.writer.put(
+            BatchRows(
+                lease=lease,
+                task_set=self.job.task_set,
+                task_set_id=self.set_id,
+                model_key=self.job.model_key,
+                model_id=self.model_id,
+                record_no=self.record_no[rows],
+                n_tokens=result.lengths,
+                pooled=result.pooled,
+                task_rows=rows,
+                hidden_states=result.hooks or None,
+            )
+        )
+
+    # ---- the writer thread -------------------------------------------------------------------
+
+    def _write_hidden_states(self, batch: BatchRows) -> None:
+        """Before the batch's rows are written: its hidden states to their shard file, read back
+        and checked (an ack promises a file that verifies)."""
         if not batch.hidden_states:
             return
         assert batch.task_rows is not None
-        ids = task_ids.take(batch.task_rows).combine_chunks()
+        ids = self.task_ids.take(batch.task_rows).combine_chunks()
         shard = write_shard(
-            job.shard_folder, ids, batch.n_tokens, batch.hidden_states, engine.hidden_size
-        )
-        try:  # what reached the disk, read back: an ack promises a file that verifies
+            self.job.shard_folder, ids, batch.n_tokens, batch.hidden_states,
+            self.engine.hidden_size,
+        )  # fmt: skip
+        try:
             verify_sha256(shard.path, shard.sha256, "hidden-state shard", "its batch runs again")
         except (CorruptFileError, FileNotFoundError) as error:
             shard.path.unlink(missing_ok=True)
@@ -271,139 +316,190 @@ def run_worker(
         batch.layers = tuple(batch.hidden_states)
         batch.hidden_states = None  # written: let the arrays go
 
-    def on_result(result: BatchResult) -> None:  # the runtime's drain thread
-        # Every outcome goes to the writer, which owns the ledger calls and the report.
-        lease, rows = in_flight.pop(result.batch_id)
-        if result.error:
-            writer.put(BatchFailed(lease, rows, result.error))
-            return
-        assert result.pooled is not None
-        writer.put(
-            BatchRows(
-                lease=lease,
-                task_set=job.task_set,
-                task_set_id=set_id,
-                model_key=job.model_key,
-                model_id=model,
-                record_no=record_no[rows],
-                n_tokens=result.lengths,
-                pooled=result.pooled,
-                task_rows=rows,
-                hidden_states=result.hooks or None,
-            )
+    def _written(self, outcome: GroupOutcome) -> None:
+        """After each commit of a group: the report, and failures back to the ledger."""
+        report = self.report
+        for batch, why in outcome.stale:
+            self.heartbeat.release(batch.lease)
+            report.stale_acks += 1
+            report.errors.append(why)
+        for batch in outcome.acked:
+            lease = batch.lease
+            self.heartbeat.release(lease)
+            report.batches_done += 1
+            report.items_done += lease.item_count
+            report.real_tokens += lease.real_tokens
+            report.padded_tokens += lease.padded_tokens
+        for batch, why in outcome.rejected:  # not acked: back to the ledger, to run again
+            assert batch.task_rows is not None
+            self._fail(batch.lease, batch.task_rows, why)
+        for failed in outcome.failed:  # the engine failed these batches
+            self._fail(failed.lease, failed.task_rows, failed.error)
+        report.rows_inserted += outcome.inserted
+        report.seconds = time.perf_counter() - self.started
+        if outcome.acked:
+            report.last_ack_at = time.time()
+
+    def _fail(self, lease: Lease, rows: np.ndarray, message: str) -> None:
+        self.heartbeat.release(lease)
+        report, job = self.report, self.job
+        report.errors.append(f"batch {lease.batch_no} (attempt {lease.attempts}): {message}")
+        items = list(
+            zip(self.record_no[rows].tolist(), self.task_ids.take(rows).to_pylist(), strict=True)
         )
+        try:
+            state = self._db_call(
+                f"reporting the failure of batch {lease.batch_no} of plan {lease.plan_id}",
+                lambda: report_failure(
+                    self.db, lease, message, self.settings.max_attempts, items, job.task_set
+                ),
+            )
+        except StaleLeaseError as stale:
+            report.stale_acks += 1
+            report.errors.append(str(stale))
+            return
+        if state == "failed":
+            report.batches_failed += 1
+        else:
+            report.batches_requeued += 1
 
-    def others_hold_leases() -> bool:
-        return db_call(f"reading the leases of plan {job.plan_id}", lambda: _leased(db, job)) > 0
+    # ---- the submit loop ---------------------------------------------------------------------
 
-    def claim(count: int = max_in_flight, stop: threading.Event | None = None) -> list[Lease]:
+    def _claim(self, count: int | None = None, stop: threading.Event | None = None) -> list[Lease]:
         """Lease up to `count` batches. With `stop` (the claim-ahead thread's), waits between
         retries end, and no attempt is made, once it is set: the worker is stopping."""
-        if heartbeat.error is not None:
-            raise heartbeat.error
+        if self.heartbeat.error is not None:
+            raise self.heartbeat.error
+        wanted = self.settings.max_in_flight if count is None else count
 
         def attempt() -> list[Lease]:
             if stop is not None and stop.is_set():
                 raise _Stopped
-            return claim_many(db, job.plan_id, owner, lease_seconds, count)
+            return claim_many(
+                self.db, self.job.plan_id, self.settings.owner, self.settings.lease_seconds,
+                wanted,
+            )  # fmt: skip
 
         leases = retry(
-            f"claiming batches of plan {job.plan_id}",
+            f"claiming batches of plan {self.job.plan_id}",
             attempt,
-            budget_s=retry_budget_s,
+            budget_s=self.settings.retry_budget_s,
             sleep=stop.wait if stop is not None else time.sleep,
         )
-        heartbeat.hold(leases)
+        self.heartbeat.hold(leases)
         return leases
 
-    submitted = 0
-    shapes = db_call(f"reading the shapes of plan {job.plan_id}", lambda: _shapes(db, job))
-    if hasattr(engine, "shapes_for"):
-        shapes = engine.shapes_for(shapes)
+    def _others_hold_leases(self) -> bool:
+        return (
+            self._db_call(
+                f"reading the leases of plan {self.job.plan_id}", lambda: _leased(self.db, self.job)
+            )
+            > 0
+        )
 
-    def hand_back_unused(leases: list[Lease]) -> None:
+    def _hand_back_unused(self, leases: list[Lease]) -> None:
         """Leases claimed ahead that never ran (the loop ended early): back to the queue now,
         not after their lease runs out, and without spending one of their attempts."""
         for lease in leases:
-            heartbeat.release(lease)
+            self.heartbeat.release(lease)
         try:
-            db_call(f"handing back {len(leases)} unused lease(s)", lambda: hand_back(db, leases))
+            self._db_call(
+                f"handing back {len(leases)} unused lease(s)", lambda: hand_back(self.db, leases)
+            )
         except Exception as error:  # they still come back when their lease runs out
-            report.errors.append(f"could not hand back {len(leases)} unused lease(s): {error}")
+            self.report.errors.append(f"could not hand back {len(leases)} unused lease(s): {error}")
 
-    with heartbeat:
-        writer = WriteBehind(db, written, before_write=hidden_states_to_shard)
+    def run(self) -> ExtractionReport:
+        job, settings, report = self.job, self.settings, self.report
+        shapes = self._db_call(
+            f"reading the shapes of plan {job.plan_id}", lambda: _shapes(self.db, job)
+        )
+        if hasattr(self.engine, "shapes_for"):
+            shapes = self.engine.shapes_for(shapes)
+        with self.heartbeat:
+            self.writer = WriteBehind(
+                self.db, self._written, before_write=self._write_hidden_states
+            )
+            try:
+                with open_runner(
+                    self.engine,
+                    self.tokens,
+                    self.offsets,
+                    self._on_result,
+                    shapes=shapes,
+                    pad_token_id=job.pad_token_id,
+                    max_in_flight=settings.max_in_flight,
+                ) as runner:
+                    report.warmup_seconds = time.perf_counter() - self.started
+                    report.ready_at = time.time()
+                    self._submit_all(runner, self.writer)
+                    report.runtime = runner.finish().as_dict()
+            finally:
+                self.writer.close()  # everything queued is written (or its error is raised)
+        report.errors.extend(self.heartbeat.missed)
+        if self.heartbeat.error is not None:
+            raise self.heartbeat.error
+        by = self._db_call(
+            f"checking whether plan {job.plan_id} was superseded",
+            lambda: _superseded_by(self.db, job),
+        )
+        if by is not None:
+            report.superseded_by = by
+            report.superseded = superseded_message(job.plan_id, by)
+            report.errors.append(report.superseded)
+        report.seconds = time.perf_counter() - self.started
+        return report
+
+    def _submit_all(self, runner: Any, writer: WriteBehind) -> None:
+        """Claim and submit until the plan has nothing left for this worker."""
+        job, settings = self.job, self.settings
+        # Claims run ahead on their own thread (broker/claim_ahead.py).
+        stop_claiming = threading.Event()
+        chunk = CLAIM_CHUNK_IN_FLIGHTS * settings.max_in_flight
+        ahead = ClaimAhead(
+            lambda count: self._claim(count, stop_claiming),
+            chunk=chunk,
+            max_depth=max(chunk, CLAIM_AHEAD_MAX_BATCHES),
+            ahead_s=CLAIM_AHEAD_S,
+            stopping=stop_claiming,
+        )
+        claimed: list[Lease] = []  # the end of the plan's claims, made here
+        submitted = 0
+        last_progress = self.started
         try:
-            with open_runner(
-                engine,
-                tokens,
-                offsets,
-                on_result,
-                shapes=shapes,
-                pad_token_id=job.pad_token_id,
-                max_in_flight=max_in_flight,
-            ) as runner:
-                report.warmup_seconds = time.perf_counter() - started
-                report.ready_at = time.time()
-                # Claims run ahead on their own thread (broker/claim_ahead.py).
-                stop_claiming = threading.Event()
-                chunk = CLAIM_CHUNK_IN_FLIGHTS * max_in_flight
-                ahead = ClaimAhead(
-                    lambda count: claim(count, stop_claiming),
-                    chunk=chunk,
-                    max_depth=max(chunk, CLAIM_AHEAD_MAX_BATCHES),
-                    ahead_s=CLAIM_AHEAD_S,
-                    stopping=stop_claiming,
-                )
-                claimed: list[Lease] = []  # the end of the plan's claims, made here
-                try:
-                    while True:
-                        if heartbeat.error is not None:  # leases no longer renewed: stop
-                            raise heartbeat.error
-                        lease = claimed.pop(0) if claimed else ahead.take()
-                        if lease is None:  # the plan's queue ran empty once
-                            claimed = claim()  # re-queued failures: no need to drain first
-                        if lease is None and not claimed:
-                            runner.finish()  # everything in flight lands; failures re-queue
-                            writer.flush()  # ... and is acknowledged: others' leases remain
-                            claimed = claim()
-                            # Batches others hold may come back (a worker died: its lease
-                            # expires).
-                            while not claimed and wait_for_others and others_hold_leases():
-                                time.sleep(min(1.0, lease_seconds / 4))
-                                claimed = claim()
-                            if not claimed:
-                                break
-                        if lease is None:
-                            lease = claimed.pop(0)
-                        rows = job.order[lease.item_start : lease.item_start + lease.item_count]
-                        submitted += 1
-                        in_flight[submitted] = (lease, rows)
-                        runner.submit(submitted, rows, lease.seq_len)
-                        now = time.perf_counter()
-                        if progress is not None and now - last_progress >= progress_every_s:
-                            last_progress = now
-                            progress(report)
-                finally:
-                    unused = ahead.close() + claimed
-                    if unused:
-                        hand_back_unused(unused)
-                report.runtime = runner.finish().as_dict()
+            while True:
+                if self.heartbeat.error is not None:  # leases no longer renewed: stop
+                    raise self.heartbeat.error
+                lease = claimed.pop(0) if claimed else ahead.take()
+                if lease is None:  # the plan's queue ran empty once
+                    claimed = self._claim()  # re-queued failures: no need to drain first
+                if lease is None and not claimed:
+                    runner.finish()  # everything in flight lands; failures re-queue
+                    writer.flush()  # ... and is acknowledged: others' leases remain
+                    claimed = self._claim()
+                    # Batches others hold may come back (a worker died: its lease expires).
+                    while not claimed and settings.wait_for_others and self._others_hold_leases():
+                        time.sleep(min(1.0, settings.lease_seconds / 4))
+                        claimed = self._claim()
+                    if not claimed:
+                        break
+                if lease is None:
+                    lease = claimed.pop(0)
+                rows = job.order[lease.item_start : lease.item_start + lease.item_count]
+                submitted += 1
+                self.in_flight[submitted] = (lease, rows)
+                runner.submit(submitted, rows, lease.seq_len)
+                now = time.perf_counter()
+                if (
+                    settings.progress is not None
+                    and now - last_progress >= settings.progress_every_s
+                ):
+                    last_progress = now
+                    settings.progress(self.report)
         finally:
-            writer.close()  # everything queued is written (or the writer's error is raised)
-    report.errors.extend(heartbeat.missed)
-    if heartbeat.error is not None:
-        raise heartbeat.error
-    by = db_call(
-        f"checking whether plan {job.plan_id} was superseded",
-        lambda: _superseded_by(db, job),
-    )
-    if by is not None:
-        report.superseded_by = by
-        report.superseded = superseded_message(job.plan_id, by)
-        report.errors.append(report.superseded)
-    report.seconds = time.perf_counter() - started
-    return report
+            unused = ahead.close() + claimed
+            if unused:
+                self._hand_back_unused(unused)
 
 
 def _keys(db: Engine, job: ExtractionJob) -> tuple[int, int]:
@@ -430,32 +526,3 @@ def _leased(db: Engine, job: ExtractionJob) -> int:
                 .where(Batch.plan_id == job.plan_id, Batch.state == LEASED)
             ).scalar_one()
         )
-
-
-def _fail(
-    db: Engine,
-    job: ExtractionJob,
-    lease: Lease,
-    rows: np.ndarray,
-    record_no: np.ndarray,
-    task_ids: pa.ChunkedArray,
-    message: str,
-    max_attempts: int,
-    report: ExtractionReport,
-    db_call: Callable[[str, Callable[[], str]], str],
-) -> None:
-    report.errors.append(f"batch {lease.batch_no} (attempt {lease.attempts}): {message}")
-    items = list(zip(record_no[rows].tolist(), task_ids.take(rows).to_pylist(), strict=True))
-    try:
-        state = db_call(
-            f"reporting the failure of batch {lease.batch_no} of plan {lease.plan_id}",
-            lambda: report_failure(db, lease, message, max_attempts, items, job.task_set),
-        )
-    except StaleLeaseError as stale:
-        report.stale_acks += 1
-        report.errors.append(str(stale))
-        return
-    if state == "failed":
-        report.batches_failed += 1
-    else:
-        report.batches_requeued += 1

@@ -115,13 +115,24 @@ def _model_id_column(index: bool = False) -> Mapped[int]:
 
 def _set_name(set_id: Mapped[int]) -> Mapped[str]:
     """The set's name read through its id, loaded with the row (a query may compare it too)."""
-    name: ScalarSelect[str] = select(TaskSet.name).where(TaskSet.id == set_id).scalar_subquery()
+    # correlate_except: a query that joins task_sets itself still reads the name from its own.
+    name: ScalarSelect[str] = (
+        select(TaskSet.name)
+        .where(TaskSet.id == set_id)
+        .correlate_except(TaskSet)
+        .scalar_subquery()
+    )
     return column_property(name)
 
 
 def _model_key(model_id: Mapped[int]) -> Mapped[str]:
     """The model's key read through its id, loaded with the row."""
-    key: ScalarSelect[str] = select(Model.model_key).where(Model.id == model_id).scalar_subquery()
+    key: ScalarSelect[str] = (
+        select(Model.model_key)
+        .where(Model.id == model_id)
+        .correlate_except(Model)
+        .scalar_subquery()
+    )
     return column_property(key)
 
 
