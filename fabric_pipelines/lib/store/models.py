@@ -117,10 +117,7 @@ def _set_name(set_id: Mapped[int]) -> Mapped[str]:
     """The set's name read through its id, loaded with the row (a query may compare it too)."""
     # correlate_except: a query that joins task_sets itself still reads the name from its own.
     name: ScalarSelect[str] = (
-        select(TaskSet.name)
-        .where(TaskSet.id == set_id)
-        .correlate_except(TaskSet)
-        .scalar_subquery()
+        select(TaskSet.name).where(TaskSet.id == set_id).correlate_except(TaskSet).scalar_subquery()
     )
     return column_property(name)
 
