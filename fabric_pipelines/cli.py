@@ -85,7 +85,9 @@ def _engine_config(args: argparse.Namespace) -> dict[str, Any]:
         if value is not None:
             config[name] = value
     if getattr(args, "long_inputs", None) is not None:
-        config["truncate"] = args.long_inputs == "truncate"
+        config["long_inputs"] = args.long_inputs
+    if getattr(args, "window_overlap", None) is not None:
+        config["window_overlap"] = args.window_overlap
     for name in ("pooling", "normalize"):
         if getattr(args, name, None) is not None:
             config[name] = getattr(args, name)
@@ -507,10 +509,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"fabric plan: {path}: no such file", file=sys.stderr)
         return 2
     manifest = _engine_manifest(args)
-    truncate = EngineConfig(**_engine_config(args)).truncate
     _, db = _open_database()
     try:
-        preview = preview_plan(db, path, manifest, truncate=truncate, prompt=args.prompt or "")
+        long_inputs = EngineConfig(**_engine_config(args)).long_input_policy()
+        preview = preview_plan(
+            db, path, manifest, long_inputs=long_inputs, prompt=args.prompt or ""
+        )
     except (SubmissionError, ValueError) as exc:
         print(f"fabric plan: {exc}", file=sys.stderr)
         return 2
@@ -565,6 +569,16 @@ def _advance(bar: Any, done: int) -> None:
     bar.update(done - bar.n)
 
 
+def _document_columns(docs: Any) -> dict[str, Any]:
+    """A set with chunked documents, by document: documents = stored + failed + waiting, and
+    how many were split into how many windows (of which how many are stored)."""
+    return {
+        "documents": docs.documents, "documents_stored": docs.stored,
+        "documents_failed": docs.failed, "documents_waiting": docs.waiting,
+        "chunked": docs.chunked, "windows": docs.windows, "windows_stored": docs.windows_stored,
+    }  # fmt: skip
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     import pandas as pd
     from sqlalchemy import select
@@ -604,6 +618,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                         ).scalar_one_or_none()
                         or 0
                     ),
+                    # Chunked documents: their windows are the tasks above; counted by document.
+                    **(_document_columns(a.documents) if a.documents is not None else {}),
                 }
             )
     failures = []
@@ -623,7 +639,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         ]  # fmt: skip
         print(json.dumps({"task_sets": rows, **({"failures": listed} if args.failures else {})}))
         return 0
-    print(pd.DataFrame(rows).drop(columns="finished").to_string(index=False))
+    print(pd.DataFrame(rows).drop(columns="finished").fillna("").to_string(index=False))
     if args.failures:
         print()
         if not failures:
@@ -985,11 +1001,17 @@ def build_parser() -> argparse.ArgumentParser:
         )
         g.add_argument(
             "--long-inputs",
-            choices=("truncate", "fail"),
+            choices=("chunk", "truncate", "fail"),
             help=(
-                "items over max_seq_len: cut to it and counted, as sentence-transformers does "
-                "(default), or failed with the reason"
+                "items over max_seq_len: split into overlapping windows of the model's length, "
+                "one vector per item from them (chunk, the default); cut to it and counted, as "
+                "sentence-transformers does (truncate); or failed with the reason (fail)"
             ),
+        )
+        g.add_argument(
+            "--window-overlap",
+            type=int,
+            help="chunk: tokens two neighbouring windows share (default 32)",
         )
         g.add_argument(
             "--truncate",

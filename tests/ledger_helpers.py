@@ -57,3 +57,18 @@ def store_plan(conn: Connection, plan_id: str, task_set: str, plan: BatchPlan) -
     )  # fmt: skip
     register_plan(conn, plan_id, task_set, plan)
     return int(set_id)
+
+
+def store_set(engine: Engine, task_set: str, n_records: int = 0) -> int:
+    """A bare task-set row (no file, no plan), for tests of what hangs off one; its id."""
+    with engine.begin() as conn:
+        return int(
+            conn.execute(
+                insert(TaskSet).returning(TaskSet.id),
+                {
+                    "name": task_set, "source_sha256": "s", "content_sha256": "c", "path": "p",
+                    "model_id": "m", "tokenizer_sha256": "t", "max_seq_len": 64,
+                    "n_records": n_records, "n_tasks": n_records, "truncated": 0,
+                },
+            ).scalar_one()
+        )  # fmt: skip

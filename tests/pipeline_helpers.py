@@ -13,12 +13,14 @@ from sqlalchemy import Engine, func, select
 from fabric_gpu.engines import Engine as ExtractionEngine
 from fabric_gpu.manifest import EngineManifest
 from fabric_pipelines.lib.broker.plans import load_plan_order, plan_task_set
+from fabric_pipelines.lib.documents import combine_task_set
 from fabric_pipelines.lib.extraction import ExtractionJob, ExtractionReport, run_worker
 from fabric_pipelines.lib.settings import FabricPaths
 from fabric_pipelines.lib.store.models import Embedding, Model, Task, TaskSet
 from fabric_pipelines.lib.tasks.catalog import IngestSummary, ingest_task_set
 from fabric_pipelines.lib.tasks.inbox import submit
 from fabric_pipelines.lib.tasks.store import read_table
+from fabric_pipelines.lib.tasks.windows import LongInputs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,12 +34,16 @@ def run_stages(
     task_set: str,
     *,
     truncate: bool = False,
+    long_inputs: LongInputs | None = None,
     prompt: str = "",
 ) -> tuple[IngestSummary, ExtractionReport]:
+    """Ingest, plan, one in-process worker, and the combining of chunked documents that ends
+    every extraction run (run_extraction.extract_task_set)."""
     submit(source, paths.inbox, task_set)
     summary = ingest_task_set(
         db, paths, task_set, model_id=manifest.model_id,
-        max_seq_len=manifest.profile.max_seq_len, truncate=truncate, prompt=prompt,
+        max_seq_len=manifest.profile.max_seq_len, truncate=truncate, long_inputs=long_inputs,
+        prompt=prompt,
     )  # fmt: skip
     plan = plan_task_set(db, paths, task_set, manifest)
     job = ExtractionJob(
@@ -48,7 +54,9 @@ def run_stages(
         order=load_plan_order(plan.path, plan.sha256),
         shard_folder=paths.shards,
     )
-    return summary, run_worker(db, engine, job, owner="test")
+    report = run_worker(db, engine, job, owner="test")
+    combine_task_set(db, task_set, manifest)
+    return summary, report
 
 
 def stored_embeddings(db: Engine, task_set: str, model_key: str) -> dict[str, np.ndarray]:

@@ -112,16 +112,23 @@ def test_status_failures_prints_each_reason_in_full(
 def test_engine_options_reach_the_engine_resource() -> None:
     from fabric_pipelines.cli import _run_config, build_parser
     from fabric_pipelines.defs.resources import EngineConfig
+    from fabric_pipelines.lib.tasks.windows import LongInputs
 
     args = build_parser().parse_args(
         ["run", "s", "--truncate", "--lease-seconds", "30", "--heartbeat-seconds", "5",
          "--hook-layers=2,-1"]
     )  # fmt: skip
     config = _run_config(args)["resources"]["engine"]["config"]
-    assert config == {"truncate": True, "lease_seconds": 30.0, "heartbeat_seconds": 5.0,
+    assert config == {"long_inputs": "truncate", "lease_seconds": 30.0, "heartbeat_seconds": 5.0,
                       "hook_layers": [2, -1]}  # fmt: skip
     engine = EngineConfig(**config)  # every option is a field of the resource
-    assert (engine.truncate, engine.lease_seconds, engine.heartbeat_seconds) == (True, 30.0, 5.0)
+    assert engine.long_input_policy() == LongInputs("truncate")
+    assert (engine.lease_seconds, engine.heartbeat_seconds) == (30.0, 5.0)
+    chunked = _run_config(
+        build_parser().parse_args(["run", "s", "--long-inputs", "chunk", "--window-overlap", "8"])
+    )["resources"]["engine"]["config"]
+    assert EngineConfig(**chunked).long_input_policy() == LongInputs("chunk", 8)
+    assert EngineConfig().long_input_policy() == LongInputs("chunk", 32), "chunk by default"
     assert _run_config(build_parser().parse_args(["run", "s"])) == {}
 
 

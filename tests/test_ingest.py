@@ -84,7 +84,7 @@ def test_bad_records_fail_back_with_reasons(tmp_path: Path, tokenizer) -> None: 
     assert reasons[1] == "line 2: empty text"
     assert reasons[2] == "line 3: text is only whitespace"
     assert reasons[3].startswith("line 4: over-long:") and f"max_seq_len {MAX}" in reasons[3]
-    assert "--truncate" in reasons[3]
+    assert "--long-inputs chunk" in reasons[3]
     assert "duplicate id 'ok-1' (first at line 1)" in reasons[4]
     assert "missing 'id'" in reasons[5]
     assert "'id' must be a string or an integer, got a boolean" in reasons[6]

@@ -32,6 +32,7 @@ from fabric_pipelines.lib.tasks.ingest import (
     ingest,
     ingest_record_by_record,
 )
+from fabric_pipelines.lib.tasks.windows import LongInputs
 
 VOCAB = 30522
 EXAMPLES = settings(
@@ -55,6 +56,7 @@ def assert_same(fast: TokenisedTasks, slow: TokenisedTasks) -> None:
     assert np.array_equal(fast.tokens, slow.tokens)
     assert fast.failures == slow.failures
     assert fast.truncated == slow.truncated
+    assert fast.n_chunked == slow.n_chunked
 
 
 def assert_tokens_as_encoded_one_by_one(
@@ -151,14 +153,24 @@ def plain_tables(draw: st.DrawFn) -> pa.Table:
 @given(
     table=plain_tables(),
     max_seq_len=st.sampled_from([1, 4, 16, 64]),
-    truncate=st.booleans(),
+    mode=st.sampled_from(["fail", "truncate", "chunk"]),
 )
 def test_column_reader_agrees_with_record_reader(  # type: ignore[no-untyped-def]
-    tmp_path: Path, tokenizer, table: pa.Table, max_seq_len: int, truncate: bool
+    tmp_path: Path, tokenizer, table: pa.Table, max_seq_len: int, mode: str
 ) -> None:
     path = tmp_path / "set.parquet"
     pq.write_table(table, path)
-    tasks = both_ways(path, tokenizer, max_seq_len=max_seq_len, truncate=truncate)
+    if mode == "chunk":  # windows of 3 tokens and up (two specials and what they hold)
+        long_inputs = LongInputs("chunk", overlap=max_seq_len // 4)
+        if max_seq_len < 3:
+            with pytest.raises(ValueError, match="window_overlap"):
+                both_ways(path, tokenizer, max_seq_len=max_seq_len, long_inputs=long_inputs)
+            return
+        tasks = both_ways(path, tokenizer, max_seq_len=max_seq_len, long_inputs=long_inputs)
+        assert not any("over-long" in f.reason for f in tasks.failures)
+        assert int(tasks.lengths.max(initial=0)) <= max_seq_len
+        return
+    tasks = both_ways(path, tokenizer, max_seq_len=max_seq_len, truncate=mode == "truncate")
     assert_tokens_as_encoded_one_by_one(tasks, table, tokenizer, max_seq_len)
 
 
@@ -241,7 +253,7 @@ def test_reasons_name_the_row_and_the_field(tmp_path: Path, tokenizer) -> None: 
         7: "row 7: 'token_ids' must be a list of integers; position 1 holds null",
         8: "row 8: empty token_ids",
         9: "row 9: over-long: 9 tokens > max_seq_len 8; split the text, raise max_seq_len (up to "
-        "the model's limit) or submit with --truncate",
+        "the model's limit) or submit with --long-inputs chunk (or truncate)",
     }
     assert tasks.failures[2].task_id == "n\\x00"  # stored escaped
 

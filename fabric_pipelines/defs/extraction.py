@@ -58,7 +58,7 @@ def tokenised_tasks(
     try:
         summary = ingest_task_set(
             database.engine(), paths, task_set, model_id=manifest.model_id,
-            max_seq_len=manifest.profile.max_seq_len, truncate=engine.truncate,
+            max_seq_len=manifest.profile.max_seq_len, long_inputs=engine.long_input_policy(),
             prompt=set_prompt(paths.inbox, task_set, manifest.model_id),
         )  # fmt: skip
     except (SubmissionError, ValueError) as exc:

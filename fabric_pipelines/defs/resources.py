@@ -23,6 +23,7 @@ from fabric_pipelines.lib.extraction_step import WorkerOptions
 from fabric_pipelines.lib.gpu_pool import visible_gpus
 from fabric_pipelines.lib.settings import FabricPaths, database_url, default_root, redact_url
 from fabric_pipelines.lib.store.db import create_schema, make_engine
+from fabric_pipelines.lib.tasks.windows import DEFAULT_OVERLAP, LongInputs
 from fabric_pipelines.lib.warm_workers import warm_devices
 
 
@@ -74,9 +75,19 @@ class EngineConfig(dg.ConfigurableResource):
     hook_layers: list[int] = Field(default_factory=list)
     pooling: str | None = None
     normalize: bool | None = None
-    # Items longer than max_seq_len: cut to it, as sentence-transformers' encode() does, and
-    # counted (True); or failed with the reason (False).
-    truncate: bool = True
+    # Items longer than max_seq_len (lib/tasks/windows.py): "chunk" into windows of the model's
+    # length overlapping by window_overlap tokens, one vector per document from them; "truncate"
+    # to it, as sentence-transformers' encode() does (counted); or "fail" with the reason.
+    long_inputs: str = "chunk"
+    window_overlap: int = DEFAULT_OVERLAP
+    # The earlier spelling: True is long_inputs "truncate", False "fail"; None: long_inputs.
+    truncate: bool | None = None
+
+    def long_input_policy(self) -> LongInputs:
+        if self.truncate is not None:
+            return LongInputs("truncate" if self.truncate else "fail")
+        return LongInputs.of(self.long_inputs, self.window_overlap)
+
     # Worker processes pulling batches from the ledger (0: run in the Dagster step's process).
     # GPU engines: at most one per GPU; each gets its own device.
     workers: int = 1

@@ -20,6 +20,7 @@ from fabric_gpu.model import load_tokenizer, resolve_model_dir
 from fabric_pipelines.lib.charts import power_of_two_bins
 from fabric_pipelines.lib.engine_speeds import Prediction, engine_device, predict
 from fabric_pipelines.lib.tasks.ingest import ingest
+from fabric_pipelines.lib.tasks.windows import LongInputs
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class PlanPreview:
     failed: int
     failure_kinds: dict[str, int]  # over-long, empty text, ... -> records
     truncated: int
+    chunked: int  # documents split into windows (their windows are among `tasks`)
+    windows: int
     real_tokens: int
     length_histogram: list[tuple[str, int]]  # (token range, tasks)
     batches: int
@@ -62,6 +65,8 @@ class PlanPreview:
             "failed": self.failed,
             "failure_kinds": self.failure_kinds,
             "truncated": self.truncated,
+            "chunked": self.chunked,
+            "windows": self.windows,
             "real_tokens": self.real_tokens,
             "length_histogram": [{"tokens": r, "tasks": n} for r, n in self.length_histogram],
             "batches": self.batches,
@@ -74,10 +79,20 @@ class PlanPreview:
 
 
 def preview_plan(
-    db: Engine, path: Path, manifest: EngineManifest, *, truncate: bool, prompt: str = ""
+    db: Engine,
+    path: Path,
+    manifest: EngineManifest,
+    *,
+    truncate: bool = False,
+    long_inputs: LongInputs | None = None,
+    prompt: str = "",
 ) -> PlanPreview:
+    """Over-long items follow `long_inputs` (default: fail, or truncate if `truncate`)."""
     tokenizer = load_tokenizer(resolve_model_dir(manifest.model_id), prompt)
-    tasks = ingest(path, tokenizer, max_seq_len=manifest.profile.max_seq_len, truncate=truncate)
+    tasks = ingest(
+        path, tokenizer, max_seq_len=manifest.profile.max_seq_len, truncate=truncate,
+        long_inputs=long_inputs,
+    )  # fmt: skip
     lengths = tasks.lengths
     layout = input_layout(manifest)
     plan = plan_batches(
@@ -95,6 +110,8 @@ def preview_plan(
         failed=len(tasks.failures),
         failure_kinds=dict(Counter(_kind(f.reason) for f in tasks.failures).most_common()),
         truncated=tasks.truncated,
+        chunked=tasks.n_chunked,
+        windows=0 if tasks.windows is None else len(tasks.windows.document),
         real_tokens=int(lengths.sum()),
         length_histogram=list(zip(bins, counts, strict=True)),
         batches=plan.n_batches,
@@ -108,7 +125,8 @@ def render(preview: PlanPreview) -> str:
     p = preview
     lines = [
         f"{p.file}: {p.records:,} records -> {p.tasks:,} tasks, {p.failed:,} failed"
-        + (f", {p.truncated:,} truncated" if p.truncated else ""),
+        + (f", {p.truncated:,} truncated" if p.truncated else "")
+        + (f", {p.chunked:,} split into {p.windows:,} windows" if p.chunked else ""),
     ]
     for kind, n in p.failure_kinds.items():
         lines.append(f"  failed: {n:,} {kind}")

@@ -24,9 +24,9 @@ import json
 import queue
 import sqlite3
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from sqlalchemy import Connection, Engine, exc
@@ -117,8 +117,18 @@ def write_group(
     return outcome
 
 
+class Rows(Protocol):
+    """What `insert_rows` reads of a batch (BatchRows, or lib/documents.py's combined rows)."""
+
+    task_set_id: int
+    model_id: int
+    record_no: np.ndarray
+    n_tokens: np.ndarray
+    pooled: np.ndarray
+
+
 def insert_rows(
-    conn: Connection, batches: list[BatchRows], *, upsert: bool = False, pgvector: bool = False
+    conn: Connection, batches: Sequence[Rows], *, upsert: bool = False, pgvector: bool = False
 ) -> int:
     """Insert the rows of `batches` on `conn`'s transaction; returns how many were new (a replay,
     `upsert`, skips rows already there). The only way rows enter `embeddings`: on SQLite it also

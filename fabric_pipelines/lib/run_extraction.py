@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from fabric_pipelines.lib.broker.ledger import DEFAULT_LEASE_SECONDS, Accounting, heartbeat_interval
+from fabric_pipelines.lib.documents import combine_task_set
 from fabric_pipelines.lib.pool_run import free_devices, open_pool_run, supervise_pool_run
 from fabric_pipelines.lib.warm_workers import take_warm_pool
 from fabric_pipelines.lib.workers import (
@@ -53,6 +54,8 @@ class ExtractionSummary:
     # Per worker process, seconds from its start to each point (engine_ready, go, job_loaded,
     # ready, last_ack, done, closed): where its time went.
     timelines: tuple[dict[str, float], ...] = ()
+    # Chunked documents whose vectors this run combined from their windows (lib/documents.py).
+    documents_combined: int = 0
 
     @property
     def tokens_per_second(self) -> float:
@@ -119,6 +122,7 @@ def extract_task_set(
                         started_workers, db, task_set, on_progress, progress_every_s
                     )
     superseded = next((r for r in reports if r.get("superseded_by")), None)
+    combined = combine_task_set(db, task_set, manifest)
     return ExtractionSummary(
         workers=max(workers, 1),
         batches_done=sum(r["batches_done"] for r in reports),
@@ -133,6 +137,7 @@ def extract_task_set(
         superseded_by=superseded["superseded_by"] if superseded else "",
         superseded=superseded["superseded"] if superseded else "",
         timelines=tuple(_timeline(r) for r in reports if r.get("started_at")),
+        documents_combined=combined,
     )
 
 

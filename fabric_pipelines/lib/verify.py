@@ -567,6 +567,16 @@ def _check_accounting(
             f"(= {a.completed + a.failed + a.in_flight + a.queued})",
             repair,
         )
+    docs = a.documents
+    if docs is not None and docs.waiting and not (a.in_flight or a.queued):
+        ctx.report.add(
+            "ledger",
+            ctx.name,
+            f"{docs.waiting} of {docs.documents} documents are neither stored nor failed, though "
+            f"no window is queued or in flight: their vectors were never combined from their "
+            "windows",
+            ctx.run(),
+        )
     if a.in_flight or a.queued:
         now = time.time()
         live = [b for b in current if b.state == LEASED and (b.lease_deadline or 0) > now]

@@ -22,7 +22,15 @@ from sqlalchemy import Connection, Engine, Select, func, insert, select, tuple_,
 
 from fabric_gpu.batching import BatchPlan
 from fabric_pipelines.lib.store.keys import set_id_of, task_set_id
-from fabric_pipelines.lib.store.models import Batch, Embedding, Model, TaskFailure, TaskSet
+from fabric_pipelines.lib.store.models import (
+    WINDOW_BASE,
+    Batch,
+    DocumentWindow,
+    Embedding,
+    Model,
+    TaskFailure,
+    TaskSet,
+)
 from fabric_pipelines.lib.store.models import BatchPlan as BatchPlanRow
 
 QUEUED, LEASED, COMPLETED, FAILED, SUPERSEDED = (
@@ -71,12 +79,42 @@ class Lease:
 
 
 @dataclass(frozen=True)
+class DocumentAccounting:
+    """A set with chunked documents (tasks/windows.py), counted by document: every submitted
+    record is stored (its own row, combined from its windows if chunked), failed (at ingest, or
+    a window of it failed) or waiting; and its windows, which are tasks."""
+
+    documents: int
+    stored: int
+    failed: int
+    chunked: int
+    windows: int
+    windows_stored: int
+
+    @property
+    def waiting(self) -> int:
+        return self.documents - self.stored - self.failed
+
+    def to_mapping(self) -> dict[str, int]:
+        return {
+            "documents": self.documents, "stored": self.stored, "failed": self.failed,
+            "waiting": self.waiting, "chunked": self.chunked, "windows": self.windows,
+            "windows_stored": self.windows_stored,
+        }  # fmt: skip
+
+
+@dataclass(frozen=True)
 class Accounting:
+    """tasks = completed + failed + in_flight + queued. A chunked document's tasks are its
+    windows: `tasks` counts them in its place, and `completed` counts windows, not the document
+    row combined from them; `documents` then counts by document."""
+
     tasks: int
     completed: int
     failed: int
     in_flight: int
     queued: int
+    documents: DocumentAccounting | None = None
 
     @property
     def balanced(self) -> bool:
@@ -84,7 +122,9 @@ class Accounting:
 
     @property
     def finished(self) -> bool:
-        return self.balanced and self.in_flight == 0 and self.queued == 0
+        done = self.balanced and self.in_flight == 0 and self.queued == 0
+        # Every window stored or failed, yet a document neither: it was never combined.
+        return done and (self.documents is None or self.documents.waiting == 0)
 
 
 def supersede_open_batches(conn: Connection, task_set: str, keep_plan: str | None) -> None:
@@ -377,23 +417,90 @@ def accounting(conn: Connection, task_set: str, model_key: str | None = None) ->
             .scalar_subquery()
         )
 
+    # A chunked document's own row is not a task's: its windows are.
+    document_rows = (
+        select(func.count())
+        .select_from(DocumentWindow)
+        .join(
+            Embedding,
+            (Embedding.task_set_id == DocumentWindow.task_set_id)
+            & (Embedding.record_no == DocumentWindow.record_no),
+        )
+        .where(DocumentWindow.task_set_id == TaskSet.id, Embedding.model_id == model)
+        .scalar_subquery()
+    )
     query = select(
-        TaskSet.n_records,
+        TaskSet.n_records - TaskSet.n_chunked + TaskSet.n_windows,
         select(func.count())
         .select_from(Embedding)
         .where(Embedding.task_set_id == TaskSet.id, Embedding.model_id == model)
-        .scalar_subquery(),
+        .scalar_subquery()
+        - document_rows,
         select(func.count())
         .select_from(TaskFailure)
         .where(TaskFailure.task_set_id == TaskSet.id)
         .scalar_subquery(),
         batch_items(LEASED),
         batch_items(QUEUED),
+        TaskSet.n_chunked,
     ).where(TaskSet.name == task_set)
     row = conn.execute(query).first()
     if row is None:
         raise LookupError(f"no task set named {task_set!r}")
-    return Accounting(*(int(v) for v in row))
+    tasks, completed, failed, in_flight, queued, n_chunked = (int(v) for v in row)
+    documents = _document_accounting(conn, task_set, model) if n_chunked else None
+    return Accounting(tasks, completed, failed, in_flight, queued, documents)
+
+
+def _document_accounting(conn: Connection, task_set: str, model: Any) -> DocumentAccounting:
+    set_id = set_id_of(task_set)
+    windows_of = (
+        (TaskFailure.task_set_id == DocumentWindow.task_set_id)
+        & (TaskFailure.record_no >= DocumentWindow.first_window)
+        & (TaskFailure.record_no < DocumentWindow.first_window + DocumentWindow.n_windows)
+    )
+    stored_document = (
+        select(Embedding.record_no)
+        .where(
+            Embedding.task_set_id == DocumentWindow.task_set_id,
+            Embedding.model_id == model,
+            Embedding.record_no == DocumentWindow.record_no,
+        )
+        .exists()
+    )
+
+    def rows(*conditions: Any) -> Any:
+        return (
+            select(func.count())
+            .select_from(Embedding)
+            .where(Embedding.task_set_id == set_id, Embedding.model_id == model, *conditions)
+            .scalar_subquery()
+        )
+
+    row = conn.execute(
+        select(
+            TaskSet.n_records,
+            rows(Embedding.record_no < WINDOW_BASE),
+            select(func.count())
+            .select_from(TaskFailure)
+            .where(TaskFailure.task_set_id == set_id, TaskFailure.record_no < WINDOW_BASE)
+            .scalar_subquery(),
+            select(func.count(func.distinct(DocumentWindow.record_no)))
+            .select_from(DocumentWindow)
+            .join(TaskFailure, windows_of)
+            .where(DocumentWindow.task_set_id == set_id, ~stored_document)
+            .scalar_subquery(),
+            TaskSet.n_chunked,
+            TaskSet.n_windows,
+            rows(Embedding.record_no >= WINDOW_BASE),
+        ).where(TaskSet.name == task_set)
+    ).one()
+    documents, stored, failed_plain, failed_chunked, chunked, windows, windows_stored = (
+        int(v) for v in row
+    )
+    return DocumentAccounting(
+        documents, stored, failed_plain + failed_chunked, chunked, windows, windows_stored
+    )
 
 
 def plan_shapes(conn: Connection, plan_id: str) -> list[tuple[int, int]]:

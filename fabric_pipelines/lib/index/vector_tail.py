@@ -46,6 +46,7 @@ from fabric_pipelines.lib.broker.plans import current_plan, load_plan_order
 from fabric_pipelines.lib.index import shards
 from fabric_pipelines.lib.index.copy_rows import vector_rows
 from fabric_pipelines.lib.index.vectors import (
+    DOCUMENTS,
     ID_STRIDE,
     VectorSet,
     copy_records_sql,
@@ -215,8 +216,9 @@ class VectorTail:
             self._mark(cursor)
             ids = self._query(
                 cursor,
-                "SELECT task_set_id * {s} + record_no FROM embeddings WHERE model_id = {p} "
-                "UNION SELECT task_set_id * {s} + record_no FROM tasks WHERE task_set_id = {p}",
+                "SELECT task_set_id * {s} + record_no FROM embeddings WHERE model_id = {p} AND "
+                + DOCUMENTS
+                + " UNION SELECT task_set_id * {s} + record_no FROM tasks WHERE task_set_id = {p}",
                 (self._model, self._set),
             )
             self._arrivals = _Arrivals(np.sort(np.fromiter((row[0] for row in ids), np.int64)))
@@ -267,7 +269,9 @@ class VectorTail:
                 self.read_at_hand_over = self._arrived_since - before
                 moved = self._version_sum(cursor) - self._versions
                 count = self._query(
-                    cursor, "SELECT count(*) FROM embeddings WHERE model_id = {p}", (self._model,)
+                    cursor,
+                    f"SELECT count(*) FROM embeddings WHERE model_id = {{p}} AND {DOCUMENTS}",
+                    (self._model,),
                 )
                 rows = int(next(iter(count))[0])
             arrivals = self._arrivals
@@ -338,7 +342,7 @@ class _SqliteTail(VectorTail):
 
     def _read_model_rows(self, cursor: Any) -> None:
         with memory_mapped(cursor):
-            self._read(cursor, "model_id = ?", (self._model,))
+            self._read(cursor, f"model_id = ? AND {DOCUMENTS}", (self._model,))
 
     def _read(self, cursor: Any, where: str, params: tuple[Any, ...]) -> int:
         assert self._arrivals is not None
@@ -358,7 +362,7 @@ class _SqliteTail(VectorTail):
         # Up to the last rowid now, read first: a row committed meanwhile waits for next time.
         now = _last_rowid(cursor)
         if now > self._last_rowid:
-            where = "rowid > ? AND rowid <= ? AND model_id = ?"
+            where = f"rowid > ? AND rowid <= ? AND model_id = ? AND {DOCUMENTS}"
             self._arrived_since += self._read(cursor, where, (self._last_rowid, now, self._model))
             self._last_rowid = now
 

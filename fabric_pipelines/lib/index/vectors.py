@@ -29,9 +29,12 @@ from sqlalchemy import Connection, Engine, select, text
 from fabric_pipelines.lib.index import parallel_read
 from fabric_pipelines.lib.index.copy_rows import RowLayoutError, vector_rows
 from fabric_pipelines.lib.index.parallel_read import KeyRange, ReadStopped
-from fabric_pipelines.lib.store.models import Model, TaskSet
+from fabric_pipelines.lib.store.models import WINDOW_BASE, Model, TaskSet
 from fabric_pipelines.lib.store.schema import has_pgvector_column
 
+# An index holds documents: the rows of submitted records, never the windows of a chunked one
+# (tasks/windows.py), whose document has a row of its own.
+DOCUMENTS = f"record_no < {WINDOW_BASE}"
 # An index id packs the task set and the task: task_set_id * 2**40 + record_no.
 ID_STRIDE = 1 << 40
 # Rows per fetch: their blobs (1.5 MB at 768-d) are still in the CPU's cache when NumPy copies
@@ -74,7 +77,7 @@ def load_vectors(conn: Connection, model_key: str) -> VectorSet:
         for task_set, rows, first, last in conn.execute(
             text(
                 "SELECT task_set_id, count(*), min(record_no), max(record_no) FROM embeddings "
-                "WHERE model_id = :model GROUP BY task_set_id ORDER BY task_set_id"
+                f"WHERE model_id = :model AND {DOCUMENTS} GROUP BY task_set_id ORDER BY task_set_id"
             ),
             {"model": model},
         )
@@ -193,7 +196,7 @@ def _sqlite_rows(
     with closing(raw.cursor()) as cursor, memory_mapped(cursor):
         cursor.execute(
             "SELECT task_set_id * ? + record_no, vector FROM embeddings WHERE model_id = ? "
-            "ORDER BY task_set_id, record_no",
+            f"AND {DOCUMENTS} ORDER BY task_set_id, record_no",
             (ID_STRIDE, model),
         )
         while batch := cursor.fetchmany(SQLITE_BATCH):
@@ -278,7 +281,8 @@ def copy_sql(pgvector: bool, where: str = "") -> str:
     and their parameters after it), as _postgres_rows describes."""
     return (
         f"COPY (SELECT {_copied_columns(pgvector)} "
-        f"FROM embeddings WHERE model_id = %s{where} ORDER BY task_set_id, record_no) "
+        f"FROM embeddings WHERE model_id = %s AND {DOCUMENTS}{where} "
+        "ORDER BY task_set_id, record_no) "
         "TO STDOUT (FORMAT BINARY)"
     )
 
@@ -307,7 +311,8 @@ def _unreadable(
         "coalesce(length(vector) / 4, vector_dims(embedding))" if pgvector else "length(vector) / 4"
     )
     dims = conn.execute(
-        text(f"SELECT DISTINCT {dim} FROM embeddings WHERE model_id = :model"), {"model": model}
+        text(f"SELECT DISTINCT {dim} FROM embeddings WHERE model_id = :model AND {DOCUMENTS}"),
+        {"model": model},
     ).scalars()
     found = set(dims)
     known = sorted(int(d) for d in found if d is not None)

@@ -72,6 +72,11 @@ class TaskSet(Base):
     truncated: Mapped[int] = mapped_column(BigInteger, default=0)
     # Prepended to every text before tokenising (migration 0008); "" for none.
     prompt: Mapped[str] = mapped_column(Text, default="", server_default="")
+    # How over-long records were taken (tasks/windows.py); NULL: stored before 0011 (truncated
+    # > 0 says truncate, else fail).
+    long_inputs: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    n_chunked: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    n_windows: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     current_plan_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
@@ -131,6 +136,26 @@ def _model_key(model_id: Mapped[int]) -> Mapped[str]:
         .scalar_subquery()
     )
     return column_property(key)
+
+
+# Record numbers from here up are windows of chunked documents (tasks/windows.py); every one
+# below is a submitted record. Above any file's record count, below an index id's stride (2**40).
+WINDOW_BASE = 2**39
+
+
+class DocumentWindow(Base):
+    """A chunked document: its windows are the tasks first_window .. first_window + n_windows - 1
+    (record numbers, from WINDOW_BASE up); its vector, once all are stored, goes at record_no."""
+
+    __tablename__ = "document_windows"
+
+    task_set_id: Mapped[int] = mapped_column(
+        Integer, ForeignKey("task_sets.id", ondelete="CASCADE"), primary_key=True
+    )
+    record_no: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    first_window: Mapped[int] = mapped_column(BigInteger)
+    n_windows: Mapped[int] = mapped_column(Integer)
+    n_tokens: Mapped[int] = mapped_column(BigInteger)  # the whole document's
 
 
 class TaskFailure(Base):

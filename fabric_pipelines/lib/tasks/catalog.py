@@ -36,6 +36,7 @@ from fabric_pipelines.lib.store import task_partitions
 from fabric_pipelines.lib.store.db import sqlite_has_json
 from fabric_pipelines.lib.store.keys import set_id_of
 from fabric_pipelines.lib.store.models import (
+    DocumentWindow,
     Embedding,
     Task,
     TaskFailure,
@@ -59,6 +60,7 @@ from fabric_pipelines.lib.tasks.ingest import (
 from fabric_pipelines.lib.tasks.prompts import forget_prompt
 from fabric_pipelines.lib.tasks.source_read import SourceRead, done, read_source, take_read_ahead
 from fabric_pipelines.lib.tasks.store import read_table, single_chunk, to_table, write_ipc
+from fabric_pipelines.lib.tasks.windows import WINDOW_BASE, LongInputs
 
 # SQLite page cache while task ids are inserted, in KiB (the default is 2 MiB).
 SQLITE_INSERT_CACHE_KIB = 256 * 1024
@@ -93,6 +95,8 @@ class IngestSummary:
     lengths: np.ndarray  # tokens per task, in task order
     failures: list[Failure]
     prompt: str = ""  # put before each text before tokenising
+    n_chunked: int = 0  # documents split into windows (tasks/windows.py)
+    n_windows: int = 0  # their windows, which are tasks among n_tasks
 
 
 def ingest_task_set(
@@ -103,16 +107,19 @@ def ingest_task_set(
     model_id: str,
     max_seq_len: int,
     truncate: bool = False,
+    long_inputs: LongInputs | None = None,
     prompt: str = "",
     progress: bool = False,
 ) -> IngestSummary:
     """Ingest the inbox file of `task_set` (or reuse what is stored, see the module's doc).
-    `prompt` goes before every text (a set is its file and its prompt). Once the set is stored
-    its file leaves the inbox (tasks/inbox.set_aside)."""
+    `prompt` goes before every text (a set is its file and its prompt). Over-long records follow
+    `long_inputs` (default: fail, or truncate if `truncate`). Once the set is stored its file
+    leaves the inbox (tasks/inbox.set_aside)."""
+    policy = long_inputs or LongInputs("truncate" if truncate else "fail")
 
     def run() -> IngestSummary:
         return _ingest_task_set(
-            db, paths, task_set, model_id=model_id, max_seq_len=max_seq_len, truncate=truncate,
+            db, paths, task_set, model_id=model_id, max_seq_len=max_seq_len, policy=policy,
             prompt=prompt, progress=progress,
         )  # fmt: skip
 
@@ -135,7 +142,7 @@ def _ingest_task_set(
     *,
     model_id: str,
     max_seq_len: int,
-    truncate: bool,
+    policy: LongInputs,
     prompt: str,
     progress: bool,
 ) -> IngestSummary:
@@ -155,13 +162,13 @@ def _ingest_task_set(
         tok_sha = tokenizer_sha256(model_dir)
         if existing is not None:
             return _reuse(db, paths, existing, source, source_sha, tok_sha, max_seq_len, prompt)
-        row = _SetRow(task_set, source_sha, model_id, tok_sha, max_seq_len, prompt)
+        row = _SetRow(task_set, source_sha, model_id, tok_sha, max_seq_len, prompt, policy.label)
         columns = read.columns()
         tasks = ingest(
             source,
             load_tokenizer(model_dir, prompt),
             max_seq_len=max_seq_len,
-            truncate=truncate,
+            long_inputs=policy,
             progress=progress,
             columns=columns,
         )
@@ -204,6 +211,8 @@ def _ingest_task_set(
         tasks.lengths,
         tasks.failures,
         prompt,
+        tasks.n_chunked,
+        0 if tasks.windows is None else len(tasks.windows.document),
     )
 
 
@@ -261,6 +270,8 @@ def _store(
     }
     if prompt:  # only then: a set without one stores, and rebuilds to, the same bytes as before
         metadata["fabric.prompt"] = prompt
+    if tasks.windows is not None:  # likewise: only a set with windows says how they were cut
+        metadata["fabric.long_inputs"] = f"chunk:{_overlap_of(tasks)}"
     table = to_table(tasks)
     table = table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
     # Streamed: each buffer is hashed as it is written, the file is not read back.
@@ -279,6 +290,13 @@ class _SetRow:
     tokenizer_sha256: str
     max_seq_len: int
     prompt: str
+    long_inputs: str  # LongInputs.label
+
+
+def _overlap_of(tasks: TokenisedTasks) -> int:
+    """The overlap the windows were cut with (kept on the windows for the file's metadata)."""
+    assert tasks.windows is not None
+    return tasks.windows.overlap
 
 
 def _register(
@@ -289,10 +307,36 @@ def _register(
     meanwhile (`storing`)."""
     with db.begin() as conn:
         set_id = _insert_set_row(conn, row)
-        write_task_ids(conn, set_id, tasks.record_no, tasks.task_ids)
+        write_task_ids(conn, set_id, *tasks.documents())
+        _insert_document_windows(conn, set_id, tasks)
         stored = _complete(conn, set_id, row, tasks, storing)
         attach_task_ids(conn, set_id)
         return stored
+
+
+def _insert_document_windows(conn: Any, set_id: int, tasks: TokenisedTasks) -> None:
+    windows = tasks.windows
+    if windows is None:
+        return
+    conn.execute(
+        insert(DocumentWindow),
+        [
+            {
+                "task_set_id": set_id,
+                "record_no": r,
+                "first_window": f,
+                "n_windows": n,
+                "n_tokens": t,
+            }
+            for r, f, n, t in zip(
+                windows.doc_record_no.tolist(),
+                (WINDOW_BASE + windows.first_window).tolist(),
+                windows.n_windows.tolist(),
+                windows.doc_tokens.tolist(),
+                strict=True,
+            )
+        ],
+    )
 
 
 def attach_task_ids(conn: Any, set_id: int) -> None:
@@ -317,6 +361,7 @@ def _insert_set_row(conn: Any, row: _SetRow) -> int:
             "tokenizer_sha256": row.tokenizer_sha256,
             "max_seq_len": row.max_seq_len,
             "prompt": row.prompt,
+            "long_inputs": row.long_inputs,
             "n_records": 0,
             "n_tasks": 0,
             "truncated": 0,
@@ -353,6 +398,8 @@ def _complete(
             n_records=tasks.n_records,
             n_tasks=len(tasks.task_ids),
             truncated=tasks.truncated,
+            n_chunked=tasks.n_chunked,
+            n_windows=0 if tasks.windows is None else len(tasks.windows.document),
         )
     )
     return file
@@ -408,6 +455,8 @@ def _reuse(
         task_lengths(table),
         failures,
         existing.prompt,
+        existing.n_chunked,
+        existing.n_windows,
     )
 
 
@@ -433,12 +482,11 @@ def _read_or_rebuild(
             f"{damage}; it cannot be rebuilt because the tokenizer of {existing.model_id} changed "
             "since the set was ingested: resubmit the data under a new name"
         )
-    # Over-long records were truncated if, and only if, any was: the count says which was asked.
     tasks = ingest(
         source,
         load_tokenizer(model_dir, existing.prompt),
         max_seq_len=existing.max_seq_len,
-        truncate=existing.truncated > 0,
+        long_inputs=long_inputs_of(existing),
     )
     rebuilt = _store(
         paths,
@@ -466,6 +514,14 @@ def _read_or_rebuild(
         Path(existing.path).unlink(missing_ok=True)
         existing.path = str(rebuilt.path)
     return read_table(rebuilt.path, existing.content_sha256)
+
+
+def long_inputs_of(task_set: TaskSet) -> LongInputs:
+    """How the set took its over-long records. A set stored before sets recorded it truncated
+    them if, and only if, any was: its count says which was asked."""
+    if task_set.long_inputs:
+        return LongInputs.from_label(task_set.long_inputs)
+    return LongInputs("truncate" if task_set.truncated > 0 else "fail")
 
 
 def task_lengths(table: pa.Table) -> np.ndarray:

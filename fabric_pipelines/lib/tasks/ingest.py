@@ -28,6 +28,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from fabric_gpu.tokenise import encode_texts
+from fabric_pipelines.lib.tasks.windows import LongInputs, Windows, split
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -71,10 +72,28 @@ class TokenisedTasks:
     offsets: np.ndarray  # int64 [tasks + 1]
     failures: list[Failure] = field(default_factory=list)
     truncated: int = 0
+    # Chunked documents (tasks/windows.py): their windows are the tasks from WINDOW_BASE up.
+    windows: Windows | None = None
 
     @property
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
+
+    @property
+    def n_chunked(self) -> int:
+        return 0 if self.windows is None else len(self.windows.doc_record_no)
+
+    def documents(self) -> tuple[np.ndarray, list[str]]:
+        """(record numbers, ids) of every record that became tasks, ascending: a chunked
+        document once (its windows carry its id), not once per window."""
+        if self.windows is None:
+            return self.record_no, self.task_ids
+        n_plain = len(self.record_no) - len(self.windows.document)
+        record_no = np.concatenate([self.record_no[:n_plain], self.windows.doc_record_no])
+        first = self.windows.first_window + n_plain
+        ids = self.task_ids[:n_plain] + [self.task_ids[i] for i in first.tolist()]
+        order = np.argsort(record_no, kind="stable")
+        return record_no[order], [ids[i] for i in order.tolist()]
 
 
 def storable(text: str, limit: int) -> str:
@@ -95,22 +114,31 @@ def ingest(
     *,
     max_seq_len: int,
     truncate: bool = False,
+    long_inputs: LongInputs | None = None,
     progress: bool = False,
     columns: pa.Table | None = None,
 ) -> TokenisedTasks:
-    """Every record of `path` as a task or a failure; over-long ones fail unless truncating.
+    """Every record of `path` as a task or a failure. Over-long ones follow `long_inputs`
+    (tasks/windows.py); without it they fail, or are truncated if `truncate`.
 
     `columns`: what `plain_parquet` gave for the bytes of `path`, when the caller read them
     already (else the file is read here)."""
+    policy = _policy(truncate, long_inputs, max_seq_len)
     table = columns
     if table is None and path.suffix.lower() == ".parquet":
         table = plain_parquet(path)
     if table is None:
         return ingest_record_by_record(
-            path, tokenizer, max_seq_len=max_seq_len, truncate=truncate, progress=progress
+            path, tokenizer, max_seq_len=max_seq_len, long_inputs=policy, progress=progress
         )
     _check_max_seq_len(max_seq_len)
-    return _ingest_columns(table, tokenizer, max_seq_len, truncate, progress)
+    return _ingest_columns(table, tokenizer, max_seq_len, policy, progress)
+
+
+def _policy(truncate: bool, long_inputs: LongInputs | None, max_seq_len: int) -> LongInputs:
+    policy = long_inputs or LongInputs("truncate" if truncate else "fail")
+    policy.check(max_seq_len)
+    return policy
 
 
 def ingest_record_by_record(
@@ -119,15 +147,17 @@ def ingest_record_by_record(
     *,
     max_seq_len: int,
     truncate: bool = False,
+    long_inputs: LongInputs | None = None,
     progress: bool = False,
 ) -> TokenisedTasks:
     """`ingest`, one record at a time, for any file: what the column-wise reader must agree with."""
     _check_max_seq_len(max_seq_len)
+    policy = _policy(truncate, long_inputs, max_seq_len)
     n, records, failures = read_records(path)
     tokens, token_failures = tokenise(records, tokenizer, progress=progress)
     where = {r.record_no: r.where for r in records}
     return _within_length(
-        n, tokens, failures + token_failures, where.__getitem__, max_seq_len, truncate
+        n, tokens, failures + token_failures, where.__getitem__, max_seq_len, policy
     )
 
 
@@ -269,14 +299,22 @@ def _within_length(
     failures: list[Failure],
     where: Callable[[int], str],
     max_seq_len: int,
-    truncate: bool,
+    policy: LongInputs,
 ) -> TokenisedTasks:
-    """The tasks, once over-long records are failed, or cut to their head and closing token."""
+    """The tasks, once over-long records are failed, cut to their head and closing token, or
+    split into windows (appended after the other tasks, tasks/windows.py)."""
     lengths = np.diff(found.offsets)
     over = lengths > max_seq_len
-    keep = np.ones(len(lengths), dtype=bool) if truncate else ~over
+    truncate = policy.mode == "truncate"
+    keep = ~over if policy.mode != "truncate" else np.ones(len(lengths), dtype=bool)
     failures = list(failures)
-    if not truncate:
+    windows = None
+    if policy.mode == "chunk" and over.any():
+        windows = split(
+            found.tokens, found.offsets, np.flatnonzero(over), found.record_no, max_seq_len,
+            policy.overlap,
+        )  # fmt: skip
+    if policy.mode == "fail":
         for i in np.flatnonzero(over).tolist():
             record_no = int(found.record_no[i])
             failures.append(
@@ -285,18 +323,28 @@ def _within_length(
                     found.task_ids[i],
                     f"{where(record_no)}: over-long: {int(lengths[i])} tokens > max_seq_len "
                     f"{max_seq_len}; split the text, raise max_seq_len (up to the model's limit) "
-                    "or submit with --truncate",
+                    "or submit with --long-inputs chunk (or truncate)",
                 )
             )
     tokens, offsets = _select_rows(found.tokens, found.offsets, keep, max_seq_len)
+    kept = found.record_no[keep]
+    task_ids = found.task_ids if keep.all() else list(itertools.compress(found.task_ids, keep))
+    if windows is not None:
+        tokens = np.concatenate([tokens, windows.tokens])
+        offsets = np.concatenate([offsets, offsets[-1] + windows.offsets[1:]])
+        kept = np.concatenate([kept, windows.record_no])
+        over_ids = list(itertools.compress(found.task_ids, over))
+        task_ids = task_ids + [over_ids[i] for i in np.repeat(
+            np.arange(len(over_ids)), windows.n_windows).tolist()]  # fmt: skip
     return TokenisedTasks(
         n_records=n_records,
-        record_no=found.record_no[keep],
-        task_ids=found.task_ids if keep.all() else list(itertools.compress(found.task_ids, keep)),
+        record_no=kept,
+        task_ids=task_ids,
         tokens=tokens,
         offsets=offsets,
         failures=sorted(map(storable_failure, failures), key=lambda f: f.record_no),
         truncated=int(np.count_nonzero(over)) if truncate else 0,
+        windows=windows,
     )
 
 
@@ -410,13 +458,13 @@ class _Lists:
 
 
 def _ingest_columns(
-    table: pa.Table, tokenizer: Tokenizer, max_seq_len: int, truncate: bool, progress: bool
+    table: pa.Table, tokenizer: Tokenizer, max_seq_len: int, policy: LongInputs, progress: bool
 ) -> TokenisedTasks:
     import pyarrow.compute as pc
 
     n = table.num_rows
     if n == 0:
-        return _within_length(0, RecordTokens.of([], []), [], str, max_seq_len, truncate)
+        return _within_length(0, RecordTokens.of([], []), [], str, max_seq_len, policy)
     task_ids, id_ok = _task_ids(table.column("id").chunk(0))
     text = _column(table, "text")
     lists = _column(table, "token_ids")
@@ -461,7 +509,7 @@ def _ingest_columns(
         found, token_failures = tokenise(records, tokenizer, progress=progress)
         parts.append(found)
         failures += token_failures
-    return _within_length(n, _merge(parts), failures, lambda no: f"row {no}", max_seq_len, truncate)
+    return _within_length(n, _merge(parts), failures, lambda no: f"row {no}", max_seq_len, policy)
 
 
 def _fail_repeated(task_ids: pa.Array, valid: np.ndarray, failures: list[Failure]) -> np.ndarray:
