@@ -306,7 +306,7 @@ def test_task_ids_with_gaps_and_any_characters_are_written_as_given(
     record_no = np.array([0, 1, 5, 6, 7, 20, 21, 22, 40, 41, 42, 43, 100], dtype=np.int64)
     with db.begin() as conn:
         set_id = catalog._insert_set_row(
-            conn, catalog._SetRow("ids", "0" * 64, "m", "0" * 64, 8, "")
+            conn, catalog._SetRow("ids", "0" * 64, "m", "0" * 64, 8, "", "fail")
         )
         write_task_ids(conn, set_id, record_no, task_ids)
         attach_task_ids(conn, set_id)

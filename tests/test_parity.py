@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -68,28 +69,37 @@ def test_pooled_embeddings_match_sentence_transformers(paths: FabricPaths, tmp_p
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("long_inputs", ["truncate", "chunk"])
 @pytest.mark.parametrize(
     ("model_id", "max_seq_len", "every"),
     [(DEFAULT_MODEL_ID, 256, 10), (MPNET_MODEL_ID, 384, 20)],
     ids=["all-MiniLM-L6-v2", "all-mpnet-base-v2"],
 )
 def test_the_models_own_defaults_give_encode_at_its_defaults_for_every_item(
-    paths: FabricPaths, tmp_path: Path, model_id: str, max_seq_len: int, every: int
+    paths: FabricPaths,
+    tmp_path: Path,
+    model_id: str,
+    max_seq_len: int,
+    every: int,
+    long_inputs: str,
 ) -> None:
     """No overrides: the engine takes the model's sentence-transformers configuration (its
-    length, mean pooling, unit vectors) and long items are truncated as encode() truncates them;
-    every item's vector, read back with `fabric export`, is encode()'s. all-mpnet-base-v2 (MPNet:
-    relative position bias) comes from its split PyPI archive."""
+    length, mean pooling, unit vectors); every item's vector, read back with `fabric export`, is
+    encode()'s. Long items: truncated, as encode() truncates them; or chunked (the default), when
+    each is the token-weighted mean of the model's own vectors of the same windows (cut here by
+    a loop of the test's own). all-mpnet-base-v2 (MPNet: relative position bias) comes from its
+    split PyPI archive."""
     import pyarrow.parquet as pq
     from sentence_transformers import SentenceTransformer
 
     from fabric_pipelines.defs.resources import EngineConfig
     from fabric_pipelines.lib.export import export_task_set
 
-    engine_config = EngineConfig(model_id=model_id)
+    engine_config = EngineConfig(model_id=model_id, long_inputs=long_inputs)
     manifest = engine_config.manifest()
     assert manifest.profile.max_seq_len == max_seq_len and manifest.hooks.normalize is True
-    assert engine_config.truncate, "long inputs are truncated by default"
+    policy = engine_config.long_input_policy()
+    assert policy.mode == long_inputs and EngineConfig().long_inputs == "chunk"
     # Every `every`-th docstring of the demo corpus, and its longest ones (past the model's
     # length, so truncation is checked too).
     corpus = list(stdlib_docstrings(N_TEXTS * 10))
@@ -100,9 +110,10 @@ def test_the_models_own_defaults_give_encode_at_its_defaults_for_every_item(
     db: Engine = make_engine(f"sqlite:///{paths.sqlite_path}")
     create_schema(db)
     summary, report = run_stages(
-        db, paths, create_engine(manifest), manifest, source, "defaults", truncate=True
+        db, paths, create_engine(manifest), manifest, source, "defaults", long_inputs=policy
     )
-    assert summary.truncated > 0, "the sample holds items longer than the model's length"
+    long_items = summary.truncated if long_inputs == "truncate" else summary.n_chunked
+    assert long_items > 0, "the sample holds items longer than the model's length"
     assert summary.n_failed == 0 and report.batches_failed == 0
     exported = export_task_set(db, "defaults", tmp_path / "defaults.parquet")
     table = pq.read_table(exported.path)
@@ -112,9 +123,41 @@ def test_the_models_own_defaults_give_encode_at_its_defaults_for_every_item(
 
     reference = SentenceTransformer(str(resolve_model_dir(model_id)), device="cpu")
     expected = reference.encode([texts[i] for i in ids], batch_size=32, convert_to_numpy=True)
+    if long_inputs == "chunk":
+        for row, task_id in enumerate(ids):
+            token_ids = reference.tokenizer(texts[task_id])["input_ids"]
+            if len(token_ids) > max_seq_len:
+                windows = _windows(token_ids, max_seq_len, policy.overlap)
+                expected[row] = _weighted_mean_of_windows(reference, windows)
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
     cosine = (got * expected).sum(1) / (
         np.linalg.norm(got, axis=1) * np.linalg.norm(expected, axis=1)
     )
     worst = int(np.argmin(cosine))
     assert cosine.min() >= 0.9999, f"{ids[worst]}: cosine {cosine[worst]:.6f}"
+
+
+def _windows(ids: list[int], max_len: int, overlap: int) -> list[list[int]]:
+    """[first] + a run of the inner tokens + [last], advancing by max_len - 2 - overlap, the
+    last window flush with the end."""
+    inner, width = ids[1:-1], max_len - 2
+    starts, start = [], 0
+    while start + width < len(inner):
+        starts.append(start)
+        start += width - overlap
+    starts.append(len(inner) - width)
+    return [[ids[0], *inner[s : s + width], ids[-1]] for s in starts]
+
+
+def _weighted_mean_of_windows(reference: Any, windows: list[list[int]]) -> np.ndarray:
+    """The model's own (encode()'s) vector of each window, fed as token ids, averaged with each
+    window's token count as its weight, then unit length (the model normalises)."""
+    import torch
+
+    ids = torch.tensor(windows)
+    with torch.no_grad():
+        out = reference({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    vectors = out["sentence_embedding"].numpy().astype(np.float64)
+    weights = np.array([len(w) for w in windows], dtype=np.float64)
+    mean = (vectors * weights[:, None]).sum(0) / weights.sum()
+    return (mean / np.linalg.norm(mean)).astype(np.float32)
