@@ -72,6 +72,29 @@ def write_token_ids(path: Path, lengths: np.ndarray, seed: int = 0) -> None:
     pq.write_table(pa.table({"id": ids, "token_ids": values}), path)
 
 
+def document_lengths(n_tasks: int, seed: int = 0) -> np.ndarray:
+    """`--modes docs`: n_tasks / 200 long documents of 600 to 20,000 tokens (log-uniform), each
+    split into 512-token windows by the product's default `--long-inputs chunk`."""
+    rng = np.random.default_rng(seed)
+    return np.exp(rng.uniform(np.log(600), np.log(20_000), max(n_tasks // 200, 1))).astype(np.int64)
+
+
+def window_lengths(lengths: np.ndarray, max_seq_len: int, overlap: int) -> np.ndarray:
+    """The tasks the product makes of documents of `lengths` (tasks/windows.py): the engine-alone
+    peer runs the same."""
+    from fabric_pipelines.lib.tasks.windows import window_starts
+
+    counts = [
+        len(window_starts(int(n), max_seq_len, overlap)) if n > max_seq_len else 1 for n in lengths
+    ]
+    return np.concatenate(
+        [
+            np.full(c, max_seq_len) if n > max_seq_len else [n]
+            for c, n in zip(counts, lengths, strict=True)
+        ]
+    ).astype(np.int64)
+
+
 def vocabulary_words(tokenizer_dir: Path) -> list[str]:
     """Whole lower-case ASCII words of the vocabulary: each one token, alone or before a '.'."""
     words = (tokenizer_dir / "vocab.txt").read_text(encoding="utf-8").split("\n")
@@ -304,12 +327,18 @@ def exactly_once(db_url: str, manifest_file: Path, task_set: str = TASK_SET) -> 
         ).scalar_one()
     db.dispose()
     balanced = counts.finished and counts.tasks == counts.completed + counts.failed
+    # A chunked document's own row comes beside its windows' (lib/documents.py).
+    documents = counts.documents
+    combined = (
+        0 if documents is None else documents.stored - (counts.completed - documents.windows_stored)
+    )
     return {
         "tasks": counts.tasks,
         "completed": counts.completed,
         "failed": counts.failed,
         "rows": int(rows),
-        "exactly_once": bool(balanced and rows == counts.completed),
+        "exactly_once": bool(balanced and rows == counts.completed + combined),
+        **({"documents": documents.to_mapping()} if documents is not None else {}),
     }
 
 
@@ -343,7 +372,10 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="CPU engine on a small set")
     parser.add_argument("--tasks", type=int, help="tasks per set (default 1,000,000; --cpu 3,000)")
     parser.add_argument("--models", help="yardstick sizes (default bert_base; --cpu minilm_l6)")
-    parser.add_argument("--modes", default="ids", help="ids, text or both (comma-separated)")
+    parser.add_argument(
+        "--modes", default="ids",
+        help="ids, text, docs (long token-id documents, chunked into windows) (comma-separated)",
+    )  # fmt: skip
     parser.add_argument("--dbs", default="sqlite", help="sqlite, postgresql or both")
     parser.add_argument("--gpus", type=int, default=1, help="also run on this many GPUs")
     parser.add_argument("--pg-url", default=os.environ.get("FABRIC_BENCH_PG_URL"))
@@ -398,6 +430,8 @@ def main() -> None:
                 started = time.perf_counter()
                 if mode == "ids":
                     write_token_ids(path, lengths)
+                elif mode == "docs":
+                    write_token_ids(path, document_lengths(n_tasks))
                 else:
                     write_texts(path, lengths, vocabulary_words(tokenizer_from))
                 print(f"wrote {path.name} in {time.perf_counter() - started:.1f} s", flush=True)
@@ -418,6 +452,19 @@ def main() -> None:
                 else engine_only_gpu(reference, size, lengths)
             )
             print(f"{size}: engine alone {engine['tokens_per_s'] / 1e6:.3f} M tok/s", flush=True)
+            engines = {mode: engine for mode in modes}
+            if "docs" in modes:  # the peer on the windows the product makes of the documents
+                windows = window_lengths(document_lengths(n_tasks), 512, 32)
+                engines["docs"] = (
+                    engine_only_cpu(model, windows, profile)
+                    if args.cpu
+                    else engine_only_gpu(reference, size, windows)
+                )
+                print(
+                    f"{size}: engine alone on {len(windows):,} windows "
+                    f"{engines['docs']['tokens_per_s'] / 1e6:.3f} M tok/s",
+                    flush=True,
+                )
             for mode in modes:
                 for db in dbs:
                     by_gpus = {}
@@ -432,7 +479,8 @@ def main() -> None:
                                 print(f"{key}: {failed}", flush=True)
                                 results[key] = {"error": str(failed)}
                                 continue
-                            results[key] = summarise(run, engine, int(lengths.sum()))
+                            submitted = windows if mode == "docs" else lengths
+                            results[key] = summarise(run, engines[mode], int(submitted.sum()))
                             receipt = run["report"]["index"].get("vector_index", {})
                             if args.rebuild and receipt.get("receipt_path"):
                                 results[key]["rebuilds"] = [
