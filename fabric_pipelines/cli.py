@@ -526,6 +526,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     """A task set's pooled embeddings as a Parquet file (lib/export.py), with a progress bar."""
     from tqdm import tqdm
 
+    from fabric_gpu.variants import VariantError
     from fabric_pipelines.lib.broker.ledger import accounting
     from fabric_pipelines.lib.export import ExportError, export_task_set
     from fabric_pipelines.lib.names import validate_task_set_name
@@ -546,21 +547,24 @@ def cmd_export(args: argparse.Namespace) -> int:
     _, db = _open_database()
     try:
         with db.connect() as conn:
-            total = accounting(conn, name, args.model_key).completed
+            counts = accounting(conn, name, args.model_key)
+        # Rows are documents: a chunked one is one row, not its windows.
+        total = counts.documents.stored if counts.documents is not None else counts.completed
     except LookupError:
         total = None  # export names the missing set
     with tqdm(total=total, unit=" rows", desc=f"export {name}", disable=None) as bar:
         try:
             done = export_task_set(
-                db, name, out, model_key=args.model_key, layers=layers,
+                db, name, out, model_key=args.model_key, layers=layers, variant=args.variant,
                 progress=lambda n: _advance(bar, n),
             )  # fmt: skip
-        except ExportError as exc:
+        except (ExportError, VariantError) as exc:
             print(f"fabric export: {exc}", file=sys.stderr)
             return 2
     print(
         f"exported {done.rows:,} vectors of {done.model_key} (dim {done.dim}) from {name!r} to "
-        f"{done.path} (sha256 {done.sha256[:16]}…)"
+        f"{done.path} as {done.variant}, {done.bytes_per_vector:,} bytes a vector "
+        f"(sha256 {done.sha256[:16]}…)"
     )
     return 0
 
@@ -1150,6 +1154,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--layers",
         help="comma-separated hook layers whose hidden states to add, one column each "
         "(layers the run kept: --hook-layers); rows then come batch by batch",
+    )
+    export.add_argument(
+        "--variant",
+        help="the vectors as float16, int8 (calibrated on the first 50,000) or binary (sign "
+        "bits), optionally shortened to their first N dimensions: e.g. int8:256 (default float32)",
     )
     export.add_argument("--force", action="store_true", help="replace --out if it exists")
     export.set_defaults(func=cmd_export)

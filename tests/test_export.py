@@ -95,3 +95,45 @@ def test_hidden_states_are_exported_beside_each_vector_from_the_checked_shards(
     with pytest.raises(ExportError, match=r"kept hidden states of layers \[2, -1\], not \[4\]"):
         export_task_set(db, "hs", tmp_path / "other.parquet", layers=[4])
     assert not (tmp_path / "other.parquet").exists()
+
+
+@pytest.mark.parametrize("variant", ["float16", "int8", "binary", "int8:128", "binary:100"])
+def test_a_variant_export_is_the_cpu_twin_of_the_stored_vectors_read_back(
+    db: Engine,
+    paths: FabricPaths,
+    tmp_path: Path,
+    cpu_engine,  # type: ignore[no-untyped-def]
+    manifest: EngineManifest,
+    monkeypatch: pytest.MonkeyPatch,
+    variant: str,
+) -> None:
+    """Read back from the file: every vector equals the variant's CPU twin of the stored float32
+    one (int8 with the calibration the file records, made from its first block)."""
+    from fabric_gpu.variants import Int8Calibration, Variant
+
+    run_stages(db, paths, cpu_engine, manifest, _source(tmp_path), "var")
+    monkeypatch.setattr(export, "BLOCK_ROWS", 10)  # the calibration is the first block's
+    out = tmp_path / f"var-{variant.replace(':', '-')}.parquet"
+    done = export_task_set(db, "var", out, variant=variant)
+    chosen = Variant.parse(variant)  # the fixture's manifest does not normalise
+    assert done.variant == chosen.label
+    assert done.bytes_per_vector == chosen.row_bytes(done.dim)
+    table = pq.read_table(out)
+    metadata = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
+    assert metadata["fabric.variant"] == chosen.label
+    stored = stored_embeddings(db, "var", manifest.model_key)
+    ids = table.column("id").to_pylist()
+    floats = np.stack([stored[i] for i in ids])
+    calibration = None
+    if chosen.needs_calibration():
+        calibration = Int8Calibration.from_json(metadata["fabric.int8_calibration"])
+        expected_calibration = Int8Calibration.of(chosen.prepared(floats[:10]))
+        assert np.array_equal(calibration.low, expected_calibration.low)
+    expected = chosen.apply_numpy(floats, calibration)
+    column = table.column("vector").combine_chunks()
+    if chosen.encoding == "binary":
+        got = np.frombuffer(column.buffers()[1], np.uint8)[: expected.size].reshape(expected.shape)
+    else:
+        got = column.values.to_numpy(zero_copy_only=False).reshape(expected.shape)
+    assert got.dtype == expected.dtype
+    assert np.array_equal(got, expected)

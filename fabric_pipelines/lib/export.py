@@ -6,6 +6,13 @@ a half-written file. Columns: `id` (the task id as submitted), `record_no` (its 
 submitted file, from 0), `n_tokens` (tokens the model read) and `vector` (float32, fixed size);
 with hook layers asked for, `layer_<k>` per layer: the task's hidden states, [tokens, hidden]
 float16, read from its shard file (rows then come batch by batch).
+
+With a variant (fabric_gpu/variants.py: `float16`, `int8`, `binary`, optionally `:DIMS`), the
+`vector` column holds that encoding (float16 or int8 lists, binary as fixed-size bytes), computed
+from the stored float32 vectors by the variant's CPU twin; the file's metadata names the variant
+(`fabric.variant`) and, for int8, the calibration (`fabric.int8_calibration`, JSON of the per-
+dimension low and high, taken from the first block of up to BLOCK_ROWS vectors) that a query must
+be quantised with.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from sqlalchemy import Engine, Select, select
 
+from fabric_gpu.variants import Int8Calibration, Variant
 from fabric_pipelines.lib.files import HashingWriter, stream_file
 from fabric_pipelines.lib.hidden_states import read_shard
 from fabric_pipelines.lib.store.models import (
@@ -46,6 +54,8 @@ class Exported:
     rows: int
     dim: int
     model_key: str
+    variant: str = "float32"
+    bytes_per_vector: int = 0
 
 
 def export_task_set(
@@ -55,6 +65,7 @@ def export_task_set(
     *,
     model_key: str | None = None,
     layers: Sequence[int] = (),
+    variant: str | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> Exported:
     """Write `task_set`'s embeddings of `model_key` (default: the model of its current plan) to
@@ -62,18 +73,24 @@ def export_task_set(
     layers' hidden states (`layer_<k>`: one [tokens, hidden] float16 list per task), read from
     the set's shard files (each checked against its sha256), and rows come batch by batch."""
     set_id, model, model_key = _set_and_model(db, task_set, model_key)
+    # A normalising model's shortened vectors are made unit length again.
+    chosen = Variant.parse(variant, normalize="+normalized" in model_key) if variant else None
     blocks = (
         _hidden_state_blocks(db, task_set, set_id, model, model_key, list(layers))
         if layers
         else _record_order_blocks(db, set_id, model)
     )
     counted = {"rows": 0, "dim": 0}
+    calibration: list[Int8Calibration] = []  # set from the first block, for int8
 
     def write(sink: HashingWriter) -> None:
         writer: pq.ParquetWriter | None = None
         for table in blocks:
             if writer is None:
                 counted["dim"] = table.schema.field("vector").type.list_size
+            if chosen is not None:
+                table = _encoded(table, chosen, calibration)
+            if writer is None:
                 writer = pq.ParquetWriter(pa.PythonFile(sink, mode="w"), table.schema)
             writer.write_table(table)
             counted["rows"] += table.num_rows
@@ -87,7 +104,34 @@ def export_task_set(
         writer.close()
 
     stored = stream_file(out, write)
-    return Exported(out, stored.sha256, counted["rows"], counted["dim"], model_key)
+    label = chosen.label if chosen is not None else "float32"
+    per_vector = (chosen or Variant()).row_bytes(counted["dim"]) if counted["dim"] else 0
+    return Exported(
+        out, stored.sha256, counted["rows"], counted["dim"], model_key, label, per_vector
+    )
+
+
+def _encoded(table: pa.Table, variant: Variant, calibration: list[Int8Calibration]) -> pa.Table:
+    """`table` with its float32 `vector` column in `variant`'s encoding, the variant (and the
+    int8 calibration, made from this block if it is the first) in the schema's metadata."""
+    column = table.column("vector").combine_chunks()
+    dim = column.type.list_size
+    vectors = column.values.to_numpy(zero_copy_only=False).reshape(-1, dim)
+    if variant.needs_calibration() and not calibration:
+        calibration.append(Int8Calibration.of(variant.prepared(vectors)))
+    cal = calibration[0] if calibration else None
+    encoded = variant.apply_numpy(vectors, cal)
+    if variant.encoding == "binary":
+        values: pa.Array = pa.FixedSizeBinaryArray.from_buffers(
+            pa.binary(encoded.shape[1]), len(encoded), [None, pa.py_buffer(encoded.tobytes())]
+        )
+    else:
+        values = pa.FixedSizeListArray.from_arrays(pa.array(encoded.reshape(-1)), encoded.shape[1])
+    table = table.set_column(table.schema.get_field_index("vector"), "vector", values)
+    metadata = {"fabric.variant": variant.label}
+    if cal is not None:
+        metadata["fabric.int8_calibration"] = cal.to_json()
+    return table.replace_schema_metadata(metadata)
 
 
 def _set_and_model(db: Engine, task_set: str, model_key: str | None) -> tuple[int, int, str]:
