@@ -367,7 +367,8 @@ def _print_summary(summary: dict[str, Any]) -> None:
     index = summary["index"].get("vector_index", {})
     rows = [
         ("tasks submitted", f"{tasks.get('records', 0):,}"),
-        ("completed", f"{extraction.get('completed', 0):,}"),
+        ("completed", f"{extraction.get('completed', 0):,} tasks"),
+        *_document_rows(extraction.get("documents")),
         (
             "failed",
             f"{extraction.get('failed', 0):,} (each with a reason: fabric status --failures)",
@@ -387,6 +388,21 @@ def _print_summary(summary: dict[str, Any]) -> None:
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"  {key:<{width}}  {value}")
+
+
+def _document_rows(documents: dict[str, int] | None) -> list[tuple[str, str]]:
+    """A set with chunked documents: its documents stored, and into how many windows (tasks)
+    its long ones were split."""
+    if not documents:
+        return []
+    return [
+        (
+            "documents",
+            f"{documents['stored']:,} stored of {documents['documents']:,}; "
+            f"{documents['chunked']:,} longer than the model's length, split into "
+            f"{documents['windows']:,} windows",
+        )
+    ]
 
 
 def _index_rows(index: dict[str, Any]) -> list[tuple[str, str]]:

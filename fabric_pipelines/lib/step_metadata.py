@@ -61,6 +61,9 @@ def ingest_metadata(summary: IngestSummary, seconds: float) -> Metadata:
         "tasks": summary.n_tasks,
         "failed": summary.n_failed,
         "truncated": summary.truncated,
+        # Records over the model's length split into windows (tasks among `tasks`).
+        "chunked": summary.n_chunked,
+        "windows": summary.n_windows,
         "tokens": int(lengths.sum()),
         "mean_length": round(float(lengths.mean()), 2) if lengths.size else 0.0,
         "max_length": int(lengths.max()) if lengths.size else 0,
@@ -138,6 +141,9 @@ def extraction_metadata(
         "pulling_tokens_per_s": round(report.real_tokens / pulling if pulling else 0.0, 1),
         "completed": counts.completed,
         "failed": counts.failed,
+        # A set with chunked documents, by document (their windows are the tasks above).
+        **({"documents": Json(counts.documents.to_mapping())} if counts.documents else {}),
+        "documents_combined": report.documents_combined,
         "superseded_by": report.superseded_by or "none",
         # What this extraction ran: its plan and its task file, by content hash.
         "plan_id": plan.plan_id,
@@ -161,6 +167,7 @@ def accounting_check_metadata(
         "failed": counts.failed,
         "in_flight": counts.in_flight,
         "queued": counts.queued,
+        **({"documents": Json(counts.documents.to_mapping())} if counts.documents else {}),
         "shard_files_verified": verified.checked.get("shard_files", 0),
         "hidden_state_tasks": verified.checked.get("hidden_state_tasks", 0),
         "findings": len(verified.findings),
