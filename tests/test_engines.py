@@ -342,3 +342,51 @@ def test_tensorrt_profiles_are_one_per_bucket_shape() -> None:
     assert all(p["input_ids"][0] == p["input_ids"][2] == p["attention_mask"][1] for p in profiles)
     with pytest.raises(ValueError, match="empty"):
         optimization_profiles([(0, 4)])
+
+
+@pytest.mark.parametrize("architecture", ["roberta", "xlm-roberta"])
+def test_roberta_and_xlmr_position_offsets_match_hugging_face(architecture: str) -> None:
+    """RoBERTa and XLM-R number positions from padding_idx + 1 (an offset of 2), counting only
+    tokens that are not the padding id. Random weights: every item's pooled vector from the
+    torch engine's padded batch equals the module run on that item alone, up to the longest
+    length the position table holds (max_position_embeddings - 2)."""
+    import transformers
+
+    from fabric_gpu.engines import PaddedBatch
+
+    config_class, model_class = {
+        "roberta": (transformers.RobertaConfig, transformers.RobertaModel),
+        "xlm-roberta": (transformers.XLMRobertaConfig, transformers.XLMRobertaModel),
+    }[architecture]
+    torch.manual_seed(0)
+    config = config_class(
+        vocab_size=600, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, max_position_embeddings=130, pad_token_id=1,
+    )  # fmt: skip
+    model = model_class(config, add_pooling_layer=False).eval()
+    manifest = EngineManifest.from_mapping(
+        {
+            "model_id": f"random-{architecture}", "weights_sha256": "0" * 64, "backend": "torch",
+            "dtype": "float32", "max_batch_tokens": 4096, "max_batch_items": 16,
+            "max_seq_len": 128, "seq_granularity": 8, "hooks": HookSpec((), "mean").to_mapping(),
+        }
+    )  # fmt: skip
+    engine = TorchEngine(manifest, model=model, device="cpu", layout="padded")
+    rng = np.random.default_rng(4)
+    lengths = np.array([128, 1, 37, 127, 5, 64])
+    ids = np.zeros((len(lengths), 128), np.int64)
+    for i, n in enumerate(lengths):
+        ids[i, :n] = rng.integers(3, 600, n)
+    ours = engine.forward(PaddedBatch(ids, lengths)).pooled
+    for i, n in enumerate(lengths):
+        with torch.inference_mode():
+            alone = model(input_ids=torch.from_numpy(ids[i : i + 1, :n])).last_hidden_state
+        np.testing.assert_allclose(ours[i], alone[0].mean(0).numpy(), atol=2e-5, rtol=1e-4)
+    # The offset matters: positions from 0 instead would give other vectors.
+    with torch.inference_mode():
+        wrong = (
+            model(input_ids=torch.from_numpy(ids[2:3, :37]), position_ids=torch.arange(37)[None])
+            .last_hidden_state[0]
+            .mean(0)
+        )
+    assert not np.allclose(ours[2], wrong.numpy(), atol=1e-3)
