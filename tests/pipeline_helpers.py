@@ -11,6 +11,7 @@ import numpy as np
 from sqlalchemy import Engine, func, select
 
 from fabric_gpu.engines import Engine as ExtractionEngine
+from fabric_gpu.engines import input_layout
 from fabric_gpu.manifest import EngineManifest
 from fabric_pipelines.lib.broker.plans import load_plan_order, plan_task_set
 from fabric_pipelines.lib.documents import combine_task_set
@@ -45,7 +46,8 @@ def run_stages(
         max_seq_len=manifest.profile.max_seq_len, truncate=truncate, long_inputs=long_inputs,
         prompt=prompt,
     )  # fmt: skip
-    plan = plan_task_set(db, paths, task_set, manifest)
+    # The layout the engine takes, as the shape_batches asset plans (packed on the GPU).
+    plan = plan_task_set(db, paths, task_set, manifest, input_layout(manifest))
     job = ExtractionJob(
         task_set=task_set,
         plan_id=plan.plan_id,
