@@ -701,6 +701,28 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 1
 
 
+def cmd_recombine(args: argparse.Namespace) -> int:
+    """The repair `fabric verify` names for document vectors that differ from their windows'."""
+    from sqlalchemy import select
+
+    from fabric_pipelines.lib.documents import recombine_documents
+    from fabric_pipelines.lib.store.models import Model, TaskSet
+
+    _, db = _open_database()
+    with db.connect() as conn:
+        set_id = conn.execute(select(TaskSet.id).where(TaskSet.name == args.task_set)).scalar()
+        model = conn.execute(select(Model.id).where(Model.model_key == args.model_key)).scalar()
+    if set_id is None or model is None:
+        missing = f"task set {args.task_set!r}" if set_id is None else f"model {args.model_key!r}"
+        print(f"fabric recombine: no {missing} (fabric status lists them)", file=sys.stderr)
+        return 2
+    replaced = recombine_documents(
+        db, int(set_id), int(model), normalize=args.model_key.endswith("+normalized")
+    )
+    print(f"{args.task_set}: {replaced} document vector(s) combined again from their windows")
+    return 0
+
+
 def cmd_requeue(args: argparse.Namespace) -> int:
     """Delete a batch's results and queue it again; `fabric run` then extracts it once more."""
     from fabric_pipelines.lib.repair import RepairError, requeue_batches
@@ -1186,6 +1208,14 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("task_set", nargs="?", help="one task set (default: all, and receipts)")
     verify.add_argument("--json", action="store_true", help="machine-readable output")
     verify.set_defaults(func=cmd_verify)
+
+    recombine = sub.add_parser(
+        "recombine",
+        help="combine again the document vectors verify found differing from their windows'",
+    )
+    recombine.add_argument("task_set")
+    recombine.add_argument("--model-key", required=True, help="whose vectors (verify names it)")
+    recombine.set_defaults(func=cmd_recombine)
 
     requeue = sub.add_parser(
         "requeue",

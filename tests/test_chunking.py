@@ -23,12 +23,13 @@ from fabric_gpu.engines import create_engine
 from fabric_gpu.manifest import EngineManifest, HookSpec, manifest_for_model
 from fabric_gpu.model import DEFAULT_MODEL_ID, load_tokenizer, resolve_model_dir
 from fabric_pipelines.lib.broker.ledger import accounting
-from fabric_pipelines.lib.documents import combine_documents
+from fabric_pipelines.lib.documents import combine_documents, recombine_documents
 from fabric_pipelines.lib.settings import FabricPaths
 from fabric_pipelines.lib.store.keys import model_id
 from fabric_pipelines.lib.store.models import WINDOW_BASE, DocumentWindow, Embedding, TaskSet
 from fabric_pipelines.lib.tasks.ingest import ingest
 from fabric_pipelines.lib.tasks.windows import LongInputs, split, window_starts
+from fabric_pipelines.lib.verify import verify
 from tests.conftest import TEST_PROFILE
 from tests.pipeline_helpers import run_stages, stored_embeddings
 
@@ -173,6 +174,28 @@ def test_texts_of_10_to_100000_tokens_complete_and_balance_by_task_and_by_docume
     assert sorted(stored) == sorted(f"doc{n}" for n in LENGTHS)
     for vector in stored.values():
         assert abs(float(np.linalg.norm(vector)) - 1.0) < 1e-5
+
+    # A document row changed behind the product's back: verify finds it, recombine repairs it.
+    assert verify(db, paths, "long").clean
+    long_doc = LENGTHS.index(5_000)
+    with db.begin() as conn:
+        conn.execute(
+            Embedding.__table__.update()
+            .where(Embedding.record_no == long_doc)
+            .values(vector=np.ones(384, np.float32).tobytes())
+        )
+    findings = [f for f in verify(db, paths, "long").findings if f.kind == "documents"]
+    assert len(findings) == 1 and f"records {long_doc}" in findings[0].problem
+    assert findings[0].repair.startswith("fabric recombine long --model-key")
+    with db.connect() as conn:
+        set_id = conn.execute(select(TaskSet.id).where(TaskSet.name == "long")).scalar_one()
+        model = model_id(conn, normalising.model_key)
+    assert recombine_documents(db, set_id, model, normalize=True) == 1
+    assert verify(db, paths, "long").clean
+    assert np.array_equal(
+        stored_embeddings(db, "long", normalising.model_key)[f"doc{LENGTHS[long_doc]}"],
+        stored[f"doc{LENGTHS[long_doc]}"],
+    )
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Connection, Engine, select
+from sqlalchemy import Connection, Engine, delete, select
 
 from fabric_pipelines.lib.result_writer import insert_rows
 from fabric_pipelines.lib.retry import retry
@@ -139,10 +139,77 @@ def _combine_block(
     return len(rows), waiting
 
 
+def mismatched_documents(
+    conn: Connection, task_set_id: int, model_id: int, *, normalize: bool
+) -> list[int]:
+    """Record numbers of the set's stored document rows that are not what combining their
+    stored windows gives now, byte for byte: the row was changed, or a window of it is gone or
+    changed (`fabric verify` reports them; `recombine_documents` repairs them)."""
+    documents = conn.execute(
+        select(
+            DocumentWindow.record_no,
+            DocumentWindow.first_window,
+            DocumentWindow.n_windows,
+            DocumentWindow.n_tokens,
+        )
+        .where(DocumentWindow.task_set_id == task_set_id)
+        .order_by(DocumentWindow.record_no)
+    ).all()
+    wrong: list[int] = []
+    for start in range(0, len(documents), BLOCK_DOCUMENTS):
+        block = documents[start : start + BLOCK_DOCUMENTS]
+        first, last = int(block[0][0]), int(block[-1][0])
+        stored = _stored_rows(conn, task_set_id, model_id, first, last + 1)
+        low = min(int(d[1]) for d in block)
+        windows = _stored_rows(
+            conn, task_set_id, model_id, low, max(int(d[1]) + int(d[2]) for d in block)
+        )
+        for doc, first_window, n_windows, n_tokens in block:
+            row = stored.get(int(doc))
+            if row is None:
+                continue  # not combined yet: the accounting counts it as waiting or failed
+            found = [
+                windows.get(w) for w in range(int(first_window), int(first_window) + int(n_windows))
+            ]
+            if any(f is None for f in found):
+                wrong.append(int(doc))
+                continue
+            weights = np.array([f[0] for f in found if f is not None], dtype=np.float64)
+            vectors = np.stack([f[1] for f in found if f is not None])
+            expected = weighted_mean(vectors, weights, normalize)
+            if row[0] != int(n_tokens) or row[1].tobytes() != expected.astype("<f4").tobytes():
+                wrong.append(int(doc))
+    return wrong
+
+
+def recombine_documents(db: Engine, task_set_id: int, model_id: int, *, normalize: bool) -> int:
+    """Replace the document rows `mismatched_documents` names with what their windows give
+    (a document with a window gone stays out until its window runs again); how many went."""
+    with db.begin() as conn:
+        wrong = mismatched_documents(conn, task_set_id, model_id, normalize=normalize)
+        for start in range(0, len(wrong), BLOCK_DOCUMENTS):
+            conn.execute(
+                delete(Embedding).where(
+                    Embedding.task_set_id == task_set_id,
+                    Embedding.model_id == model_id,
+                    Embedding.record_no.in_(wrong[start : start + BLOCK_DOCUMENTS]),
+                )
+            )
+    combine_documents(db, task_set_id, model_id, normalize=normalize)
+    return len(wrong)
+
+
 def _window_rows(
     conn: Connection, task_set_id: int, model_id: int, low: int, high: int
 ) -> dict[int, tuple[int, np.ndarray]]:
     """(n_tokens, vector) of the set's stored windows with record numbers in [low, high)."""
+    return _stored_rows(conn, task_set_id, model_id, max(low, WINDOW_BASE), high)
+
+
+def _stored_rows(
+    conn: Connection, task_set_id: int, model_id: int, low: int, high: int
+) -> dict[int, tuple[int, np.ndarray]]:
+    """(n_tokens, vector) of the set's stored rows with record numbers in [low, high)."""
     pgvector = has_pgvector_column(conn)
     columns = "record_no, n_tokens, vector" + (
         ", substring(vector_send(embedding) from 5)" if pgvector else ""
@@ -155,7 +222,7 @@ def _window_rows(
         cursor.execute(
             f"SELECT {columns} FROM embeddings WHERE task_set_id = {mark} AND model_id = {mark} "
             f"AND record_no >= {mark} AND record_no < {mark}",
-            (task_set_id, model_id, max(low, WINDOW_BASE), high),
+            (task_set_id, model_id, low, high),
         )
         found: dict[int, tuple[int, np.ndarray]] = {}
         for row in cursor.fetchall():

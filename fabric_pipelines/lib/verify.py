@@ -31,6 +31,7 @@ from sqlalchemy.orm import Session
 
 from fabric_gpu.model import DEFAULT_MODEL_ID
 from fabric_pipelines.lib.broker.ledger import COMPLETED, LEASED, QUEUED, accounting
+from fabric_pipelines.lib.documents import mismatched_documents
 from fabric_pipelines.lib.files import sha256_file
 from fabric_pipelines.lib.index.receipt import Receipt
 from fabric_pipelines.lib.index.staleness import indexed_models, latest_receipt, staleness
@@ -339,7 +340,29 @@ def _verify_task_set(
             )
         if model_key == _plan_model(plans, ctx.current_plan):
             _check_accounting(ctx, conn, model_key, by_plan.get(ctx.current_plan or "", []), short)
+        if row.n_chunked:
+            _check_documents(ctx, conn, row.id, model_key)
     return {plan.model_key for plan in plans}
+
+
+def _check_documents(ctx: _Context, conn: Connection, set_id: int, model_key: str) -> None:
+    """Every combined document row is what its stored windows give now, byte for byte."""
+    model = conn.execute(select(Model.id).where(Model.model_key == model_key)).scalar()
+    if model is None:
+        return
+    ctx.report.count("chunked_sets")
+    wrong = mismatched_documents(
+        conn, set_id, int(model), normalize=model_key.endswith("+normalized")
+    )
+    if wrong:
+        shown = ", ".join(map(str, wrong[:10])) + (" …" if len(wrong) > 10 else "")
+        ctx.report.add(
+            "documents",
+            f"{ctx.name} ({model_key})",
+            f"{len(wrong)} document vector(s) differ from the token-weighted mean of their "
+            f"stored windows (records {shown})",
+            f"fabric recombine {ctx.name} --model-key '{model_key}'",
+        )
 
 
 def _plan_model(plans: Sequence[Any], plan_id: str | None) -> str | None:
