@@ -156,7 +156,9 @@ class _Context:
     table: pa.Table | None = None  # the verified task-set file, or None when it is unusable
     current_plan: str | None = None
     layers_seen: list[int] = field(default_factory=list)
-    rehash: bool = True  # hash shard files again (False: presence, size and content only)
+    # Hash shard files again and recompute combined document vectors (False: shard presence,
+    # size and content only).
+    rehash: bool = True
 
     def run(self, layers: Sequence[int] | None = None) -> str:
         return run_command(self.row, layers if layers is not None else self.layers_seen)
@@ -340,7 +342,8 @@ def _verify_task_set(
             )
         if model_key == _plan_model(plans, ctx.current_plan):
             _check_accounting(ctx, conn, model_key, by_plan.get(ctx.current_plan or "", []), short)
-        if row.n_chunked:
+        # The extraction step (no rehash) has just combined them from its windows.
+        if row.n_chunked and ctx.rehash:
             _check_documents(ctx, conn, row.id, model_key)
     return {plan.model_key for plan in plans}
 
