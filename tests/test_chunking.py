@@ -372,3 +372,28 @@ def test_the_index_reads_documents_never_windows(db: Engine) -> None:
     with db.connect() as conn:
         vectors = load_vectors(conn, "m@0:mean")
     assert (vectors.ids - set_id * ID_STRIDE).tolist() == [0, 1, 2]
+
+
+def test_a_lost_chunked_task_file_is_rebuilt_to_the_same_bytes_with_the_sets_own_policy(
+    db: Engine, paths: FabricPaths, tmp_path: Path
+) -> None:
+    """The set records how it took its long records (chunk:8 here): a lost stored file is cut
+    into the same windows again, whatever the run asking now would choose."""
+    from fabric_pipelines.lib.files import sha256_file
+    from fabric_pipelines.lib.tasks.catalog import IngestSummary, get_task_set, ingest_task_set
+    from fabric_pipelines.lib.tasks.inbox import submit
+
+    submit(_source(tmp_path, (10, 300, 700)), paths.inbox, "heal")
+
+    def ingest_now(long_inputs: LongInputs) -> IngestSummary:
+        return ingest_task_set(
+            db, paths, "heal", model_id=DEFAULT_MODEL_ID, max_seq_len=128, long_inputs=long_inputs
+        )
+
+    first = ingest_now(LongInputs("chunk", 8))
+    row = get_task_set(db, "heal")
+    assert row.long_inputs == "chunk:8" and row.n_chunked == 2 and row.n_windows > 6
+    Path(row.path).unlink()
+    again = ingest_now(LongInputs("truncate"))  # another run's choice: the set keeps its own
+    assert again.reused and again.n_windows == row.n_windows
+    assert sha256_file(Path(row.path)) == row.content_sha256 == first.content_sha256
