@@ -566,13 +566,15 @@ def cmd_export(args: argparse.Namespace) -> int:
             counts = accounting(conn, name, args.model_key)
         # Rows are documents: a chunked one is one row, not its windows.
         total = counts.documents.stored if counts.documents is not None else counts.completed
+        if args.windows and counts.documents is not None:
+            total += counts.documents.windows_stored
     except LookupError:
         total = None  # export names the missing set
     with tqdm(total=total, unit=" rows", desc=f"export {name}", disable=None) as bar:
         try:
             done = export_task_set(
                 db, name, out, model_key=args.model_key, layers=layers, variant=args.variant,
-                progress=lambda n: _advance(bar, n),
+                windows=args.windows, progress=lambda n: _advance(bar, n),
             )  # fmt: skip
         except (ExportError, VariantError) as exc:
             print(f"fabric export: {exc}", file=sys.stderr)
@@ -1197,6 +1199,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--variant",
         help="the vectors as float16, int8 (calibrated on the first 50,000) or binary (sign "
         "bits), optionally shortened to their first N dimensions: e.g. int8:256 (default float32)",
+    )
+    export.add_argument(
+        "--windows",
+        action="store_true",
+        help="also each window of the chunked documents (column `window`: its place, from 0; "
+        "null on document rows)",
     )
     export.add_argument("--force", action="store_true", help="replace --out if it exists")
     export.set_defaults(func=cmd_export)

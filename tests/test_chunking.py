@@ -397,3 +397,70 @@ def test_a_lost_chunked_task_file_is_rebuilt_to_the_same_bytes_with_the_sets_own
     again = ingest_now(LongInputs("truncate"))  # another run's choice: the set keeps its own
     assert again.reused and again.n_windows == row.n_windows
     assert sha256_file(Path(row.path)) == row.content_sha256 == first.content_sha256
+
+
+def test_export_with_windows_adds_each_window_beside_its_document(
+    db: Engine, tmp_path: Path
+) -> None:
+    import pyarrow.parquet as pq
+
+    from fabric_pipelines.lib.export import export_task_set
+    from fabric_pipelines.lib.tasks.catalog import attach_task_ids, write_task_ids
+    from tests.ledger_helpers import store_set
+
+    set_id = store_set(db, "exw", n_records=3)
+    rng = np.random.default_rng(3)
+    # Record 0 is a short document; 1 and 2 are chunked into 3 and 2 windows.
+    window_vectors = rng.standard_normal((5, 4)).astype(np.float32)
+    with db.begin() as conn:
+        model = model_id(conn, "m@0:mean")
+        write_task_ids(conn, set_id, np.arange(3, dtype=np.int64), [f"doc-{r}" for r in range(3)])
+        attach_task_ids(conn, set_id)
+        conn.execute(
+            DocumentWindow.__table__.insert(),
+            [
+                {
+                    "task_set_id": set_id,
+                    "record_no": 1,
+                    "first_window": WINDOW_BASE,
+                    "n_windows": 3,
+                    "n_tokens": 300,
+                },
+                {
+                    "task_set_id": set_id,
+                    "record_no": 2,
+                    "first_window": WINDOW_BASE + 3,
+                    "n_windows": 2,
+                    "n_tokens": 200,
+                },
+            ],
+        )
+        rows = [{"record_no": 0, "n_tokens": 7, "vector": np.ones(4, np.float32).tobytes()}]
+        rows += [
+            {"record_no": WINDOW_BASE + w, "n_tokens": 100, "vector": window_vectors[w].tobytes()}
+            for w in range(5)
+        ]
+        conn.execute(
+            Embedding.__table__.insert(),
+            [{"task_set_id": set_id, "model_id": model, **r} for r in rows],
+        )
+    combine_documents(db, set_id, model, normalize=False)
+    done = export_task_set(db, "exw", tmp_path / "w.parquet", model_key="m@0:mean", windows=True)
+    table = pq.read_table(done.path)
+    assert done.rows == 3 + 5 and table.column_names[-1] == "window"
+    got = list(
+        zip(
+            table.column("id").to_pylist(),
+            table.column("record_no").to_pylist(),
+            table.column("window").to_pylist(),
+            strict=True,
+        )
+    )
+    assert got == [
+        ("doc-0", 0, None), ("doc-1", 1, None), ("doc-2", 2, None),
+        ("doc-1", 1, 0), ("doc-1", 1, 1), ("doc-1", 1, 2), ("doc-2", 2, 0), ("doc-2", 2, 1),
+    ]  # fmt: skip
+    vectors = np.stack(table.column("vector").to_numpy(zero_copy_only=False)[3:])
+    assert np.array_equal(vectors.astype(np.float32), window_vectors)
+    plain = export_task_set(db, "exw", tmp_path / "d.parquet", model_key="m@0:mean")
+    assert plain.rows == 3, "without --windows: documents only"

@@ -32,7 +32,9 @@ from fabric_gpu.variants import Int8Calibration, Variant
 from fabric_pipelines.lib.files import HashingWriter, stream_file
 from fabric_pipelines.lib.hidden_states import read_shard
 from fabric_pipelines.lib.store.models import (
+    WINDOW_BASE,
     BatchPlan,
+    DocumentWindow,
     Embedding,
     HiddenStateShard,
     Model,
@@ -66,6 +68,7 @@ def export_task_set(
     model_key: str | None = None,
     layers: Sequence[int] = (),
     variant: str | None = None,
+    windows: bool = False,
     progress: Callable[[int], None] | None = None,
 ) -> Exported:
     """Write `task_set`'s embeddings of `model_key` (default: the model of its current plan) to
@@ -75,11 +78,15 @@ def export_task_set(
     set_id, model, model_key = _set_and_model(db, task_set, model_key)
     # A normalising model's shortened vectors are made unit length again.
     chosen = Variant.parse(variant, normalize="+normalized" in model_key) if variant else None
-    blocks = (
+    blocks: Iterator[pa.Table] = (
         _hidden_state_blocks(db, task_set, set_id, model, model_key, list(layers))
         if layers
         else _record_order_blocks(db, set_id, model)
     )
+    if windows:
+        if layers:
+            raise ExportError("--windows and --layers: export one of them at a time")
+        blocks = _with_windows(blocks, db, set_id, model)
     counted = {"rows": 0, "dim": 0}
     calibration: list[Int8Calibration] = []  # set from the first block, for int8
 
@@ -175,6 +182,50 @@ def _record_order_blocks(db: Engine, set_id: int, model: int) -> Iterator[pa.Tab
         query = _embeddings(set_id, model).order_by(Embedding.record_no)
         for block in result.execute(query).partitions(BLOCK_ROWS):
             yield _block_table(block)
+
+
+def _with_windows(
+    documents: Iterator[pa.Table], db: Engine, set_id: int, model: int
+) -> Iterator[pa.Table]:
+    """The document rows (`window` null), then every stored window of the set's chunked
+    documents: its document's id and record number, and `window`, its place among them from 0."""
+    for table in documents:
+        yield table.append_column("window", pa.nulls(table.num_rows, pa.int32()))
+    with db.connect() as conn:
+        chunked = conn.execute(
+            select(Task.task_id, DocumentWindow.record_no, DocumentWindow.first_window)
+            .join(
+                Task,
+                (Task.task_set_id == DocumentWindow.task_set_id)
+                & (Task.record_no == DocumentWindow.record_no),
+            )
+            .where(DocumentWindow.task_set_id == set_id)
+            .order_by(DocumentWindow.first_window)
+        ).all()
+        if not chunked:
+            return
+        firsts = np.array([c.first_window for c in chunked], dtype=np.int64)
+        result = conn.execution_options(stream_results=True, yield_per=BLOCK_ROWS)
+        query = (
+            select(Embedding.record_no, Embedding.n_tokens, Embedding.vector)
+            .where(
+                Embedding.task_set_id == set_id,
+                Embedding.model_id == model,
+                Embedding.record_no >= WINDOW_BASE,
+            )
+            .order_by(Embedding.record_no)
+        )
+        for block in result.execute(query).partitions(BLOCK_ROWS):
+            window_no = np.array([row[0] for row in block], dtype=np.int64)
+            owner = np.searchsorted(firsts, window_no, side="right") - 1
+            rows = [
+                (chunked[d].task_id, chunked[d].record_no, row[1], row[2])
+                for d, row in zip(owner.tolist(), block, strict=True)
+            ]
+            table = _block_table(rows)
+            yield table.append_column(
+                "window", pa.array((window_no - firsts[owner]).astype(np.int32), pa.int32())
+            )
 
 
 def _hidden_state_blocks(
