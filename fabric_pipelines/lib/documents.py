@@ -70,16 +70,7 @@ def combine_documents(db: Engine, task_set_id: int, model_id: int, *, normalize:
     """Store the vector of every chunked document of the set whose windows are all stored and
     which has none yet (see the module's doc)."""
     with db.connect() as conn:
-        documents = conn.execute(
-            select(
-                DocumentWindow.record_no,
-                DocumentWindow.first_window,
-                DocumentWindow.n_windows,
-                DocumentWindow.n_tokens,
-            )
-            .where(DocumentWindow.task_set_id == task_set_id)
-            .order_by(DocumentWindow.record_no)
-        ).all()
+        documents = _documents(conn, task_set_id)
     written = waiting = 0
     for start in range(0, len(documents), BLOCK_DOCUMENTS):
         block = documents[start : start + BLOCK_DOCUMENTS]
@@ -120,13 +111,11 @@ def _combine_block(
     rows: list[tuple[int, int, np.ndarray]] = []
     waiting = 0
     for doc, first, n_windows, n_tokens in todo:
-        found = [windows.get(w) for w in range(int(first), int(first) + int(n_windows))]
-        if any(f is None for f in found):
+        vector = _mean_of_windows(windows, int(first), int(n_windows), normalize)
+        if vector is None:
             waiting += 1
             continue
-        weights = np.array([f[0] for f in found if f is not None], dtype=np.float64)
-        vectors = np.stack([f[1] for f in found if f is not None])
-        rows.append((int(doc), int(n_tokens), weighted_mean(vectors, weights, normalize)))
+        rows.append((int(doc), int(n_tokens), vector))
     if rows:
         combined = DocumentRows(
             task_set_id,
@@ -145,16 +134,7 @@ def mismatched_documents(
     """Record numbers of the set's stored document rows that are not what combining their
     stored windows gives now, byte for byte: the row was changed, or a window of it is gone or
     changed (`fabric verify` reports them; `recombine_documents` repairs them)."""
-    documents = conn.execute(
-        select(
-            DocumentWindow.record_no,
-            DocumentWindow.first_window,
-            DocumentWindow.n_windows,
-            DocumentWindow.n_tokens,
-        )
-        .where(DocumentWindow.task_set_id == task_set_id)
-        .order_by(DocumentWindow.record_no)
-    ).all()
+    documents = _documents(conn, task_set_id)
     wrong: list[int] = []
     for start in range(0, len(documents), BLOCK_DOCUMENTS):
         block = documents[start : start + BLOCK_DOCUMENTS]
@@ -168,15 +148,10 @@ def mismatched_documents(
             row = stored.get(int(doc))
             if row is None:
                 continue  # not combined yet: the accounting counts it as waiting or failed
-            found = [
-                windows.get(w) for w in range(int(first_window), int(first_window) + int(n_windows))
-            ]
-            if any(f is None for f in found):
+            expected = _mean_of_windows(windows, int(first_window), int(n_windows), normalize)
+            if expected is None:  # a window of it is gone
                 wrong.append(int(doc))
                 continue
-            weights = np.array([f[0] for f in found if f is not None], dtype=np.float64)
-            vectors = np.stack([f[1] for f in found if f is not None])
-            expected = weighted_mean(vectors, weights, normalize)
             if row[0] != int(n_tokens) or row[1].tobytes() != expected.astype("<f4").tobytes():
                 wrong.append(int(doc))
     return wrong
@@ -197,6 +172,33 @@ def recombine_documents(db: Engine, task_set_id: int, model_id: int, *, normaliz
             )
     combine_documents(db, task_set_id, model_id, normalize=normalize)
     return len(wrong)
+
+
+def _documents(conn: Connection, task_set_id: int) -> Sequence[Any]:
+    """(record_no, first_window, n_windows, n_tokens) of the set's chunked documents."""
+    return conn.execute(
+        select(
+            DocumentWindow.record_no,
+            DocumentWindow.first_window,
+            DocumentWindow.n_windows,
+            DocumentWindow.n_tokens,
+        )
+        .where(DocumentWindow.task_set_id == task_set_id)
+        .order_by(DocumentWindow.record_no)
+    ).all()
+
+
+def _mean_of_windows(
+    windows: dict[int, tuple[int, np.ndarray]], first: int, n_windows: int, normalize: bool
+) -> np.ndarray | None:
+    """A document's vector from its stored windows (`windows`: record number -> (n_tokens,
+    vector)); None while any of its windows is missing."""
+    found = [windows.get(w) for w in range(first, first + n_windows)]
+    if any(f is None for f in found):
+        return None
+    present = [f for f in found if f is not None]
+    weights = np.array([f[0] for f in present], dtype=np.float64)
+    return weighted_mean(np.stack([f[1] for f in present]), weights, normalize)
 
 
 def _window_rows(
