@@ -24,6 +24,7 @@ from fabric_pipelines.lib.demo_corpus import stdlib_docstrings
 from fabric_pipelines.lib.settings import FabricPaths
 from fabric_pipelines.lib.store.db import create_schema, make_engine
 from tests.pipeline_helpers import run_stages, stored_embeddings
+from tests.test_chunking import _windows_by_hand
 
 N_TEXTS = 240
 
@@ -127,7 +128,7 @@ def test_the_models_own_defaults_give_encode_at_its_defaults_for_every_item(
         for row, task_id in enumerate(ids):
             token_ids = reference.tokenizer(texts[task_id])["input_ids"]
             if len(token_ids) > max_seq_len:
-                windows = _windows(token_ids, max_seq_len, policy.overlap)
+                windows = _windows_by_hand(token_ids, max_seq_len, policy.overlap)
                 expected[row] = _weighted_mean_of_windows(reference, windows)
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
     cosine = (got * expected).sum(1) / (
@@ -135,18 +136,6 @@ def test_the_models_own_defaults_give_encode_at_its_defaults_for_every_item(
     )
     worst = int(np.argmin(cosine))
     assert cosine.min() >= 0.9999, f"{ids[worst]}: cosine {cosine[worst]:.6f}"
-
-
-def _windows(ids: list[int], max_len: int, overlap: int) -> list[list[int]]:
-    """[first] + a run of the inner tokens + [last], advancing by max_len - 2 - overlap, the
-    last window flush with the end."""
-    inner, width = ids[1:-1], max_len - 2
-    starts, start = [], 0
-    while start + width < len(inner):
-        starts.append(start)
-        start += width - overlap
-    starts.append(len(inner) - width)
-    return [[ids[0], *inner[s : s + width], ids[-1]] for s in starts]
 
 
 def _weighted_mean_of_windows(reference: Any, windows: list[list[int]]) -> np.ndarray:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, cast
 
-__all__ = ["WINDOW_BASE", "LongInputs", "Windows", "is_window", "split", "weighted_mean"]
+__all__ = ["WINDOW_BASE", "LongInputs", "Windows", "split", "weighted_mean"]
 
 import numpy as np
 
@@ -64,10 +64,6 @@ class LongInputs:
     def from_label(label: str) -> LongInputs:
         mode, _, overlap = label.partition(":")
         return LongInputs.of(mode, int(overlap) if overlap else DEFAULT_OVERLAP)
-
-
-def is_window(record_no: np.ndarray) -> np.ndarray:
-    return np.asarray(record_no) >= WINDOW_BASE
 
 
 def window_starts(n_tokens: int, max_seq_len: int, overlap: int) -> np.ndarray:
