@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fabric_gpu.profile import ConsumerProfile, ProfileError
+from fabric_gpu.variants import Variant, VariantError
 
 BACKENDS = ("cpu", "torch", "tensorrt")
 DTYPES = ("float32", "float16", "bfloat16")
@@ -48,12 +49,21 @@ class HookSpec:
     pooling: str
     # Pooled vectors scaled to unit length; None: as the model folder says (a Normalize module).
     normalize: bool | None = None
+    # The encoding the engine gives its pooled vectors before they leave the GPU
+    # (fabric_gpu/variants.py): float32 (default), float16, int8 or binary, optionally `:DIMS`.
+    variant: str = "float32"
 
     def to_mapping(self) -> dict[str, Any]:
         out: dict[str, Any] = {"layers": list(self.layers), "pooling": self.pooling}
         if self.normalize is not None:
             out["normalize"] = self.normalize
+        if self.variant != "float32":
+            out["variant"] = self.variant
         return out
+
+    def output_variant(self) -> Variant:
+        """The variant, renormalising shortened vectors of a normalising model."""
+        return Variant.parse(self.variant, normalize=bool(self.normalize))
 
 
 @dataclass(frozen=True)
@@ -70,10 +80,12 @@ class EngineManifest:
         """Identifies results of this model and pooling in the database: name@weights:pooling."""
         name = self.model_id.rstrip("/").rsplit("/", 1)[-1]
         normalized = "+normalized" if self.hooks.normalize else ""
-        return f"{name}@{self.weights_sha256[:12]}:{self.hooks.pooling}{normalized}"
+        variant = self.hooks.output_variant().key_suffix  # e.g. "~int8:256"; float32: none
+        return f"{name}@{self.weights_sha256[:12]}:{self.hooks.pooling}{normalized}{variant}"
 
     def receipt_model(self) -> dict[str, Any]:
         """What an index receipt records of the model its pooled vectors came from."""
+        variant = {"variant": self.hooks.variant} if self.hooks.variant != "float32" else {}
         return {
             "model_id": self.model_id,
             "weights_sha256": self.weights_sha256,
@@ -83,6 +95,7 @@ class EngineManifest:
             "layer": "pooled",
             "dtype": self.dtype,
             "backend": self.backend,
+            **variant,
         }
 
     def to_mapping(self) -> dict[str, Any]:
@@ -179,11 +192,12 @@ class EngineManifest:
 
 def _parse_hooks(value: Any, source: str, model_id: str) -> HookSpec:
     if not isinstance(value, Mapping) or not (
-        {"layers", "pooling"} <= set(value) <= {"layers", "pooling", "normalize"}
+        {"layers", "pooling"} <= set(value) <= {"layers", "pooling", "normalize", "variant"}
     ):
         raise ManifestError(
             f"{source}: field hooks must be a mapping with 'layers' (list of ints), 'pooling' "
-            f"({'/'.join(POOLINGS)}) and optionally 'normalize' (true/false), got {value!r}"
+            f"({'/'.join(POOLINGS)}) and optionally 'normalize' (true/false) and 'variant' "
+            f"(e.g. 'int8:256'), got {value!r}"
         )
     layers = value["layers"]
     if not isinstance(layers, list | tuple) or not all(
@@ -207,7 +221,12 @@ def _parse_hooks(value: Any, source: str, model_id: str) -> HookSpec:
             )
     else:
         normalize = _model_normalizes(model_id)
-    return HookSpec(layers=tuple(layers), pooling=pooling, normalize=normalize)
+    variant = value.get("variant", "float32")
+    try:
+        Variant.parse(variant if isinstance(variant, str) else repr(variant))
+    except VariantError as exc:
+        raise ManifestError(f"{source}: field hooks.variant: {exc}") from exc
+    return HookSpec(layers=tuple(layers), pooling=pooling, normalize=normalize, variant=variant)
 
 
 def _model_normalizes(model_id: str) -> bool:

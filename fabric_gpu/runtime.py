@@ -17,7 +17,15 @@ from typing import Any, cast
 import numpy as np
 
 import fabric_gpu._runtime as _runtime
-from fabric_gpu.engines.base import DeviceEngine, Engine, HostEngine, InputLocation, PaddedBatch
+from fabric_gpu.engines.base import (
+    DeviceEngine,
+    Engine,
+    EngineError,
+    HostEngine,
+    InputLocation,
+    PaddedBatch,
+)
+from fabric_gpu.variants import FLOAT32, Variant, stored_rows
 
 # csrc/protocol.h's BatchDescriptor, from the field offsets and sizes the extension exports.
 DESCRIPTOR_DTYPE = np.dtype(
@@ -61,7 +69,10 @@ class Slot:
 class OutputLayout:
     """Where a batch's outputs sit in its payload-ring region (sizes known to the CPU).
 
-    [pooled float32 items x hidden][hook layer 1: float16 real_tokens x hidden][hook layer 2]...
+    [pooled items x row][hook layer 1: float16 real_tokens x hidden][hook layer 2]...
+
+    A pooled row is float32 x hidden, or the engine's output variant of it (fabric_gpu/variants.py:
+    fewer dimensions, float16, int8 or packed sign bits).
     """
 
     items: int
@@ -69,10 +80,11 @@ class OutputLayout:
     hidden: int
     layers: tuple[int, ...]
     hook_dtype: str = "float16"  # float16 or bfloat16 (2 bytes), or float32
+    pooled_variant: Variant = FLOAT32
 
     @property
     def pooled_bytes(self) -> int:
-        return self.items * self.hidden * 4
+        return self.items * self.pooled_variant.transport_row_bytes(self.hidden)
 
     @property
     def hook_itemsize(self) -> int:
@@ -87,9 +99,15 @@ class OutputLayout:
         return self.pooled_bytes + len(self.layers) * self.hook_bytes
 
     def read(self, data: np.ndarray, copy: bool = True) -> tuple[np.ndarray, dict[int, np.ndarray]]:
-        """Pooled [items, hidden] float32 and hooks [real_tokens, hidden] per layer (bfloat16 is
-        widened to float32). Without `copy`, views of `data`, valid only during the sink call."""
-        pooled = data[: self.pooled_bytes].view("<f4").reshape(self.items, self.hidden)
+        """Pooled rows [items, ...] (float32 [items, hidden], or the variant's encoding) and hooks
+        [real_tokens, hidden] per layer (bfloat16 is widened to float32). Without `copy`, views
+        of `data`, valid only during the sink call."""
+        variant = self.pooled_variant
+        rows = data[: self.pooled_bytes].reshape(self.items, -1)
+        row_bytes = variant.row_bytes(self.hidden)
+        if rows.shape[1] != row_bytes:  # rows travel padded to 16 bytes: drop the padding
+            rows = np.ascontiguousarray(rows[:, :row_bytes])
+        pooled = rows.view(variant.numpy_dtype)
         hooks = {}
         at = self.pooled_bytes
         for layer in self.layers:
@@ -132,8 +150,10 @@ class _Runner:
         offsets: np.ndarray,
         on_result: ResultFn,
         copy_outputs: bool,
+        variant: Variant = FLOAT32,
     ) -> None:
         self.hidden = hidden
+        self.variant = variant
         self.layers = layers
         self.hook_dtype = hook_dtype
         self._on_result = on_result
@@ -145,7 +165,9 @@ class _Runner:
         self._offsets = np.ascontiguousarray(offsets, dtype=np.int64)
 
     def layout(self, items: int, real_tokens: int) -> OutputLayout:
-        return OutputLayout(items, real_tokens, self.hidden, self.layers, self.hook_dtype)
+        return OutputLayout(
+            items, real_tokens, self.hidden, self.layers, self.hook_dtype, self.variant
+        )
 
     # -- the drain thread (GIL held) --------------------------------------------------------
     def _sink(self, seq: int, batch_id: int, data: np.ndarray, error: str) -> None:
@@ -235,10 +257,12 @@ class EngineRunner(_Runner):
         copy_outputs: bool = True,
         poison: bool = False,
     ) -> None:
+        variant = engine.manifest.hooks.output_variant()
         super().__init__(
             engine.hidden_size, tuple(engine.manifest.hooks.layers), "float16", tokens, offsets,
-            on_result, copy_outputs,
+            on_result, copy_outputs, variant,
         )  # fmt: skip
+        check_calibrated(engine)
         profile = engine.profile
         hidden = engine.hidden_size
         self.engine = engine
@@ -246,7 +270,8 @@ class EngineRunner(_Runner):
         capacity, items_max = profile.max_batch_tokens, profile.max_batch_items
         self._ids = np.zeros(capacity, np.int64)
         self._mask = np.zeros(capacity, np.int64)
-        self._pooled = np.zeros((items_max, hidden), np.float32)
+        # Pooled rows in the output variant's bytes, each padded to 16 (the copies' unit).
+        self._pooled = np.zeros((items_max, variant.transport_row_bytes(hidden)), np.uint8)
         self._hooks = {layer: np.zeros((capacity, hidden), np.float16) for layer in self.layers}
         max_output = self.layout(items_max, capacity).total_bytes
         slot_max = _runtime.slot_bytes(items_max, capacity)
@@ -277,7 +302,7 @@ class EngineRunner(_Runner):
                     input_ids=self._ids.ctypes.data, attention_mask=self._mask.ctypes.data
                 ),
                 pooled=self._pooled.ctypes.data,
-                pooled_row_bytes=hidden * 4,
+                pooled_row_bytes=self._pooled.shape[1],
                 hooks=[self._hooks[layer].ctypes.data for layer in self.layers],
                 hook_row_bytes=hidden * 2,
                 pad_id=pad_token_id,
@@ -294,7 +319,9 @@ class EngineRunner(_Runner):
             ids = self._ids[:n].reshape(items, seq_len)
             lengths = self._mask[:n].reshape(items, seq_len).sum(axis=1)
             pooled, hidden = self.engine.forward_hidden(ids, lengths)
-            self._pooled[:items] = pooled
+            # The variant by its CPU twin: the bytes a GPU engine would have made.
+            encoded = stored_rows(self.variant.apply_numpy(pooled, self.engine.int8_calibration))
+            self._pooled[:items, : encoded.shape[1]] = encoded
             for layer in self.layers:
                 self._hooks[layer][:n] = hidden[layer].reshape(n, -1)
 
@@ -322,8 +349,9 @@ class GpuEngineRunner(_Runner):
     ) -> None:
         super().__init__(
             engine.hidden_size, tuple(engine.manifest.hooks.layers), engine.hook_dtype, tokens,
-            offsets, on_result, copy_outputs,
+            offsets, on_result, copy_outputs, engine.manifest.hooks.output_variant(),
         )  # fmt: skip
+        check_calibrated(engine)
         self.engine = engine
         profile = engine.profile
         engine.capture(shapes)
@@ -382,6 +410,16 @@ def open_runner(
             max_in_flight=max(max_in_flight, 8),
         )  # fmt: skip
     raise NotImplementedError(f"{type(engine).__name__} can be driven by no runner")
+
+
+def check_calibrated(engine: Engine) -> None:
+    """An int8 engine quantises with a calibration it must have been given first."""
+    variant = engine.manifest.hooks.output_variant()
+    if variant.needs_calibration() and engine.int8_calibration is None:
+        raise EngineError(
+            f"variant {variant.label}: the engine has no int8 calibration; give it one with "
+            "set_int8_calibration (an extraction run makes and records one per model key)"
+        )
 
 
 def _round_up(n: int, to: int) -> int:

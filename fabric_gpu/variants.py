@@ -145,31 +145,102 @@ class Variant:
     def apply_torch(
         self, vectors: torch.Tensor, calibration: Int8Calibration | None = None
     ) -> torch.Tensor:
+        encoder = TorchEncoder(self, int(vectors.shape[1]), vectors.device)
+        if self.needs_calibration():
+            encoder.set_calibration(self._calibration(calibration, self.out_dims(encoder.dim)))
+        return encoder(vectors)
+
+    # ---- what the stored rows are ----------------------------------------------------------------
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        """The element type of one encoded row (binary: its packed bytes)."""
+        return np.dtype(
+            {"float32": "<f4", "float16": "<f2", "int8": "i1", "binary": "u1"}[self.encoding]
+        )
+
+    def transport_row_bytes(self, dim: int) -> int:
+        """Bytes one row takes in the runtime's buffers and rings: padded to 16 (its copies move
+        16-byte units)."""
+        return -(-self.row_bytes(dim) // 16) * 16
+
+    def row_elements(self, dim: int) -> int:
+        """Elements of `numpy_dtype` in one encoded row."""
+        return self.row_bytes(dim) // self.numpy_dtype.itemsize
+
+    @property
+    def key_suffix(self) -> str:
+        """What a model key carries of the variant: nothing for full float32 rows."""
+        if self.encoding == "float32" and self.dims is None:
+            return ""
+        return f"~{self.encoding}" + (f":{self.dims}" if self.dims else "")
+
+
+FLOAT32 = Variant()  # the engines' own rows: float32, every dimension
+
+
+class TorchEncoder:
+    """The torch twin with its constants made once on the device: the engine captures it in its
+    CUDA graphs, which read the calibration tensors at each replay, so `set_calibration` may
+    come after the capture (a copy in place, never a new tensor)."""
+
+    def __init__(self, variant: Variant, dim: int, device: torch.device) -> None:
         import torch
 
-        x = vectors[:, : self.out_dims(int(vectors.shape[1]))].float()
-        if self.normalize:
+        self.variant, self.dim = variant, dim
+        out = variant.out_dims(dim)
+        self.bit_weights = torch.tensor(
+            [128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8, device=device
+        )
+        # NaN until calibrated: an uncalibrated int8 run would store garbage, so it refuses.
+        self.low = torch.full((out,), float("nan"), dtype=torch.float32, device=device)
+        self.steps = torch.ones(out, dtype=torch.float32, device=device)
+        self.calibrated = not variant.needs_calibration()
+
+    def set_calibration(self, calibration: Int8Calibration) -> None:
+        import torch
+
+        self.variant._calibration(calibration, self.variant.out_dims(self.dim))
+        self.low.copy_(torch.from_numpy(calibration.low))
+        self.steps.copy_(torch.from_numpy(calibration.steps()))
+        self.calibrated = True
+
+    def __call__(self, vectors: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        v = self.variant
+        x = vectors[:, : v.out_dims(int(vectors.shape[1]))].float()
+        if v.normalize:
             norm = torch.sqrt((x.double() ** 2).sum(dim=1, keepdim=True))
             x = x / torch.clamp(norm, min=1e-12).float()
-        if self.encoding == "float32":
+        if v.encoding == "float32":
             return x.contiguous()
-        if self.encoding == "float16":
+        if v.encoding == "float16":
             return x.half()
-        if self.encoding == "binary":
+        if v.encoding == "binary":
             bits = (x > 0).to(torch.uint8)
             pad = (-bits.shape[1]) % 8
             if pad:
                 bits = torch.nn.functional.pad(bits, (0, pad))
-            weights = torch.tensor(
-                [128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8, device=x.device
-            )
             grouped = bits.view(bits.shape[0], -1, 8)
-            return (grouped * weights).sum(dim=2, dtype=torch.uint8)
-        cal = self._calibration(calibration, int(x.shape[1]))
-        low = torch.from_numpy(cal.low).to(x.device)
-        steps = torch.from_numpy(cal.steps()).to(x.device)
-        q = (x - low) / steps - 128.0
+            return (grouped * self.bit_weights).sum(dim=2, dtype=torch.uint8)
+        q = (x - self.low) / self.steps - 128.0
         return torch.trunc(torch.clamp(q, -128, 127)).to(torch.int8)
+
+
+def variant_of_model_key(model_key: str) -> Variant:
+    """The variant a model key's rows are stored in (`...~int8:256`; none: float32)."""
+    _, tilde, label = model_key.partition("~")
+    return Variant.parse(label if tilde else "float32", normalize="+normalized" in model_key)
+
+
+def stored_rows(rows: np.ndarray) -> np.ndarray:
+    """Encoded rows [n, ...] as the bytes the database keeps: uint8 [n, row_bytes], float32
+    and float16 little-endian."""
+    if rows.dtype.kind == "f":
+        rows = rows.astype(rows.dtype.newbyteorder("<"), copy=False)
+    rows = np.ascontiguousarray(rows)
+    return rows.view(np.uint8).reshape(len(rows), -1)
 
 
 def decode(encoded: np.ndarray, variant: Variant, calibration: Int8Calibration | None) -> Any:

@@ -91,6 +91,8 @@ def _engine_config(args: argparse.Namespace) -> dict[str, Any]:
     for name in ("pooling", "normalize"):
         if getattr(args, name, None) is not None:
             config[name] = getattr(args, name)
+    if getattr(args, "store_variant", None) is not None:
+        config["variant"] = args.store_variant
     return config
 
 
@@ -1035,6 +1037,16 @@ def build_parser() -> argparse.ArgumentParser:
             "--normalize",
             action=argparse.BooleanOptionalAction,
             help="unit-length vectors (default: as the model's configuration says)",
+        )
+        g.add_argument(
+            "--variant",
+            dest="store_variant",
+            metavar="V[:DIMS]",
+            help=(
+                "the encoding the engine stores vectors in, made on the GPU before the copy to "
+                "the host: float32 (default), float16, int8 (calibrated once per model key) or "
+                "binary (sign bits), optionally shortened to the first DIMS dimensions"
+            ),
         )
         g.add_argument("--seq-granularity", type=int, help="bucket length step (default 8)")
         g.add_argument(

@@ -25,7 +25,7 @@ TABLES = {
 }  # fmt: skip
 
 
-HEAD = "0011"
+HEAD = "0012"
 
 
 def test_upgrade_from_empty_then_downgrade_one_step(db_url: str) -> None:

@@ -10,6 +10,7 @@ import numpy as np
 
 from fabric_gpu.manifest import EngineManifest
 from fabric_gpu.profile import ConsumerProfile
+from fabric_gpu.variants import Int8Calibration
 
 if TYPE_CHECKING:
     from fabric_gpu._runtime import ShapeGraph
@@ -63,15 +64,21 @@ class EngineError(RuntimeError):
 
 
 class Engine(Protocol):
+    """`forward` returns float32 pooled vectors; the runners' batches carry the manifest's
+    output variant (hooks.variant), which an int8 engine makes with `int8_calibration`."""
+
     manifest: EngineManifest
     input_location: InputLocation
     hidden_size: int
     num_layers: int
+    int8_calibration: Int8Calibration | None
 
     @property
     def profile(self) -> ConsumerProfile: ...
 
     def forward(self, batch: PaddedBatch) -> EngineOutput: ...
+
+    def set_int8_calibration(self, calibration: Int8Calibration) -> None: ...
 
     def close(self) -> None: ...
 

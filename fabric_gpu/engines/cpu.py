@@ -22,6 +22,7 @@ from fabric_gpu.engines.pooling import pool_padded, unit_length
 from fabric_gpu.manifest import EngineManifest
 from fabric_gpu.model import offline_environment, resolve_model_dir, weights_sha256
 from fabric_gpu.profile import ConsumerProfile
+from fabric_gpu.variants import Int8Calibration
 
 
 class CpuEngine:
@@ -53,6 +54,12 @@ class CpuEngine:
                 f"max_position_embeddings {max_positions}"
             )
         self.hook_indices = normalise_layers(manifest.hooks.layers, self.num_layers)
+        manifest.hooks.output_variant().out_dims(self.hidden_size)  # dims within the model's
+        self.int8_calibration: Int8Calibration | None = None
+
+    def set_int8_calibration(self, calibration: Int8Calibration) -> None:
+        """The runner quantises with it (the variant's CPU twin, on the emulated GPU)."""
+        self.int8_calibration = calibration
 
     @property
     def profile(self) -> ConsumerProfile:

@@ -117,10 +117,12 @@ class TensorRTEngine(TorchEngine):
             self._dummy_inputs(seq_len, items)
             with torch.cuda.stream(stream):
                 context.execute_async_v3(stream.cuda_stream)  # warm-up outside the graph
+                self._encoded(pooled)
             stream.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=stream):
                 context.execute_async_v3(stream.cuda_stream)
+                rows = self._encoded(pooled)  # the output variant, in the same graph
             self._contexts.append(context)
-            self.captured[seq_len] = CapturedShape(seq_len, graph, pooled, hooks, items, seq_len)
+            self.captured[seq_len] = CapturedShape(seq_len, graph, rows, hooks, items, seq_len)
         torch.cuda.synchronize(self.device)

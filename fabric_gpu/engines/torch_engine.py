@@ -38,6 +38,7 @@ from fabric_gpu.engines.pooling import pool_padded, unit_length
 from fabric_gpu.manifest import EngineManifest
 from fabric_gpu.model import offline_environment, resolve_model_dir, weights_sha256
 from fabric_gpu.profile import PACKED_GRANULARITY, ConsumerProfile
+from fabric_gpu.variants import Int8Calibration, TorchEncoder
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -136,6 +137,13 @@ class TorchEngine:
         self.num_layers = int(config.num_hidden_layers)
         self.pad_token_id = int(getattr(config, "pad_token_id", 0) or 0)
         self.hook_indices = normalise_layers(manifest.hooks.layers, self.num_layers)
+        # The output variant, made on the GPU inside each shape's graph, before the copy out.
+        variant = manifest.hooks.output_variant()
+        self.encoder = (
+            TorchEncoder(variant, self.hidden_size, self.device) if variant.key_suffix else None
+        )
+        self.pooled_row_bytes = variant.transport_row_bytes(self.hidden_size)
+        self.int8_calibration: Int8Calibration | None = None
         self.packed = bert if layout in ("auto", "packed") else None
         self.layout = "packed" if self.packed is not None else "padded"
         encoder: Any = getattr(self.model, "encoder", None)
@@ -236,9 +244,25 @@ class TorchEngine:
         torch.cuda.synchronize(self.device)
 
     def _run(self, epoch: int, rows: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One shape as its graph runs it: pooled rows in the output variant's bytes."""
         if self.layout == "packed":
-            return self._forward_packed(epoch, rows + 1)
-        return self._forward_padded(rows, epoch)
+            pooled, hooks = self._forward_packed(epoch, rows + 1)
+        else:
+            pooled, hooks = self._forward_padded(rows, epoch)
+        return self._encoded(pooled), hooks
+
+    def _encoded(self, pooled: torch.Tensor) -> torch.Tensor:
+        if self.encoder is None:
+            return pooled
+        rows = self.encoder(pooled).contiguous().view(torch.uint8).view(pooled.shape[0], -1)
+        pad = self.pooled_row_bytes - rows.shape[1]  # rows travel padded to 16 bytes
+        return torch.nn.functional.pad(rows, (0, pad)) if pad else rows
+
+    def set_int8_calibration(self, calibration: Int8Calibration) -> None:
+        """Copied into the tensors the captured graphs read: valid before or after capture."""
+        if self.encoder is not None:
+            self.encoder.set_calibration(calibration)
+        self.int8_calibration = calibration
 
     def _dummy_inputs(self, epoch: int, rows: int) -> None:
         if self.layout == "packed":
@@ -284,7 +308,7 @@ class TorchEngine:
                     seq_len=s.seq_len,
                     inputs=inputs,
                     pooled=s.pooled.data_ptr(),
-                    pooled_row_bytes=self.hidden_size * 4,
+                    pooled_row_bytes=self.pooled_row_bytes,
                     hooks=[h.data_ptr() for h in s.hooks],
                     hook_row_bytes=self.hidden_size * elem,
                     pad_id=self.pad_token_id,

@@ -75,6 +75,11 @@ class EngineConfig(dg.ConfigurableResource):
     hook_layers: list[int] = Field(default_factory=list)
     pooling: str | None = None
     normalize: bool | None = None
+    # The encoding the engine stores its pooled vectors in (fabric_gpu/variants.py), made on
+    # the GPU before the copy to the host: float32 (default), float16, int8 or binary, each
+    # optionally shortened to its first N dimensions (e.g. "int8:256"). It is part of the model
+    # key: each variant's results are kept apart.
+    variant: str = "float32"
     # Items longer than max_seq_len (lib/tasks/windows.py): "chunk" into windows of the model's
     # length overlapping by window_overlap tokens, one vector per document from them; "truncate"
     # to it, as sentence-transformers' encode() does (counted); or "fail" with the reason.
@@ -150,6 +155,7 @@ class EngineConfig(dg.ConfigurableResource):
                 tuple(self.hook_layers),
                 self.pooling or defaults.default_pooling(),
                 defaults.normalize if self.normalize is None else self.normalize,
+                self.variant,
             ),
         )
 

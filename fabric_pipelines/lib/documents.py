@@ -21,11 +21,13 @@ from typing import Any
 import numpy as np
 from sqlalchemy import Connection, Engine, delete, select
 
+from fabric_gpu.variants import stored_rows
 from fabric_pipelines.lib.result_writer import insert_rows
 from fabric_pipelines.lib.retry import retry
 from fabric_pipelines.lib.store.keys import model_id
 from fabric_pipelines.lib.store.models import WINDOW_BASE, DocumentWindow, Embedding, TaskSet
 from fabric_pipelines.lib.store.schema import has_pgvector_column
+from fabric_pipelines.lib.stored_vectors import StoredCodec
 from fabric_pipelines.lib.tasks.windows import weighted_mean
 
 BLOCK_DOCUMENTS = 2_000  # documents combined per transaction
@@ -39,7 +41,7 @@ class DocumentRows:
     model_id: int
     record_no: np.ndarray  # int64 [documents]
     n_tokens: np.ndarray  # int64 [documents]
-    pooled: np.ndarray  # float32 [documents, dim]
+    pooled: np.ndarray  # [documents, ...]: float32, or the key's output variant
 
 
 @dataclass(frozen=True)
@@ -107,11 +109,12 @@ def _combine_block(
         return 0, 0
     low = min(int(d[1]) for d in todo)
     high = max(int(d[1]) + int(d[2]) for d in todo)
-    windows = _window_rows(conn, task_set_id, model_id, low, high)
+    codec = StoredCodec.of_model_id(conn, model_id)
+    windows = _window_rows(conn, codec, task_set_id, model_id, low, high)
     rows: list[tuple[int, int, np.ndarray]] = []
     waiting = 0
     for doc, first, n_windows, n_tokens in todo:
-        vector = _mean_of_windows(windows, int(first), int(n_windows), normalize)
+        vector = _mean_of_windows(codec, windows, int(first), int(n_windows), normalize)
         if vector is None:
             waiting += 1
             continue
@@ -135,24 +138,27 @@ def mismatched_documents(
     stored windows gives now, byte for byte: the row was changed, or a window of it is gone or
     changed (`fabric verify` reports them; `recombine_documents` repairs them)."""
     documents = _documents(conn, task_set_id)
+    codec = StoredCodec.of_model_id(conn, model_id)
     wrong: list[int] = []
     for start in range(0, len(documents), BLOCK_DOCUMENTS):
         block = documents[start : start + BLOCK_DOCUMENTS]
         first, last = int(block[0][0]), int(block[-1][0])
-        stored = _stored_rows(conn, task_set_id, model_id, first, last + 1)
+        stored = _stored_rows(conn, codec, task_set_id, model_id, first, last + 1)
         low = min(int(d[1]) for d in block)
         windows = _stored_rows(
-            conn, task_set_id, model_id, low, max(int(d[1]) + int(d[2]) for d in block)
+            conn, codec, task_set_id, model_id, low, max(int(d[1]) + int(d[2]) for d in block)
         )
         for doc, first_window, n_windows, n_tokens in block:
             row = stored.get(int(doc))
             if row is None:
                 continue  # not combined yet: the accounting counts it as waiting or failed
-            expected = _mean_of_windows(windows, int(first_window), int(n_windows), normalize)
+            expected = _mean_of_windows(
+                codec, windows, int(first_window), int(n_windows), normalize
+            )
             if expected is None:  # a window of it is gone
                 wrong.append(int(doc))
                 continue
-            if row[0] != int(n_tokens) or row[1].tobytes() != expected.astype("<f4").tobytes():
+            if row[0] != int(n_tokens) or _bytes(row[1]) != _bytes(expected):
                 wrong.append(int(doc))
     return wrong
 
@@ -189,29 +195,39 @@ def _documents(conn: Connection, task_set_id: int) -> Sequence[Any]:
 
 
 def _mean_of_windows(
-    windows: dict[int, tuple[int, np.ndarray]], first: int, n_windows: int, normalize: bool
+    codec: StoredCodec,
+    windows: dict[int, tuple[int, np.ndarray]],
+    first: int,
+    n_windows: int,
+    normalize: bool,
 ) -> np.ndarray | None:
-    """A document's vector from its stored windows (`windows`: record number -> (n_tokens,
-    vector)); None while any of its windows is missing."""
+    """A document's row from its stored windows (`windows`: record number -> (n_tokens, row)),
+    in the key's stored encoding (an output variant: the mean of the windows' values, encoded
+    again); None while any of its windows is missing."""
     found = [windows.get(w) for w in range(first, first + n_windows)]
     if any(f is None for f in found):
         return None
     present = [f for f in found if f is not None]
     weights = np.array([f[0] for f in present], dtype=np.float64)
-    return weighted_mean(np.stack([f[1] for f in present]), weights, normalize)
+    values = codec.values(np.stack([f[1] for f in present]))
+    return codec.encode(weighted_mean(values, weights, normalize)[None])[0]
+
+
+def _bytes(row: np.ndarray) -> bytes:
+    return stored_rows(row[None]).tobytes()
 
 
 def _window_rows(
-    conn: Connection, task_set_id: int, model_id: int, low: int, high: int
+    conn: Connection, codec: StoredCodec, task_set_id: int, model_id: int, low: int, high: int
 ) -> dict[int, tuple[int, np.ndarray]]:
-    """(n_tokens, vector) of the set's stored windows with record numbers in [low, high)."""
-    return _stored_rows(conn, task_set_id, model_id, max(low, WINDOW_BASE), high)
+    """(n_tokens, row) of the set's stored windows with record numbers in [low, high)."""
+    return _stored_rows(conn, codec, task_set_id, model_id, max(low, WINDOW_BASE), high)
 
 
 def _stored_rows(
-    conn: Connection, task_set_id: int, model_id: int, low: int, high: int
+    conn: Connection, codec: StoredCodec, task_set_id: int, model_id: int, low: int, high: int
 ) -> dict[int, tuple[int, np.ndarray]]:
-    """(n_tokens, vector) of the set's stored rows with record numbers in [low, high)."""
+    """(n_tokens, row) of the set's stored rows with record numbers in [low, high)."""
     pgvector = has_pgvector_column(conn)
     columns = "record_no, n_tokens, vector" + (
         ", substring(vector_send(embedding) from 5)" if pgvector else ""
@@ -229,7 +245,7 @@ def _stored_rows(
         found: dict[int, tuple[int, np.ndarray]] = {}
         for row in cursor.fetchall():
             if row[2] is not None:
-                vector = np.frombuffer(bytes(row[2]), dtype="<f4")
+                vector = codec.rows([bytes(row[2])])[0]
             else:  # pgvector's binary value: big-endian floats after its 4-byte head
                 vector = np.frombuffer(bytes(row[3]), dtype=">f4").astype("<f4")
             found[int(row[0])] = (int(row[1]), vector)

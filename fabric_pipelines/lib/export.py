@@ -41,6 +41,7 @@ from fabric_pipelines.lib.store.models import (
     Task,
     TaskSet,
 )
+from fabric_pipelines.lib.stored_vectors import StoredCodec
 
 BLOCK_ROWS = 50_000  # rows read and written at a time
 
@@ -78,15 +79,22 @@ def export_task_set(
     set_id, model, model_key = _set_and_model(db, task_set, model_key)
     # A normalising model's shortened vectors are made unit length again.
     chosen = Variant.parse(variant, normalize="+normalized" in model_key) if variant else None
+    with db.connect() as conn:
+        codec = StoredCodec.of_key(conn, model_key)
+    if not codec.plain and chosen is not None:
+        raise ExportError(
+            f"model {model_key} stores {codec.variant.label} vectors, made by the engine: they "
+            "are exported as stored; --variant makes a variant of float32 vectors only"
+        )
     blocks: Iterator[pa.Table] = (
-        _hidden_state_blocks(db, task_set, set_id, model, model_key, list(layers))
+        _hidden_state_blocks(db, task_set, set_id, model, model_key, list(layers), codec)
         if layers
-        else _record_order_blocks(db, set_id, model)
+        else _record_order_blocks(db, set_id, model, codec)
     )
     if windows:
         if layers:
             raise ExportError("--windows and --layers: export one of them at a time")
-        blocks = _with_windows(blocks, db, set_id, model)
+        blocks = _with_windows(blocks, db, set_id, model, codec)
     counted = {"rows": 0, "dim": 0}
     calibration: list[Int8Calibration] = []  # set from the first block, for int8
 
@@ -94,9 +102,13 @@ def export_task_set(
         writer: pq.ParquetWriter | None = None
         for table in blocks:
             if writer is None:
-                counted["dim"] = table.schema.field("vector").type.list_size
+                counted["dim"] = _dims(table, codec)
             if chosen is not None:
                 table = _encoded(table, chosen, calibration)
+            elif not codec.plain:
+                table = table.replace_schema_metadata(
+                    _variant_metadata(codec.variant, codec.calibration)
+                )
             if writer is None:
                 writer = pq.ParquetWriter(pa.PythonFile(sink, mode="w"), table.schema)
             writer.write_table(table)
@@ -111,8 +123,9 @@ def export_task_set(
         writer.close()
 
     stored = stream_file(out, write)
-    label = chosen.label if chosen is not None else "float32"
-    per_vector = (chosen or Variant()).row_bytes(counted["dim"]) if counted["dim"] else 0
+    made = chosen or codec.variant
+    label = made.label if chosen is not None or not codec.plain else "float32"
+    per_vector = made.row_bytes(counted["dim"]) if counted["dim"] else 0
     return Exported(
         out, stored.sha256, counted["rows"], counted["dim"], model_key, label, per_vector
     )
@@ -127,18 +140,33 @@ def _encoded(table: pa.Table, variant: Variant, calibration: list[Int8Calibratio
     if variant.needs_calibration() and not calibration:
         calibration.append(Int8Calibration.of(variant.prepared(vectors)))
     cal = calibration[0] if calibration else None
-    encoded = variant.apply_numpy(vectors, cal)
+    values = _vector_column(variant.apply_numpy(vectors, cal), variant)
+    table = table.set_column(table.schema.get_field_index("vector"), "vector", values)
+    return table.replace_schema_metadata(_variant_metadata(variant, cal))
+
+
+def _variant_metadata(variant: Variant, calibration: Int8Calibration | None) -> dict[str, str]:
+    metadata = {"fabric.variant": variant.label}
+    if calibration is not None:
+        metadata["fabric.int8_calibration"] = calibration.to_json()
+    return metadata
+
+
+def _vector_column(encoded: np.ndarray, variant: Variant) -> pa.Array:
+    """Encoded rows as a column: packed bits as fixed-size binary, numbers as fixed-size lists."""
     if variant.encoding == "binary":
-        values: pa.Array = pa.FixedSizeBinaryArray.from_buffers(
+        return pa.FixedSizeBinaryArray.from_buffers(
             pa.binary(encoded.shape[1]), len(encoded), [None, pa.py_buffer(encoded.tobytes())]
         )
-    else:
-        values = pa.FixedSizeListArray.from_arrays(pa.array(encoded.reshape(-1)), encoded.shape[1])
-    table = table.set_column(table.schema.get_field_index("vector"), "vector", values)
-    metadata = {"fabric.variant": variant.label}
-    if cal is not None:
-        metadata["fabric.int8_calibration"] = cal.to_json()
-    return table.replace_schema_metadata(metadata)
+    return pa.FixedSizeListArray.from_arrays(pa.array(encoded.reshape(-1)), encoded.shape[1])
+
+
+def _dims(table: pa.Table, codec: StoredCodec) -> int:
+    """Dimensions of the vectors (binary: eight to a byte, or the variant's own count)."""
+    kind = table.schema.field("vector").type
+    if codec.variant.encoding == "binary":
+        return codec.variant.dims or 8 * int(kind.byte_width)
+    return int(kind.list_size)
 
 
 def _set_and_model(db: Engine, task_set: str, model_key: str | None) -> tuple[int, int, str]:
@@ -176,16 +204,18 @@ def _embeddings(set_id: int, model: int) -> Select[str, int, int, bytes]:
     )
 
 
-def _record_order_blocks(db: Engine, set_id: int, model: int) -> Iterator[pa.Table]:
+def _record_order_blocks(
+    db: Engine, set_id: int, model: int, codec: StoredCodec
+) -> Iterator[pa.Table]:
     with db.connect() as conn:
         result = conn.execution_options(stream_results=True, yield_per=BLOCK_ROWS)
         query = _embeddings(set_id, model).order_by(Embedding.record_no)
         for block in result.execute(query).partitions(BLOCK_ROWS):
-            yield _block_table(block)
+            yield _block_table(block, codec)
 
 
 def _with_windows(
-    documents: Iterator[pa.Table], db: Engine, set_id: int, model: int
+    documents: Iterator[pa.Table], db: Engine, set_id: int, model: int, codec: StoredCodec
 ) -> Iterator[pa.Table]:
     """The document rows (`window` null), then every stored window of the set's chunked
     documents: its document's id and record number, and `window`, its place among them from 0."""
@@ -222,14 +252,20 @@ def _with_windows(
                 (chunked[d].task_id, chunked[d].record_no, row[1], row[2])
                 for d, row in zip(owner.tolist(), block, strict=True)
             ]
-            table = _block_table(rows)
+            table = _block_table(rows, codec)
             yield table.append_column(
                 "window", pa.array((window_no - firsts[owner]).astype(np.int32), pa.int32())
             )
 
 
 def _hidden_state_blocks(
-    db: Engine, task_set: str, set_id: int, model: int, model_key: str, layers: list[int]
+    db: Engine,
+    task_set: str,
+    set_id: int,
+    model: int,
+    model_key: str,
+    layers: list[int],
+    codec: StoredCodec,
 ) -> Iterator[pa.Table]:
     """One table per shard file: its tasks' rows, vectors and the asked layers' states."""
     with db.connect() as conn:
@@ -260,7 +296,7 @@ def _hidden_state_blocks(
                     _embeddings(set_id, model).where(Task.task_id.in_(task_ids))
                 ).all()
             }
-        table = _block_table([rows[task_id] for task_id in task_ids])
+        table = _block_table([rows[task_id] for task_id in task_ids], codec)
         for k in layers:
             states = [np.asarray(s) for s in content[f"layer_{k}"]]
             table = table.append_column(f"layer_{k}", _states_column(states))
@@ -277,15 +313,15 @@ def _states_column(states: list[np.ndarray]) -> pa.Array:
     return pa.ListArray.from_arrays(pa.array(offsets), rows)
 
 
-def _block_table(rows: Sequence[Any]) -> pa.Table:
+def _block_table(rows: Sequence[Any], codec: StoredCodec) -> pa.Table:
+    """Rows (id, record_no, n_tokens, stored bytes) as a table, vectors as stored."""
     ids = [row[0] for row in rows]
-    vectors = np.frombuffer(b"".join(row[3] for row in rows), dtype="<f4")
-    dim = vectors.size // len(rows)
+    encoded = codec.rows([bytes(row[3]) for row in rows])
     return pa.table(
         {
             "id": pa.array(ids, type=pa.string()),
             "record_no": pa.array([row[1] for row in rows], type=pa.int64()),
             "n_tokens": pa.array([row[2] for row in rows], type=pa.int32()),
-            "vector": pa.FixedSizeListArray.from_arrays(pa.array(vectors, pa.float32()), dim),
+            "vector": _vector_column(encoded, codec.variant),
         }
     )

@@ -40,6 +40,7 @@ from fabric_pipelines.lib.broker.ledger import (
     superseded_by,
     superseded_message,
 )
+from fabric_pipelines.lib.calibration import calibrate_engine
 from fabric_pipelines.lib.files import CorruptFileError, verify_sha256
 from fabric_pipelines.lib.hidden_states import write_shard
 from fabric_pipelines.lib.result_writer import (
@@ -416,6 +417,15 @@ class WorkerRun:
         )
         if hasattr(self.engine, "shapes_for"):
             shapes = self.engine.shapes_for(shapes)
+        variant = self.engine.manifest.hooks.output_variant()
+        if variant.needs_calibration():  # an int8 engine quantises over its key's recorded range
+            self._db_call(
+                f"calibrating int8 for {job.model_key}",
+                lambda: calibrate_engine(
+                    self.db, self.engine, job.model_key, self.tokens, self.offsets,
+                    f"task set {job.task_set}", job.pad_token_id,
+                ),
+            )  # fmt: skip
         with self.heartbeat:
             self.writer = WriteBehind(
                 self.db, self._written, before_write=self._write_hidden_states

@@ -33,6 +33,7 @@ from sqlalchemy import Connection, Engine, exc
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.sql.dml import Insert
 
+from fabric_gpu.variants import stored_rows
 from fabric_pipelines.lib.broker.ledger import Lease, ack_many, stale_reason
 from fabric_pipelines.lib.hidden_states import ShardFile
 from fabric_pipelines.lib.retry import DEFAULT_BUDGET_S, GaveUpRetrying, retry
@@ -56,7 +57,7 @@ class BatchRows:
     model_id: int
     record_no: np.ndarray  # int64 [items]
     n_tokens: np.ndarray  # int64 [items]
-    pooled: np.ndarray  # float32 [items, dim]
+    pooled: np.ndarray  # float32 [items, dim], or the output variant's rows (variants.py)
     shard: ShardFile | None = None
     layers: tuple[int, ...] = ()
     # The batch's task rows and, when the engine kept hook layers, their hidden states
@@ -133,12 +134,16 @@ def insert_rows(
     """Insert the rows of `batches` on `conn`'s transaction; returns how many were new (a replay,
     `upsert`, skips rows already there). The only way rows enter `embeddings`: on SQLite it also
     moves their shard watermarks."""
+    # pgvector's `vector` holds float32 rows; an output variant's rows are kept as bytes.
+    pgvector = pgvector and all(b.pooled.dtype == np.float32 for b in batches)
     columns = {
         "task_set_id": np.concatenate([np.full(len(b.record_no), b.task_set_id) for b in batches]),
         "record_no": np.concatenate([b.record_no for b in batches]),
         "model_id": np.concatenate([np.full(len(b.record_no), b.model_id) for b in batches]),
         "n_tokens": np.concatenate([b.n_tokens for b in batches]),
-        "vectors": np.concatenate([np.ascontiguousarray(b.pooled, dtype="<f4") for b in batches]),
+        "vectors": np.concatenate(
+            [b.pooled.astype("<f4") if pgvector else stored_rows(b.pooled) for b in batches]
+        ),
     }
     if conn.dialect.name == "postgresql":
         payload = embeddings_payload(

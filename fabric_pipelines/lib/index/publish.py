@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from sqlalchemy import Engine
 
+from fabric_pipelines.lib.calibration import calibration_sha256
 from fabric_pipelines.lib.files import (
     CHUNK_BYTES,
     CorruptFileError,
@@ -80,6 +81,7 @@ from fabric_pipelines.lib.plots import chart_and_table
 from fabric_pipelines.lib.store.db import insert_ignoring_duplicates
 from fabric_pipelines.lib.store.keys import model_id
 from fabric_pipelines.lib.store.models import IndexReceipt
+from fabric_pipelines.lib.stored_vectors import StoredCodec
 
 WORKERS = 8  # threads for hashing, reading and writing files beside the build
 SERVED_BEHIND = 2  # shards gathered and assigned at most ahead of the served index's appends
@@ -127,6 +129,17 @@ class PhaseClock:
             yield
         finally:
             self.seconds[name] = round(self.seconds.get(name, 0.0) + time.perf_counter() - start, 3)
+
+
+def stored_encoding(codec: StoredCodec) -> dict[str, Any]:
+    """What a receipt records of the stored rows: nothing for float32, else the variant and the
+    sha256 of the int8 calibration the rows were quantised over."""
+    if codec.plain:
+        return {}
+    fields: dict[str, Any] = {"stored_variant": codec.variant.label}
+    if codec.calibration is not None:
+        fields["int8_calibration_sha256"] = calibration_sha256(codec.calibration)
+    return fields
 
 
 def model_folder(index_folder: Path, model_key: str) -> Path:
@@ -227,6 +240,8 @@ def build_and_publish(
                     f"no embeddings for model {model_key}: materialise extraction_outputs first"
                 ) from exc
             shards.register(conn, mid, spec.shards)
+            # An output variant's rows are indexed as their values; the receipt says which.
+            model = {**model, **stored_encoding(StoredCodec.of_key(conn, model_key))}
         with db.connect() as conn:
             # Versions before rows: a change that lands after this read shows up as stale next time.
             versions = shards.versions(conn, mid, spec.shards)

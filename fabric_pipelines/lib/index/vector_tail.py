@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 from sqlalchemy import Connection, Engine, text
 
+from fabric_gpu.variants import variant_of_model_key
 from fabric_pipelines.lib.broker.ledger import COMPLETED
 from fabric_pipelines.lib.broker.plans import current_plan, load_plan_order
 from fabric_pipelines.lib.index import shards
@@ -478,6 +479,8 @@ def following(db: Engine, model_key: str, task_set: str) -> Iterator[VectorTail 
     kind = _KINDS.get(db.dialect.name) if _in_this_process else None
     if db.dialect.name == "sqlite" and db.url.database in (None, "", ":memory:"):
         kind = None  # another connection would open another database
+    if variant_of_model_key(model_key).key_suffix:
+        kind = None  # an output variant's rows are read as values by the table read
     tail = kind(db, model_key, task_set) if kind is not None else None
     if tail is not None:
         with _tails_lock:

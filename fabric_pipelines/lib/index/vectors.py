@@ -31,6 +31,7 @@ from fabric_pipelines.lib.index.copy_rows import RowLayoutError, vector_rows
 from fabric_pipelines.lib.index.parallel_read import KeyRange, ReadStopped
 from fabric_pipelines.lib.store.models import WINDOW_BASE, Model, TaskSet
 from fabric_pipelines.lib.store.schema import has_pgvector_column
+from fabric_pipelines.lib.stored_vectors import StoredCodec
 
 # An index holds documents: the rows of submitted records, never the windows of a chunked one
 # (tasks/windows.py), whose document has a row of its own.
@@ -85,6 +86,10 @@ def load_vectors(conn: Connection, model_key: str) -> VectorSet:
     expected = sum(rows for _, rows, _, _ in extents)
     if not expected:
         return empty
+    codec = StoredCodec.of_key(conn, model_key)
+    if not codec.plain:  # an output variant's rows: read as values (stored_vectors.py)
+        ids, vectors = _read_variant_rows(conn, model, codec)
+        return vector_set(conn, model_key, ids, vectors)
     pgvector = has_pgvector_column(conn)
     read = _read_in_parallel(conn, model, pgvector, extents)
     if read is None:
@@ -102,6 +107,25 @@ def vector_set(conn: Connection, model_key: str, ids: np.ndarray, vectors: np.nd
         select(TaskSet.name).where(TaskSet.id.in_(in_use)).order_by(TaskSet.name)
     ).scalars()
     return VectorSet(model_key, ids, vectors, tuple(task_sets))
+
+
+def _read_variant_rows(
+    conn: Connection, model: int, codec: StoredCodec
+) -> tuple[np.ndarray, np.ndarray]:
+    """ids and float32 values of a variant key's rows (float16 exactly, int8 at the middle of
+    each step, binary bits as -1/+1: inner products of those rank as Hamming distance does)."""
+    found = conn.execute(
+        text(
+            "SELECT task_set_id * :stride + record_no, vector FROM embeddings "
+            f"WHERE model_id = :model AND {DOCUMENTS} ORDER BY task_set_id, record_no"
+        ),
+        {"stride": ID_STRIDE, "model": model},
+    ).all()
+    blobs = [bytes(row[1]) for row in found]
+    if len(set(map(len, blobs))) > 1:
+        raise BadVectorsError(f"model id {model}: stored rows of several sizes")
+    ids = np.array([int(row[0]) for row in found], dtype=np.int64)
+    return ids, np.ascontiguousarray(codec.values(codec.rows(blobs)), dtype=np.float32)
 
 
 def _read_serially(

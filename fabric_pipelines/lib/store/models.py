@@ -312,3 +312,19 @@ class EngineSpeed(Base):
     real_tokens: Mapped[int] = mapped_column(BigInteger)
     seconds: Mapped[float] = mapped_column(Float)
     measured_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Int8Calibration(Base):
+    """The per-dimension range a model key's int8 vectors were quantised over (migration 0012)."""
+
+    __tablename__ = "int8_calibrations"
+
+    model_id: Mapped[int] = mapped_column(
+        Integer, ForeignKey("models.id"), primary_key=True, autoincrement=False
+    )
+    model_key: Mapped[str] = _model_key(model_id)
+    calibration_json: Mapped[str] = mapped_column(Text)
+    sha256: Mapped[str] = mapped_column(String(64))
+    n_vectors: Mapped[int] = mapped_column(Integer)
+    source: Mapped[str] = mapped_column(String(256))  # e.g. "first 1024 tasks of set X"
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

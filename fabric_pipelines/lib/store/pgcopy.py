@@ -23,15 +23,17 @@ def embeddings_payload(
     pgvector: bool = False,
 ) -> bytearray:
     """Rows for `COPY embeddings (task_set_id, record_no, model_id, n_tokens, <vector column>)
-    FROM STDIN (FORMAT BINARY)`; `vectors` is float32 [rows, dim]. The last field is bytea of
-    little-endian float32 (`vector`), or with `pgvector` the extension's binary `vector` value:
-    16-bit dimension, 16-bit zero, float32 in network order (`embedding`)."""
+    FROM STDIN (FORMAT BINARY)`. The last field is bytea of each row's stored bytes (`vectors`
+    uint8 [rows, row bytes]: little-endian float32, or an output variant's encoding), or with
+    `pgvector` the extension's binary `vector` value of `vectors` float32 [rows, dim]: 16-bit
+    dimension, 16-bit zero, float32 in network order (`embedding`)."""
     rows, dim = vectors.shape
     if pgvector:  # the vector value: its own 4-byte head, then big-endian float32
         value = [("dim", ">i2"), ("unused", ">i2"), ("vector", ">f4", (dim,))]
-    else:  # bytea of little-endian float32
-        value = [("vector", "<f4", (dim,))]
-    vector_bytes = (4 if pgvector else 0) + 4 * dim
+        vector_bytes = 4 + 4 * dim
+    else:  # bytea: the stored bytes as they are
+        value = [("vector", "u1", (dim,))]
+        vector_bytes = dim
     layout = np.dtype(
         [
             ("fields", ">i2"),
