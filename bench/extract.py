@@ -17,6 +17,11 @@ text (standard-library docstrings): sentence-transformers `encode(batch_size=32)
 the project on the same texts, tokenisation included on both sides.
 
     python bench/extract.py [--reference PATH] [--items N] [--models minilm_l6,bert_base]
+                            [--variants float16,int8,binary]
+
+With --variants, each model also runs with each output variant made in its graphs (the pooled
+rows encoded on the GPU before the copy out; int8 over a fixed range, which costs the same as
+a measured one), reported against the same model's float32 run and the yardstick.
 
 The yardstick is imported from --reference (default ../shared/bench/reference_extract.py). The
 last line is one JSON object keyed by model name.
@@ -40,6 +45,7 @@ from fabric_gpu.engines.torch_engine import TorchEngine
 from fabric_gpu.manifest import EngineManifest, HookSpec
 from fabric_gpu.profile import ConsumerProfile
 from fabric_gpu.runtime import GpuEngineRunner
+from fabric_gpu.variants import Int8Calibration
 
 PROFILE = ConsumerProfile(32768, 1024, 512, 8, layout="packed")
 HOOKS = (2, -1)
@@ -54,13 +60,13 @@ def load_reference(path: Path) -> Any:
     return module
 
 
-def manifest(model_id: str) -> EngineManifest:
+def manifest(model_id: str, variant: str = "float32") -> EngineManifest:
     return EngineManifest.from_mapping(
         {
             "model_id": model_id, "weights_sha256": "0" * 64, "backend": "torch", "dtype": "float16",
             "max_batch_tokens": PROFILE.max_batch_tokens, "max_batch_items": PROFILE.max_batch_items,
             "max_seq_len": PROFILE.max_seq_len, "seq_granularity": PROFILE.seq_granularity,
-            "hooks": HookSpec(HOOKS, "mean").to_mapping(),
+            "hooks": HookSpec(HOOKS, "mean", variant=variant).to_mapping(),
         }
     )  # fmt: skip
 
@@ -166,6 +172,7 @@ def main() -> None:
     parser.add_argument("--items", type=int, default=20_000)
     parser.add_argument("--models", default="minilm_l6,bert_base,bert_large")
     parser.add_argument("--texts", type=int, default=5000)
+    parser.add_argument("--variants", default="", help="e.g. float16,int8,binary,binary:256")
     args = parser.parse_args()
     ref = load_reference(Path(args.reference))
     lengths = ref.reference_lengths(args.items)
@@ -187,6 +194,26 @@ def main() -> None:
             "batches": ours["batches"],
             "shapes": ours["shapes"],
         }
+        for label in filter(None, args.variants.split(",")):
+            variant_engine = TorchEngine(manifest(f"random:{name}", label), model=model)
+            if variant_engine.manifest.hooks.output_variant().needs_calibration():
+                dims = variant_engine.manifest.hooks.output_variant().out_dims(engine.hidden_size)
+                variant_engine.set_int8_calibration(
+                    Int8Calibration(np.full(dims, -1, np.float32), np.full(dims, 1, np.float32))
+                )
+            measured = run_ours(variant_engine, tokens, lengths)
+            results[f"{name} {label}"] = {
+                "tokens_per_s": round(measured["tokens_per_s"]),
+                "ratio_vs_float32": round(measured["tokens_per_s"] / ours["tokens_per_s"], 3),
+                "ratio_vs_reference": round(measured["tokens_per_s"] / peer, 3),
+            }
+            v = results[f"{name} {label}"]
+            print(
+                f"{name:11s} variant {label:10s} {v['tokens_per_s'] / 1e6:6.2f} M tok/s   "
+                f"{v['ratio_vs_float32']:.3f}x float32   {v['ratio_vs_reference']:.2f}x yardstick",
+                flush=True,
+            )
+            del variant_engine
         r = results[name]
         print(
             f"{name:11s} ours {r['tokens_per_s'] / 1e6:6.2f} M tok/s   yardstick {r['reference_tokens_per_s'] / 1e6:6.2f} M"

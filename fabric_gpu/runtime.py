@@ -320,7 +320,12 @@ class EngineRunner(_Runner):
             lengths = self._mask[:n].reshape(items, seq_len).sum(axis=1)
             pooled, hidden = self.engine.forward_hidden(ids, lengths)
             # The variant by its CPU twin: the bytes a GPU engine would have made.
-            encoded = stored_rows(self.variant.apply_numpy(pooled, self.engine.int8_calibration))
+            if self.variant.key_suffix:
+                calibration = (
+                    self.engine.int8_calibration if self.variant.needs_calibration() else None
+                )
+                pooled = self.variant.apply_numpy(pooled, calibration)
+            encoded = stored_rows(np.ascontiguousarray(pooled, dtype=self.variant.numpy_dtype))
             self._pooled[:items, : encoded.shape[1]] = encoded
             for layer in self.layers:
                 self._hooks[layer][:n] = hidden[layer].reshape(n, -1)
