@@ -22,6 +22,7 @@ batch left queued or in flight, and the ledger's accounting balanced (printed as
     python bench/e2e.py                      # one GPU: BERT-base, 1,000,000 token-id tasks, SQLite
     python bench/e2e.py --models minilm_l6 --modes ids,text --dbs sqlite,postgresql
     python bench/e2e.py --gpus 2 --tasks 2000000   # one GPU and two, same run: the ratio
+    python bench/e2e.py --variants float32,int8,binary  # the engine storing each variant
     python bench/e2e.py --cpu                # CPU engine, a few thousand tasks: minutes on 2 cores
 
 PostgreSQL: `--pg-url` (a server URL; each run gets a scratch database), else the `pgserver`
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -377,6 +379,10 @@ def main() -> None:
         help="ids, text, docs (long token-id documents, chunked into windows) (comma-separated)",
     )  # fmt: skip
     parser.add_argument("--dbs", default="sqlite", help="sqlite, postgresql or both")
+    parser.add_argument(
+        "--variants", default="float32",
+        help="output variants the engine stores, each a run of its own (e.g. float32,int8,binary)",
+    )  # fmt: skip
     parser.add_argument("--gpus", type=int, default=1, help="also run on this many GPUs")
     parser.add_argument("--pg-url", default=os.environ.get("FABRIC_BENCH_PG_URL"))
     parser.add_argument("--reference", default=str(DEFAULT))
@@ -439,13 +445,15 @@ def main() -> None:
         for size in models:
             dtype = torch.float32 if args.cpu else torch.float16
             model = random_model(reference, work / f"model-{size}", size, tokenizer_from, dtype)
-            manifest = manifest_for_model(
-                str(model), backend="cpu" if args.cpu else "torch",
-                dtype="float32" if args.cpu else "float16", profile=profile,
-                hooks=HookSpec((), "mean"),
-            )  # fmt: skip
-            manifest_file = work / f"engine-{size}.json"
-            manifest_file.write_text(json.dumps(manifest.to_mapping()))
+            manifest_files = {}
+            for variant in args.variants.split(","):
+                manifest = manifest_for_model(
+                    str(model), backend="cpu" if args.cpu else "torch",
+                    dtype="float32" if args.cpu else "float16", profile=profile,
+                    hooks=HookSpec((), "mean", variant=variant),
+                )  # fmt: skip
+                manifest_files[variant] = work / f"engine-{size}-{variant.replace(':', '_')}.json"
+                manifest_files[variant].write_text(json.dumps(manifest.to_mapping()))
             engine = (
                 engine_only_cpu(model, lengths, profile)
                 if args.cpu
@@ -465,36 +473,38 @@ def main() -> None:
                     f"{engines['docs']['tokens_per_s'] / 1e6:.3f} M tok/s",
                     flush=True,
                 )
-            for mode in modes:
-                for db in dbs:
-                    by_gpus = {}
-                    for gpus in gpu_counts:
-                        key = f"{size}/{mode}/{db}" + (f"/gpus={gpus}" if gpus > 1 else "")
-                        root = work / f"run-{size}-{mode}-{db}-{gpus}"
-                        shutil.rmtree(root, ignore_errors=True)
-                        with database_for(db, root, pg) as url:
-                            try:
-                                run = run_product(root, inputs[mode], manifest_file, url, gpus)
-                            except ProductRunFailed as failed:
-                                print(f"{key}: {failed}", flush=True)
-                                results[key] = {"error": str(failed)}
-                                continue
-                            submitted = windows if mode == "docs" else lengths
-                            results[key] = summarise(run, engines[mode], int(submitted.sum()))
-                            receipt = run["report"]["index"].get("vector_index", {})
-                            if args.rebuild and receipt.get("receipt_path"):
-                                results[key]["rebuilds"] = [
-                                    rebuild_index(root, url, receipt["receipt_path"], cpu)
-                                    for cpu in ((True,) if args.cpu else (False, True))
-                                ]
-                        by_gpus[gpus] = results[key]
-                        show(key, results[key])
-                    if len(by_gpus) > 1 and all("error" not in r for r in by_gpus.values()):
-                        many = by_gpus[args.gpus]
-                        many["ratio_vs_one_gpu"] = round(
-                            many["e2e_tokens_per_s"] / by_gpus[1]["e2e_tokens_per_s"], 3
-                        )
-                        print(f"  {args.gpus} GPUs vs 1, end to end: {many['ratio_vs_one_gpu']}x")
+            for mode, db, variant in itertools.product(modes, dbs, manifest_files):
+                manifest_file = manifest_files[variant]
+                named = "" if variant == "float32" else f"/{variant}"
+                label = named.replace(":", "_").replace("/", "-")
+                by_gpus = {}
+                for gpus in gpu_counts:
+                    key = f"{size}/{mode}/{db}{named}" + (f"/gpus={gpus}" if gpus > 1 else "")
+                    root = work / f"run-{size}-{mode}-{db}-{gpus}{label}"
+                    shutil.rmtree(root, ignore_errors=True)
+                    with database_for(db, root, pg) as url:
+                        try:
+                            run = run_product(root, inputs[mode], manifest_file, url, gpus)
+                        except ProductRunFailed as failed:
+                            print(f"{key}: {failed}", flush=True)
+                            results[key] = {"error": str(failed)}
+                            continue
+                        submitted = windows if mode == "docs" else lengths
+                        results[key] = summarise(run, engines[mode], int(submitted.sum()))
+                        receipt = run["report"]["index"].get("vector_index", {})
+                        if args.rebuild and receipt.get("receipt_path"):
+                            results[key]["rebuilds"] = [
+                                rebuild_index(root, url, receipt["receipt_path"], cpu)
+                                for cpu in ((True,) if args.cpu else (False, True))
+                            ]
+                    by_gpus[gpus] = results[key]
+                    show(key, results[key])
+                if len(by_gpus) > 1 and all("error" not in r for r in by_gpus.values()):
+                    many = by_gpus[args.gpus]
+                    many["ratio_vs_one_gpu"] = round(
+                        many["e2e_tokens_per_s"] / by_gpus[1]["e2e_tokens_per_s"], 3
+                    )
+                    print(f"  {args.gpus} GPUs vs 1, end to end: {many['ratio_vs_one_gpu']}x")
     print(json.dumps(results))
 
 

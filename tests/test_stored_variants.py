@@ -7,26 +7,34 @@ checked against the same twin in test_stored_variants_gpu.py.)"""
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine, select, text
 
 from fabric_gpu.engines import create_engine
 from fabric_gpu.engines.base import EngineError
 from fabric_gpu.manifest import EngineManifest, HookSpec, ManifestError
 from fabric_gpu.runtime import BatchResult, EngineRunner
 from fabric_gpu.variants import Int8Calibration, Variant, stored_rows
-from fabric_pipelines.lib.calibration import calibration_sha256, recorded_calibration
+from fabric_pipelines.lib.calibration import (
+    calibrate_engine,
+    calibration_sha256,
+    recorded_calibration,
+)
 from fabric_pipelines.lib.export import ExportError, export_task_set
 from fabric_pipelines.lib.index.build import IndexSpec
 from fabric_pipelines.lib.index.publish import build_and_publish
 from fabric_pipelines.lib.index.vectors import load_vectors
 from fabric_pipelines.lib.settings import FabricPaths
+from fabric_pipelines.lib.store.db import make_engine
 from fabric_pipelines.lib.store.models import WINDOW_BASE, DocumentWindow, Embedding, Model
+from fabric_pipelines.lib.store.schema import stores_pgvector, upgrade
+from fabric_pipelines.lib.store.scratch import empty_public_schema
 from fabric_pipelines.lib.tasks.windows import LongInputs
 from tests.pipeline_helpers import run_stages
 
@@ -113,6 +121,34 @@ def _source(tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("label", ["int8", "binary:256"])
 def test_a_variant_run_is_stored_combined_exported_and_indexed(
+    db: Engine, paths: FabricPaths, tmp_path: Path, manifest: EngineManifest, label: str
+) -> None:
+    _check_variant_run(db, paths, tmp_path, manifest, label)
+
+
+@pytest.mark.pgvector
+def test_on_a_pgvector_server_a_variant_is_kept_as_bytes_beside_float32_vectors(
+    pgvector_server_url: str, paths: FabricPaths, tmp_path: Path, manifest: EngineManifest
+) -> None:
+    """pgvector's `vector` holds float32 rows; an output variant's rows go in the bytes column
+    (`halfvec` and `bit` need pgvector 0.7, newer than any server here)."""
+    db = make_engine(pgvector_server_url)
+    empty_public_schema(db)
+    upgrade(db)
+    assert stores_pgvector(db)
+    _check_variant_run(db, paths, tmp_path, manifest, "int8")
+    with db.connect() as conn:
+        stored = conn.execute(
+            text(
+                "select count(*) filter (where vector is not null and embedding is null), "
+                "count(*) from embeddings"
+            )
+        ).one()
+    assert stored[0] == stored[1] > 41
+    db.dispose()
+
+
+def _check_variant_run(
     db: Engine, paths: FabricPaths, tmp_path: Path, manifest: EngineManifest, label: str
 ) -> None:
     variant_manifest = _with_variant(manifest, label)
@@ -218,3 +254,32 @@ def test_the_variant_rows_are_the_twin_of_a_float32_run_of_the_same_set(
     made = np.stack([np.frombuffer(v, np.int8) for v in stored]).astype(np.int16)
     twin = Variant("int8", normalize=True).apply_numpy(floats, calibration).astype(np.int16)
     assert made.shape == twin.shape and int(np.abs(made - twin).max()) <= 1
+
+
+def test_two_runs_calibrating_one_key_at_once_record_one_range_and_both_use_it(
+    db: Engine, manifest: EngineManifest
+) -> None:
+    from fabric_pipelines.lib.store.db import create_schema
+
+    create_schema(db)
+    int8 = _with_variant(manifest, "int8")
+    engines = [create_engine(int8), create_engine(int8)]
+    samples = [_token_table(n=40, seed=1), _token_table(n=40, seed=2)]  # different first tasks
+    barrier = threading.Barrier(2)
+
+    def calibrate(k: int) -> None:
+        barrier.wait()
+        calibrate_engine(db, engines[k], int8.model_key, *samples[k], f"run {k}")
+
+    threads = [threading.Thread(target=calibrate, args=(k,)) for k in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    with db.connect() as conn:
+        recorded = recorded_calibration(conn, int8.model_key)
+        rows = conn.execute(text("SELECT count(*) FROM int8_calibrations")).scalar_one()
+    assert rows == 1 and recorded is not None
+    for engine in engines:
+        assert engine.int8_calibration is not None
+        assert engine.int8_calibration.to_json() == recorded.to_json()

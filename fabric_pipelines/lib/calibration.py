@@ -24,7 +24,7 @@ from fabric_pipelines.lib.store.db import insert_ignoring_duplicates
 from fabric_pipelines.lib.store.keys import model_id, model_id_of
 from fabric_pipelines.lib.store.models import Int8Calibration as CalibrationRow
 
-CALIBRATION_ITEMS = 1024  # vectors the range is measured on
+CALIBRATION_ITEMS = 512  # vectors the range is measured on
 
 
 def recorded_calibration(conn: Connection, model_key: str) -> Int8Calibration | None:
@@ -90,18 +90,21 @@ def calibrate_engine(
 def _batches(
     engine: ExtractionEngine, tokens: np.ndarray, offsets: np.ndarray, n: int, pad_token_id: int
 ) -> Iterator[PaddedBatch]:
-    """Tasks 0..n-1 as padded batches within the engine's limits."""
+    """Tasks 0..n-1 as padded batches within the engine's limits, shortest first so that each
+    batch pads only to its own longest (the range does not depend on the order)."""
     profile = engine.profile
+    lengths = np.diff(offsets[: n + 1])
+    order = np.argsort(lengths, kind="stable")
     start = 0
     while start < n:
         end = min(n, start + profile.max_batch_items)
-        lengths = np.diff(offsets[start : end + 1])
         granularity = profile.seq_granularity
-        seq_len = min(profile.max_seq_len, -(-int(lengths.max()) // granularity) * granularity)
+        longest = int(lengths[order[end - 1]])  # sorted: the last is the longest
+        seq_len = min(profile.max_seq_len, -(-longest // granularity) * granularity)
         end = min(end, start + max(1, profile.max_batch_tokens // seq_len))
-        lengths = lengths[: end - start]
-        ids = np.full((end - start, seq_len), pad_token_id, dtype=np.int64)
-        for i, (first, length) in enumerate(zip(offsets[start:end], lengths, strict=True)):
-            ids[i, :length] = tokens[first : first + length]
-        yield PaddedBatch(input_ids=ids, lengths=lengths.astype(np.int64))
+        rows = order[start:end]
+        ids = np.full((len(rows), seq_len), pad_token_id, dtype=np.int64)
+        for i, row in enumerate(rows.tolist()):
+            ids[i, : lengths[row]] = tokens[offsets[row] : offsets[row + 1]]
+        yield PaddedBatch(input_ids=ids, lengths=lengths[rows].astype(np.int64))
         start = end
