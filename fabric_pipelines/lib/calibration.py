@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import numpy as np
 from sqlalchemy import Connection, Engine, select
 
+from fabric_gpu.batching import plan_batches
 from fabric_gpu.engines.base import Engine as ExtractionEngine
 from fabric_gpu.engines.base import PaddedBatch
 from fabric_gpu.variants import Int8Calibration
@@ -90,21 +91,13 @@ def calibrate_engine(
 def _batches(
     engine: ExtractionEngine, tokens: np.ndarray, offsets: np.ndarray, n: int, pad_token_id: int
 ) -> Iterator[PaddedBatch]:
-    """Tasks 0..n-1 as padded batches within the engine's limits, shortest first so that each
-    batch pads only to its own longest (the range does not depend on the order)."""
-    profile = engine.profile
+    """Tasks 0..n-1 as the planner's shape-pure padded batches within the engine's limits (the
+    range does not depend on how they are batched)."""
     lengths = np.diff(offsets[: n + 1])
-    order = np.argsort(lengths, kind="stable")
-    start = 0
-    while start < n:
-        end = min(n, start + profile.max_batch_items)
-        granularity = profile.seq_granularity
-        longest = int(lengths[order[end - 1]])  # sorted: the last is the longest
-        seq_len = min(profile.max_seq_len, -(-longest // granularity) * granularity)
-        end = min(end, start + max(1, profile.max_batch_tokens // seq_len))
-        rows = order[start:end]
-        ids = np.full((len(rows), seq_len), pad_token_id, dtype=np.int64)
+    plan = plan_batches(lengths, engine.profile.with_layout("padded"))
+    for b in range(plan.n_batches):
+        rows = plan.order[plan.item_start[b] : plan.item_start[b] + plan.item_count[b]]
+        ids = np.full((len(rows), int(plan.seq_len[b])), pad_token_id, dtype=np.int64)
         for i, row in enumerate(rows.tolist()):
             ids[i, : lengths[row]] = tokens[offsets[row] : offsets[row + 1]]
         yield PaddedBatch(input_ids=ids, lengths=lengths[rows].astype(np.int64))
-        start = end
