@@ -251,7 +251,27 @@ def decode(encoded: np.ndarray, variant: Variant, calibration: Int8Calibration |
         return encoded.astype(np.float32)
     if variant.encoding == "int8":
         cal = variant._calibration(calibration, encoded.shape[1])
-        # Truncation toward zero: q > 0 holds [q, q+1), q < 0 holds (q-1, q], 0 holds (-1, 1).
-        q = encoded.astype(np.float32)
-        return (q + np.float32(0.5) * np.sign(q) + np.float32(128)) * cal.steps() + cal.low
+        steps, low = cal.steps(), cal.low
+        out = np.empty(encoded.shape, np.float32)
+        # A 256-entry table gives each code's place in steps, then one multiply and one add,
+        # a block of rows at a time (a million 768-d rows: 3 passes, not 6).
+        for start in range(0, len(encoded), DECODE_ROWS):
+            block = out[start : start + DECODE_ROWS]
+            np.take(_INT8_MIDDLES, encoded[start : start + DECODE_ROWS].view(np.uint8), out=block)
+            np.multiply(block, steps, out=block)
+            np.add(block, low, out=block)
+        return out
     return encoded
+
+
+DECODE_ROWS = 16_384
+
+
+def _int8_middles() -> np.ndarray:
+    """By a code's byte (two's complement), the middle of its step counted from `low`.
+    Truncation toward zero: q > 0 holds [q, q+1), q < 0 holds (q-1, q], 0 holds (-1, 1)."""
+    q = np.arange(256, dtype=np.uint8).view(np.int8).astype(np.float32)
+    return (q + np.float32(0.5) * np.sign(q) + np.float32(128)).astype(np.float32)
+
+
+_INT8_MIDDLES = _int8_middles()

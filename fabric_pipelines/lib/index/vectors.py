@@ -113,19 +113,30 @@ def _read_variant_rows(
     conn: Connection, model: int, codec: StoredCodec
 ) -> tuple[np.ndarray, np.ndarray]:
     """ids and float32 values of a variant key's rows (float16 exactly, int8 at the middle of
-    each step, binary bits as -1/+1: inner products of those rank as Hamming distance does)."""
-    found = conn.execute(
-        text(
-            "SELECT task_set_id * :stride + record_no, vector FROM embeddings "
-            f"WHERE model_id = :model AND {DOCUMENTS} ORDER BY task_set_id, record_no"
-        ),
-        {"stride": ID_STRIDE, "model": model},
-    ).all()
-    blobs = [bytes(row[1]) for row in found]
-    if len(set(map(len, blobs))) > 1:
-        raise BadVectorsError(f"model id {model}: stored rows of several sizes")
-    ids = np.array([int(row[0]) for row in found], dtype=np.int64)
-    return ids, np.ascontiguousarray(codec.values(codec.rows(blobs)), dtype=np.float32)
+    each step, binary bits as -1/+1: inner products of those rank as Hamming distance does),
+    decoded block by block as they are fetched."""
+    raw: Any = conn.connection.driver_connection
+    mark = "%s" if _is_postgres(conn) else "?"
+    ids: list[np.ndarray] = []
+    values: list[np.ndarray] = []
+    sizes: set[int] = set()
+    with closing(raw.cursor()) as cursor:
+        cursor.execute(
+            f"SELECT task_set_id * {mark} + record_no, vector FROM embeddings "
+            f"WHERE model_id = {mark} AND {DOCUMENTS} ORDER BY task_set_id, record_no",
+            (ID_STRIDE, model),
+        )
+        while block := cursor.fetchmany(SQLITE_BATCH):
+            block_ids, blobs = zip(*block, strict=True)
+            blobs = tuple(bytes(b) for b in blobs)
+            sizes |= set(map(len, blobs))
+            if len(sizes) > 1:
+                raise BadVectorsError(f"model id {model}: stored rows of several sizes")
+            ids.append(np.fromiter(block_ids, np.int64, len(block_ids)))
+            values.append(codec.values(codec.rows(blobs)))
+    if not ids:
+        return np.zeros(0, np.int64), np.zeros((0, 0), np.float32)
+    return np.concatenate(ids), np.ascontiguousarray(np.concatenate(values), dtype=np.float32)
 
 
 def _read_serially(
