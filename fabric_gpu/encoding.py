@@ -32,7 +32,7 @@ class EncodeError(ValueError):
 class Encoded:
     """What `encode` returns, in input order."""
 
-    vectors: np.ndarray  # float32 [inputs, hidden]: each input's pooled vector
+    vectors: np.ndarray  # [inputs, hidden] float32 (or the manifest's output variant's rows)
     offsets: np.ndarray  # int64 [inputs + 1]: input i's tokens are tokens[offsets[i]:offsets[i+1]]
     tokens: np.ndarray  # int32: every input's token ids back to back (special tokens included)
     # Per hooked layer: [all tokens, hidden] back to back, laid out as `tokens`.
@@ -89,7 +89,8 @@ def encode(
             )
         assert result.pooled is not None
         if vectors is None:
-            vectors = np.empty((len(lengths), result.pooled.shape[1]), np.float32)
+            # float32, or the manifest's output variant (float16, int8, packed bits)
+            vectors = np.empty((len(lengths), result.pooled.shape[1]), result.pooled.dtype)
         vectors[rows] = result.pooled
         if result.hooks:
             # A batch's hidden states hold its inputs' tokens back to back, in batch order.

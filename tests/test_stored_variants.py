@@ -283,3 +283,21 @@ def test_two_runs_calibrating_one_key_at_once_record_one_range_and_both_use_it(
     for engine in engines:
         assert engine.int8_calibration is not None
         assert engine.int8_calibration.to_json() == recorded.to_json()
+
+
+def test_encode_returns_the_manifests_variant(manifest: EngineManifest) -> None:
+    """`fabric_gpu.encode` with a variant manifest gives that encoding's rows: the twin of the
+    float32 vectors of another engine of the same model (nearly every sign bit: two engines'
+    floats may differ in their last bits)."""
+    import fabric_gpu
+
+    texts = [f"Sentence number {i} about pinned rings." for i in range(30)]
+    plain = _with_variant(manifest, "float32")
+    floats = fabric_gpu.encode(texts, plain).vectors
+    binary = _with_variant(manifest, "binary:128")
+    made = fabric_gpu.encode(texts, binary).vectors
+    assert made.dtype == np.uint8 and made.shape == (30, 16)
+    twin = binary.hooks.output_variant().apply_numpy(floats)
+    assert (np.unpackbits(made, axis=1) == np.unpackbits(twin, axis=1)).mean() >= 0.999
+    with pytest.raises(EngineError, match="no int8 calibration"):
+        fabric_gpu.encode(texts, _with_variant(manifest, "int8"))
