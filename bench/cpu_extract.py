@@ -23,11 +23,11 @@ import numpy as np
 
 from fabric_gpu.batching import plan_batches
 from fabric_gpu.engines import create_engine
+from fabric_gpu.engines.base import gather_padded
 from fabric_gpu.manifest import HookSpec, manifest_for_model
 from fabric_gpu.model import DEFAULT_MODEL_ID, load_tokenizer, resolve_model_dir
 from fabric_gpu.profile import ConsumerProfile
 from fabric_pipelines.lib.demo_corpus import stdlib_docstrings
-from fabric_pipelines.lib.extraction import gather_padded
 
 MAX_SEQ_LEN = 512
 

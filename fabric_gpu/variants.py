@@ -164,10 +164,6 @@ class Variant:
         16-byte units)."""
         return -(-self.row_bytes(dim) // 16) * 16
 
-    def row_elements(self, dim: int) -> int:
-        """Elements of `numpy_dtype` in one encoded row."""
-        return self.row_bytes(dim) // self.numpy_dtype.itemsize
-
     @property
     def key_suffix(self) -> str:
         """What a model key carries of the variant: nothing for full float32 rows."""
@@ -192,10 +188,9 @@ class TorchEncoder:
         self.bit_weights = torch.tensor(
             [128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8, device=device
         )
-        # NaN until calibrated: an uncalibrated int8 run would store garbage, so it refuses.
+        # NaN until calibrated (the runners refuse an int8 engine without a calibration).
         self.low = torch.full((out,), float("nan"), dtype=torch.float32, device=device)
         self.steps = torch.ones(out, dtype=torch.float32, device=device)
-        self.calibrated = not variant.needs_calibration()
 
     def set_calibration(self, calibration: Int8Calibration) -> None:
         import torch
@@ -203,7 +198,6 @@ class TorchEncoder:
         self.variant._calibration(calibration, self.variant.out_dims(self.dim))
         self.low.copy_(torch.from_numpy(calibration.low))
         self.steps.copy_(torch.from_numpy(calibration.steps()))
-        self.calibrated = True
 
     def __call__(self, vectors: torch.Tensor) -> torch.Tensor:
         import torch

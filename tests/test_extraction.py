@@ -12,12 +12,13 @@ import torch
 from sqlalchemy import Engine, exc, select
 from transformers import AutoModel
 
+from fabric_gpu.engines.base import gather_padded
 from fabric_gpu.manifest import EngineManifest
 from fabric_gpu.model import resolve_model_dir
 from fabric_pipelines.lib import extraction
 from fabric_pipelines.lib.broker.ledger import accounting
 from fabric_pipelines.lib.broker.plans import load_plan_order, plan_task_set
-from fabric_pipelines.lib.extraction import ExtractionJob, LeaseHeartbeat, gather_padded, run_worker
+from fabric_pipelines.lib.extraction import ExtractionJob, LeaseHeartbeat, run_worker
 from fabric_pipelines.lib.files import CorruptFileError
 from fabric_pipelines.lib.hidden_states import read_shard
 from fabric_pipelines.lib.settings import FabricPaths

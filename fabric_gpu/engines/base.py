@@ -47,6 +47,19 @@ class PaddedBatch:
         return int(self.lengths.sum())
 
 
+def gather_padded(
+    tokens: np.ndarray, offsets: np.ndarray, rows: np.ndarray, seq_len: int, pad_id: int
+) -> PaddedBatch:
+    """Scatter the items' tokens into a `[items, seq_len]` array padded with `pad_id`."""
+    starts = offsets[rows]
+    lengths = offsets[rows + 1] - starts
+    positions = np.arange(seq_len, dtype=np.int64)[None, :]
+    real = positions < lengths[:, None]
+    ids = np.full((rows.size, seq_len), pad_id, dtype=np.int64)
+    ids[real] = tokens[(starts[:, None] + positions)[real]]
+    return PaddedBatch(input_ids=ids, lengths=lengths)
+
+
 @dataclass(frozen=True)
 class EngineOutput:
     """Results of one batch, items in batch order.

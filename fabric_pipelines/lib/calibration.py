@@ -19,7 +19,7 @@ from sqlalchemy import Connection, Engine, select
 
 from fabric_gpu.batching import plan_batches
 from fabric_gpu.engines.base import Engine as ExtractionEngine
-from fabric_gpu.engines.base import PaddedBatch
+from fabric_gpu.engines.base import PaddedBatch, gather_padded
 from fabric_gpu.variants import Int8Calibration
 from fabric_pipelines.lib.store.db import insert_ignoring_duplicates
 from fabric_pipelines.lib.store.keys import model_id, model_id_of
@@ -93,11 +93,7 @@ def _batches(
 ) -> Iterator[PaddedBatch]:
     """Tasks 0..n-1 as the planner's shape-pure padded batches within the engine's limits (the
     range does not depend on how they are batched)."""
-    lengths = np.diff(offsets[: n + 1])
-    plan = plan_batches(lengths, engine.profile.with_layout("padded"))
+    plan = plan_batches(np.diff(offsets[: n + 1]), engine.profile.with_layout("padded"))
     for b in range(plan.n_batches):
         rows = plan.order[plan.item_start[b] : plan.item_start[b] + plan.item_count[b]]
-        ids = np.full((len(rows), int(plan.seq_len[b])), pad_token_id, dtype=np.int64)
-        for i, row in enumerate(rows.tolist()):
-            ids[i, : lengths[row]] = tokens[offsets[row] : offsets[row + 1]]
-        yield PaddedBatch(input_ids=ids, lengths=lengths[rows].astype(np.int64))
+        yield gather_padded(tokens, offsets, rows, int(plan.seq_len[b]), pad_token_id)

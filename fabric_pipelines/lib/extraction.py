@@ -23,7 +23,6 @@ import pyarrow as pa
 from sqlalchemy import Engine, func, select
 
 from fabric_gpu.engines import Engine as ExtractionEngine
-from fabric_gpu.engines import PaddedBatch
 from fabric_gpu.runtime import BatchResult, open_runner
 from fabric_pipelines.lib.broker.claim_ahead import ClaimAhead
 from fabric_pipelines.lib.broker.ledger import (
@@ -103,19 +102,6 @@ class ExtractionJob:
 
 
 ProgressFn = Callable[[ExtractionReport], None]
-
-
-def gather_padded(
-    tokens: np.ndarray, offsets: np.ndarray, rows: np.ndarray, seq_len: int, pad_id: int
-) -> PaddedBatch:
-    """Scatter the items' tokens into a `[items, seq_len]` array padded with `pad_id`."""
-    starts = offsets[rows]
-    lengths = offsets[rows + 1] - starts
-    positions = np.arange(seq_len, dtype=np.int64)[None, :]
-    real = positions < lengths[:, None]
-    ids = np.full((rows.size, seq_len), pad_id, dtype=np.int64)
-    ids[real] = tokens[(starts[:, None] + positions)[real]]
-    return PaddedBatch(input_ids=ids, lengths=lengths)
 
 
 class _Stopped(Exception):
@@ -417,15 +403,14 @@ class WorkerRun:
         )
         if hasattr(self.engine, "shapes_for"):
             shapes = self.engine.shapes_for(shapes)
-        variant = self.engine.manifest.hooks.output_variant()
-        if variant.needs_calibration():  # an int8 engine quantises over its key's recorded range
-            self._db_call(
-                f"calibrating int8 for {job.model_key}",
-                lambda: calibrate_engine(
-                    self.db, self.engine, job.model_key, self.tokens, self.offsets,
-                    f"task set {job.task_set}", job.pad_token_id,
-                ),
-            )  # fmt: skip
+        # An int8 engine quantises over its key's recorded range (others: nothing to do).
+        self._db_call(
+            f"calibrating int8 for {job.model_key}",
+            lambda: calibrate_engine(
+                self.db, self.engine, job.model_key, self.tokens, self.offsets,
+                f"task set {job.task_set}", job.pad_token_id,
+            ),
+        )  # fmt: skip
         with self.heartbeat:
             self.writer = WriteBehind(
                 self.db, self._written, before_write=self._write_hidden_states

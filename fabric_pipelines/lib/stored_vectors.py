@@ -37,8 +37,10 @@ class StoredCodec:
     @staticmethod
     def of_key(conn: Connection, model_key: str) -> StoredCodec:
         variant = variant_of_model_key(model_key)
-        calibration = recorded_calibration(conn, model_key) if variant.needs_calibration() else None
-        if variant.needs_calibration() and calibration is None:
+        if not variant.needs_calibration():
+            return StoredCodec(variant)
+        calibration = recorded_calibration(conn, model_key)
+        if calibration is None:
             raise MissingCalibrationError(
                 f"model {model_key}: its int8 calibration is not recorded (int8_calibrations); "
                 "its vectors cannot be read as values. Extract the set again under this key."
