@@ -142,7 +142,10 @@ def insert_rows(
         "model_id": np.concatenate([np.full(len(b.record_no), b.model_id) for b in batches]),
         "n_tokens": np.concatenate([b.n_tokens for b in batches]),
         "vectors": np.concatenate(
-            [b.pooled.astype("<f4") if pgvector else stored_rows(b.pooled) for b in batches]
+            [
+                np.ascontiguousarray(b.pooled, dtype="<f4") if pgvector else stored_rows(b.pooled)
+                for b in batches
+            ]
         ),
     }
     if conn.dialect.name == "postgresql":
