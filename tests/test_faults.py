@@ -168,7 +168,9 @@ def _random_point(seeded: Seeded, lo: int, hi: int) -> int:
 def test_killing_the_whole_run_leaves_no_worker_and_the_next_run_redoes_only_unacked_work(
     db: Engine, db_url: str, paths: FabricPaths, tiny_model_dir: Path, seeded: Seeded
 ) -> None:
-    h = Harness(db, db_url, paths, tiny_model_dir, seeded, tasks=600)
+    # 1000 batches, so the run is still mid-set when the kill lands: acks arrive in groups, and
+    # on a fast machine 300 batches were all acknowledged between two polls.
+    h = Harness(db, db_url, paths, tiny_model_dir, seeded, tasks=2000)
     run = h.start()
     h.completed_at_least(_random_point(seeded, 5, 100), run)
     workers = run.workers()
