@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from sqlalchemy import Engine, select, text
+from sqlalchemy import Connection, Engine, select, text
 
 from fabric_gpu.engines import create_engine
 from fabric_gpu.engines.base import EngineError
@@ -36,6 +36,7 @@ from fabric_pipelines.lib.store.models import WINDOW_BASE, DocumentWindow, Embed
 from fabric_pipelines.lib.store.schema import stores_pgvector, upgrade
 from fabric_pipelines.lib.store.scratch import empty_public_schema
 from fabric_pipelines.lib.tasks.windows import LongInputs
+from tests.conftest import IN_CI
 from tests.pipeline_helpers import run_stages
 
 CHUNK = LongInputs.of("chunk", 32)
@@ -127,15 +128,11 @@ def test_a_variant_run_is_stored_combined_exported_and_indexed(
 
 
 @pytest.mark.pgvector
-def test_on_a_pgvector_server_a_variant_is_kept_as_bytes_beside_float32_vectors(
+def test_on_a_pgvector_server_int8_is_kept_as_bytes_beside_float32_vectors(
     pgvector_server_url: str, paths: FabricPaths, tmp_path: Path, manifest: EngineManifest
 ) -> None:
-    """pgvector's `vector` holds float32 rows; an output variant's rows go in the bytes column
-    (`halfvec` and `bit` need pgvector 0.7, newer than any server here)."""
-    db = make_engine(pgvector_server_url)
-    empty_public_schema(db)
-    upgrade(db)
-    assert stores_pgvector(db)
+    """pgvector has no int8 type: int8 rows go in the bytes column."""
+    db = _pgvector_schema(pgvector_server_url)
     _check_variant_run(db, paths, tmp_path, manifest, "int8")
     with db.connect() as conn:
         stored = conn.execute(
@@ -146,6 +143,135 @@ def test_on_a_pgvector_server_a_variant_is_kept_as_bytes_beside_float32_vectors(
         ).one()
     assert stored[0] == stored[1] > 41
     db.dispose()
+
+
+@pytest.mark.pgvector
+@pytest.mark.parametrize(
+    ("label", "column", "width"),
+    [("float16", "embedding_half", "vector_dims"), ("binary:256", "embedding_bits", "bit_length")],
+)
+def test_on_pgvector_0_7_float16_is_halfvec_and_binary_is_bit_and_sql_searches_them(
+    pgvector_server_url: str,
+    paths: FabricPaths,
+    tmp_path: Path,
+    manifest: EngineManifest,
+    label: str,
+    column: str,
+    width: str,
+) -> None:
+    """Each row in its pgvector column only (read back here through the server's own casts),
+    combined, exported and indexed as the bytes are; and the server's operators (cosine for
+    halfvec, Hamming for bit) find a row nearest to itself."""
+    db = _pgvector_schema(pgvector_server_url)
+    with db.connect() as conn:
+        version = conn.execute(
+            text("select extversion from pg_extension where extname = 'vector'")
+        ).scalar_one()
+    if tuple(int(p) for p in version.split(".")) < (0, 7):
+        reason = f"the test server's pgvector is {version}; scripts/pgvector-for-tests builds 0.8"
+        if IN_CI:
+            pytest.fail(reason)
+        pytest.skip(reason)
+    _check_variant_run(db, paths, tmp_path, manifest, label)
+    with db.connect() as conn:
+        placed = conn.execute(
+            text(
+                f"select count(*) filter (where {column} is not null and vector is null "
+                f"and embedding is null), count(*), min({width}({column})), "
+                f"max({width}({column})) from embeddings"
+            )
+        ).one()
+        operator = "<=>" if column == "embedding_half" else "<~>"
+        nearest = conn.execute(
+            text(
+                f"select e.record_no, (select o.record_no from embeddings o "
+                f"order by o.{column} {operator} e.{column}, o.record_no limit 1) "
+                "from embeddings e where e.record_no < 41 order by e.record_no"
+            )
+        ).all()
+    expected_width = 384 if column == "embedding_half" else 256
+    assert placed[0] == placed[1] > 41 and placed[2] == placed[3] == expected_width
+    # Itself at distance 0 (an earlier duplicate row, by record number, would come first).
+    assert sum(r[0] == r[1] for r in nearest) >= 0.9 * len(nearest)
+    db.dispose()
+
+
+@pytest.mark.pgvector
+def test_on_a_pgvector_server_float32_rows_are_exported_from_the_vector_column(
+    pgvector_server_url: str, paths: FabricPaths, tmp_path: Path, manifest: EngineManifest
+) -> None:
+    """Float32 rows live in pgvector's `vector` only (the bytes column is NULL): export, and an
+    export variant made from them, read those values."""
+    db = _pgvector_schema(pgvector_server_url)
+    plain = _with_variant(manifest, "float32")
+    _, report = run_stages(
+        db, paths, create_engine(plain), plain, _source(tmp_path), "f", long_inputs=CHUNK
+    )
+    assert report.batches_failed == 0
+    with db.connect() as conn:
+        model = conn.execute(select(Model.id).where(Model.model_key == plain.model_key))
+        rows = _stored_bytes(conn, model.scalar_one())
+        in_vector_only = conn.execute(
+            text("select count(*) from embeddings where vector is null and embedding is not null")
+        ).scalar_one()
+    assert in_vector_only == len(rows) > 41
+    out = tmp_path / "f.parquet"
+    export_task_set(db, "f", out)
+    table = pq.read_table(out)
+    record_nos = table.column("record_no").to_pylist()
+    assert len(record_nos) == 41
+    for record_no, vector in zip(record_nos, table.column("vector").to_pylist(), strict=True):
+        assert np.asarray(vector, "<f4").tobytes() == rows[record_no][1]
+    half = tmp_path / "f16.parquet"
+    export_task_set(db, "f", half, variant="float16")
+    stored = np.stack([np.frombuffer(rows[r][1], "<f4") for r in record_nos])
+    made = np.asarray(pq.read_table(half).column("vector").to_pylist(), np.float16)
+    twin = Variant.parse("float16", normalize="+normalized" in plain.model_key)
+    assert np.array_equal(made, twin.apply_numpy(stored, None))
+    db.dispose()
+
+
+def _pgvector_schema(url: str) -> Engine:
+    db = make_engine(url)
+    empty_public_schema(db)
+    upgrade(db)
+    assert stores_pgvector(db)
+    return db
+
+
+def _stored_bytes(conn: Connection, model: int) -> dict[int, tuple[int, bytes]]:
+    """Each row's (n_tokens, stored bytes), read by the server's own casts of its pgvector
+    columns (not the product's reader): halfvec as real[], bit as a text of 0s and 1s."""
+    present = conn.dialect.name == "postgresql" and set(
+        conn.execute(
+            text(
+                "select column_name from information_schema.columns where table_name = "
+                "'embeddings' and table_schema = current_schema()"
+            )
+        ).scalars()
+    )
+    floats = "embedding::real[]" if present and "embedding" in present else "null"
+    half = "embedding_half::real[]" if present and "embedding_half" in present else "null"
+    bits = "embedding_bits::text" if present and "embedding_bits" in present else "null"
+    found = {}
+    for record_no, n_tokens, raw, singles, halves, signs in conn.execute(
+        text(
+            f"select record_no, n_tokens, vector, {floats}, {half}, {bits} from embeddings "
+            "where model_id = :m"
+        ),
+        {"m": model},
+    ):
+        if raw is not None:
+            value = bytes(raw)
+        elif singles is not None:
+            value = np.asarray(singles, "<f4").tobytes()
+        elif halves is not None:
+            value = np.asarray(halves, np.float16).tobytes()
+        else:
+            assert signs is not None, f"record {record_no}: no vector in any column"
+            value = np.packbits(np.array([c == "1" for c in signs])).tobytes()
+        found[int(record_no)] = (int(n_tokens), value)
+    return found
 
 
 def _check_variant_run(
@@ -163,14 +289,7 @@ def _check_variant_run(
     with db.connect() as conn:
         calibration = recorded_calibration(conn, key)
         model = conn.execute(select(Model.id).where(Model.model_key == key)).scalar_one()
-        rows = {
-            int(r.record_no): (int(r.n_tokens), bytes(r.vector))
-            for r in conn.execute(
-                select(Embedding.record_no, Embedding.n_tokens, Embedding.vector).where(
-                    Embedding.model_id == model
-                )
-            )
-        }
+        rows = _stored_bytes(conn, model)
         window = conn.execute(
             select(DocumentWindow.record_no, DocumentWindow.first_window, DocumentWindow.n_windows)
         ).one()
@@ -184,6 +303,8 @@ def _check_variant_run(
     def values(raw: bytes) -> np.ndarray:
         if variant.encoding == "binary":
             return np.unpackbits(np.frombuffer(raw, np.uint8)).astype(np.float64) * 2 - 1
+        if variant.encoding == "float16":
+            return np.frombuffer(raw, np.float16).astype(np.float64)
         assert calibration is not None
         q = np.frombuffer(raw, np.int8).astype(np.float64)
         return (q + 0.5 * np.sign(q) + 128) * calibration.steps() + calibration.low
@@ -206,7 +327,8 @@ def _check_variant_run(
         assert meta[b"fabric.int8_calibration"].decode() == calibration.to_json()
     exported = table.column("vector").to_pylist()
     for record_no, vector in zip(table.column("record_no").to_pylist(), exported, strict=True):
-        raw = vector if isinstance(vector, bytes) else np.asarray(vector, np.int8).tobytes()
+        kind = np.float16 if variant.encoding == "float16" else np.int8
+        raw = vector if isinstance(vector, bytes) else np.asarray(vector, kind).tobytes()
         assert raw == rows[record_no][1]
     with pytest.raises(ExportError, match="exported as stored"):
         export_task_set(db, "v", tmp_path / "again.parquet", variant="float16")

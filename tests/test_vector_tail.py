@@ -393,6 +393,44 @@ def test_a_real_extraction_is_followed_on_both_databases(
 
 
 @SQLITE_ONLY
+@pytest.mark.parametrize("label", ["int8", "float16", "binary:256"])
+def test_an_output_variants_rows_are_followed_and_handed_over_as_the_table_read_decodes_them(
+    db: Engine, paths: FabricPaths, tmp_path: Path, manifest: EngineManifest, label: str
+) -> None:
+    """A variant key's rows are kept as their bytes while they arrive (an int8 key's first run
+    records its calibration meanwhile) and decoded at the hand-over: the same values, bit for
+    bit, as the index's own read of the table."""
+    from fabric_gpu.engines import create_engine
+    from tests.test_stored_variants import _with_variant
+
+    variant = _with_variant(manifest, label)
+    texts = [f"sentence number {i} about {' '.join(['things'] * (i % 17))}" for i in range(120)]
+    job = _planned(db, paths, tmp_path, variant, texts)
+    engine = create_engine(variant)
+    with vector_tail.following(db, variant.model_key, "s") as tail:
+        assert tail is not None and tail.wait_until_following(30)  # before any row arrives
+        run_worker(db, engine, job, owner="test")
+    _caught_up(tail, 120)  # followed during the extraction, not read at the hand-over
+    claimed = vector_tail.claim(db, variant.model_key)
+    with db.connect() as conn:
+        read = load_vectors(conn, variant.model_key)
+    assert claimed is not None and len(read.ids) == 120
+    _same(claimed, read)
+    dims = variant.hooks.output_variant().out_dims(384)
+    assert claimed.vectors.shape == (120, dims)
+
+
+@POSTGRES_ONLY
+def test_on_postgresql_an_output_variant_is_read_from_the_table(db: Engine) -> None:
+    """PostgreSQL's tail decodes float32 from its COPY: a variant key is not followed there."""
+    with vector_tail.following(db, "m~int8", "s") as tail:
+        assert tail is None
+    with vector_tail.following(db, "m", "s") as tail:  # a float32 key is
+        assert tail is not None
+        tail.close()
+
+
+@SQLITE_ONLY
 def test_an_unclaimed_tail_lets_its_arrays_go_after_the_extraction_ended(
     db: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -26,7 +26,7 @@ from fabric_pipelines.lib.result_writer import insert_rows
 from fabric_pipelines.lib.retry import retry
 from fabric_pipelines.lib.store.keys import model_id
 from fabric_pipelines.lib.store.models import WINDOW_BASE, DocumentWindow, Embedding, TaskSet
-from fabric_pipelines.lib.store.schema import has_pgvector_column
+from fabric_pipelines.lib.store.vector_columns import VectorColumns
 from fabric_pipelines.lib.stored_vectors import StoredCodec
 from fabric_pipelines.lib.tasks.windows import weighted_mean
 
@@ -127,7 +127,7 @@ def _combine_block(
             np.array([r[1] for r in rows], dtype=np.int64),
             np.stack([r[2] for r in rows]),
         )
-        insert_rows(conn, [combined], upsert=True, pgvector=has_pgvector_column(conn))
+        insert_rows(conn, [combined], upsert=True, vector_columns=VectorColumns.of(conn))
     return len(rows), waiting
 
 
@@ -228,10 +228,8 @@ def _stored_rows(
     conn: Connection, codec: StoredCodec, task_set_id: int, model_id: int, low: int, high: int
 ) -> dict[int, tuple[int, np.ndarray]]:
     """(n_tokens, row) of the set's stored rows with record numbers in [low, high)."""
-    pgvector = has_pgvector_column(conn)
-    columns = "record_no, n_tokens, vector" + (
-        ", substring(vector_send(embedding) from 5)" if pgvector else ""
-    )
+    stored = VectorColumns.of(conn)
+    columns = f"record_no, n_tokens, {stored.select_sql()}"
     mark = "%s" if conn.dialect.name == "postgresql" else "?"
     raw = conn.connection.driver_connection
     assert raw is not None
@@ -244,10 +242,7 @@ def _stored_rows(
         )
         found: dict[int, tuple[int, np.ndarray]] = {}
         for row in cursor.fetchall():
-            if row[2] is not None:
-                vector = codec.rows([bytes(row[2])])[0]
-            else:  # pgvector's binary value: big-endian floats after its 4-byte head
-                vector = np.frombuffer(bytes(row[3]), dtype=">f4").astype("<f4")
+            vector = codec.rows([stored.stored_bytes(row[2:])])[0]
             found[int(row[0])] = (int(row[1]), vector)
         return found
     finally:

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from sqlalchemy import Engine, Select, select
+from sqlalchemy import Engine, Select, literal_column, select
 
 from fabric_gpu.variants import Int8Calibration, Variant
 from fabric_pipelines.lib.files import HashingWriter, stream_file
@@ -41,6 +41,7 @@ from fabric_pipelines.lib.store.models import (
     Task,
     TaskSet,
 )
+from fabric_pipelines.lib.store.vector_columns import VectorColumns
 from fabric_pipelines.lib.stored_vectors import StoredCodec
 
 BLOCK_ROWS = 50_000  # rows read and written at a time
@@ -193,9 +194,11 @@ def _set_and_model(db: Engine, task_set: str, model_key: str | None) -> tuple[in
     return set_id, model, model_key
 
 
-def _embeddings(set_id: int, model: int) -> Select[str, int, int, bytes]:
+def _embeddings(set_id: int, model: int, stored: VectorColumns) -> Select[Any]:
+    """Rows (task id, record_no, n_tokens, the vector's fields: store/vector_columns.py)."""
+    vector: list[Any] = [literal_column(field) for field in stored.fields()]
     return (
-        select(Task.task_id, Embedding.record_no, Embedding.n_tokens, Embedding.vector)
+        select(Task.task_id, Embedding.record_no, Embedding.n_tokens, *vector)
         .join(
             Task,
             (Task.task_set_id == Embedding.task_set_id) & (Task.record_no == Embedding.record_no),
@@ -209,9 +212,10 @@ def _record_order_blocks(
 ) -> Iterator[pa.Table]:
     with db.connect() as conn:
         result = conn.execution_options(stream_results=True, yield_per=BLOCK_ROWS)
-        query = _embeddings(set_id, model).order_by(Embedding.record_no)
+        stored = VectorColumns.of(conn)
+        query = _embeddings(set_id, model, stored).order_by(Embedding.record_no)
         for block in result.execute(query).partitions(BLOCK_ROWS):
-            yield _block_table(block, codec)
+            yield _block_table(block, codec, stored)
 
 
 def _with_windows(
@@ -236,8 +240,10 @@ def _with_windows(
             return
         firsts = np.array([c.first_window for c in chunked], dtype=np.int64)
         result = conn.execution_options(stream_results=True, yield_per=BLOCK_ROWS)
+        stored = VectorColumns.of(conn)
+        vector: list[Any] = [literal_column(field) for field in stored.fields()]
         query = (
-            select(Embedding.record_no, Embedding.n_tokens, Embedding.vector)
+            select(Embedding.record_no, Embedding.n_tokens, *vector)
             .where(
                 Embedding.task_set_id == set_id,
                 Embedding.model_id == model,
@@ -249,10 +255,10 @@ def _with_windows(
             window_no = np.array([row[0] for row in block], dtype=np.int64)
             owner = np.searchsorted(firsts, window_no, side="right") - 1
             rows = [
-                (chunked[d].task_id, chunked[d].record_no, row[1], row[2])
+                (chunked[d].task_id, chunked[d].record_no, *row[1:])
                 for d, row in zip(owner.tolist(), block, strict=True)
             ]
-            table = _block_table(rows, codec)
+            table = _block_table(rows, codec, stored)
             yield table.append_column(
                 "window", pa.array((window_no - firsts[owner]).astype(np.int32), pa.int32())
             )
@@ -290,13 +296,14 @@ def _hidden_state_blocks(
         content = read_shard(Path(shard.path), shard.sha256)
         task_ids = [str(task_id) for task_id in content["task_id"]]
         with db.connect() as conn:
+            stored = VectorColumns.of(conn)
             rows = {
                 row[0]: row
                 for row in conn.execute(
-                    _embeddings(set_id, model).where(Task.task_id.in_(task_ids))
+                    _embeddings(set_id, model, stored).where(Task.task_id.in_(task_ids))
                 ).all()
             }
-        table = _block_table([rows[task_id] for task_id in task_ids], codec)
+        table = _block_table([rows[task_id] for task_id in task_ids], codec, stored)
         for k in layers:
             states = [np.asarray(s) for s in content[f"layer_{k}"]]
             table = table.append_column(f"layer_{k}", _states_column(states))
@@ -313,10 +320,10 @@ def _states_column(states: list[np.ndarray]) -> pa.Array:
     return pa.ListArray.from_arrays(pa.array(offsets), rows)
 
 
-def _block_table(rows: Sequence[Any], codec: StoredCodec) -> pa.Table:
-    """Rows (id, record_no, n_tokens, stored bytes) as a table, vectors as stored."""
+def _block_table(rows: Sequence[Any], codec: StoredCodec, stored: VectorColumns) -> pa.Table:
+    """Rows (id, record_no, n_tokens, the vector's fields) as a table, vectors as stored."""
     ids = [row[0] for row in rows]
-    encoded = codec.rows([bytes(row[3]) for row in rows])
+    encoded = codec.rows([stored.stored_bytes(row[3:]) for row in rows])
     return pa.table(
         {
             "id": pa.array(ids, type=pa.string()),

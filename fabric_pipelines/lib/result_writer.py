@@ -40,7 +40,7 @@ from fabric_pipelines.lib.retry import DEFAULT_BUDGET_S, GaveUpRetrying, retry
 from fabric_pipelines.lib.store.db import sqlite_has_json
 from fabric_pipelines.lib.store.models import HiddenStateShard
 from fabric_pipelines.lib.store.pgcopy import embeddings_payload
-from fabric_pipelines.lib.store.schema import stores_pgvector
+from fabric_pipelines.lib.store.vector_columns import BYTES, NO_PGVECTOR, VectorColumns
 from fabric_pipelines.lib.store.watermarks import count_inserted
 
 COPY_EMBEDDINGS = "COPY embeddings (task_set_id, record_no, model_id, n_tokens, vector) FROM STDIN (FORMAT BINARY)"
@@ -90,7 +90,10 @@ class RejectBatch(Exception):
 
 
 def write_group(
-    engine: Engine, group: list[BatchRows], upsert: bool = False, pgvector: bool = False
+    engine: Engine,
+    group: list[BatchRows],
+    upsert: bool = False,
+    vector_columns: VectorColumns = NO_PGVECTOR,
 ) -> GroupOutcome:
     """Ack and write `group` in one transaction; returns what was acked, stale and inserted."""
     outcome = GroupOutcome()
@@ -111,7 +114,9 @@ def write_group(
             else:
                 outcome.acked.append(batch)
         if outcome.acked:
-            outcome.inserted = insert_rows(conn, outcome.acked, upsert=upsert, pgvector=pgvector)
+            outcome.inserted = insert_rows(
+                conn, outcome.acked, upsert=upsert, vector_columns=vector_columns
+            )
             shards = [_shard_row(b) for b in outcome.acked if b.shard is not None]
             if shards:
                 conn.execute(_insert_shard_rows(conn), shards)
@@ -129,13 +134,19 @@ class Rows(Protocol):
 
 
 def insert_rows(
-    conn: Connection, batches: Sequence[Rows], *, upsert: bool = False, pgvector: bool = False
+    conn: Connection,
+    batches: Sequence[Rows],
+    *,
+    upsert: bool = False,
+    vector_columns: VectorColumns = NO_PGVECTOR,
 ) -> int:
-    """Insert the rows of `batches` on `conn`'s transaction; returns how many were new (a replay,
+    """Insert the rows of `batches` on `conn`'s transaction, into the vector column of the schema
+    `vector_columns` for their dtype (store/vector_columns.py); returns how many were new (a replay,
     `upsert`, skips rows already there). The only way rows enter `embeddings`: on SQLite it also
     moves their shard watermarks."""
-    # pgvector's `vector` holds float32 rows; an output variant's rows are kept as bytes.
-    pgvector = pgvector and all(b.pooled.dtype == np.float32 for b in batches)
+    targets = {vector_columns.column_for(b.pooled) for b in batches}
+    column = targets.pop() if len(targets) == 1 else BYTES  # mixed encodings: all as bytes
+    as_values = column != BYTES
     columns = {
         "task_set_id": np.concatenate([np.full(len(b.record_no), b.task_set_id) for b in batches]),
         "record_no": np.concatenate([b.record_no for b in batches]),
@@ -143,7 +154,7 @@ def insert_rows(
         "n_tokens": np.concatenate([b.n_tokens for b in batches]),
         "vectors": np.concatenate(
             [
-                np.ascontiguousarray(b.pooled, dtype="<f4") if pgvector else stored_rows(b.pooled)
+                np.ascontiguousarray(b.pooled) if as_values else stored_rows(b.pooled)
                 for b in batches
             ]
         ),
@@ -151,11 +162,9 @@ def insert_rows(
     if conn.dialect.name == "postgresql":
         payload = embeddings_payload(
             columns["task_set_id"], columns["record_no"], columns["model_id"],
-            columns["n_tokens"], columns["vectors"], pgvector=pgvector,
+            columns["n_tokens"], columns["vectors"], column=column,
         )  # fmt: skip
-        statement = (
-            COPY_EMBEDDINGS.replace("vector)", "embedding)") if pgvector else COPY_EMBEDDINGS
-        )
+        statement = COPY_EMBEDDINGS.replace("vector)", f"{column})")
         raw = conn.connection.driver_connection
         assert raw is not None
         with raw.cursor() as cur:
@@ -167,7 +176,6 @@ def insert_rows(
                 "CREATE TEMP TABLE IF NOT EXISTS staging_embeddings "
                 "(LIKE embeddings INCLUDING DEFAULTS) ON COMMIT DELETE ROWS"
             )
-            column = "embedding" if pgvector else "vector"
             with cur.copy(statement.replace("COPY embeddings", "COPY staging_embeddings")) as copy:
                 copy.write(payload)
             cur.execute(
@@ -356,7 +364,7 @@ class WriteBehind:
         self._budget_s = budget_s
         self._backoff = (first_backoff_s, max_backoff_s)
         self._error: BaseException | None = None
-        self._pgvector: bool | None = None  # asked of the schema at the first write
+        self._columns: VectorColumns | None = None  # asked of the schema at the first write
         self._lock = threading.Lock()  # serialises on_written and the retry count
         self.retries = 0
         if writers is None:
@@ -438,15 +446,15 @@ class WriteBehind:
 
         def attempt() -> GroupOutcome:
             nonlocal upsert
-            if self._pgvector is None:
-                self._pgvector = stores_pgvector(self._engine)
+            if self._columns is None:
+                self._columns = VectorColumns.of_engine(self._engine)
             try:
-                return write_group(self._engine, group, upsert=upsert, pgvector=self._pgvector)
+                return write_group(self._engine, group, upsert=upsert, vector_columns=self._columns)
             except Exception as error:
                 if not is_duplicate(error) or upsert:
                     raise
             upsert = True  # rows already there: an earlier attempt committed; replay
-            return write_group(self._engine, group, upsert=True, pgvector=self._pgvector)
+            return write_group(self._engine, group, upsert=True, vector_columns=self._columns)
 
         def retrying(_error: BaseException) -> None:
             nonlocal upsert

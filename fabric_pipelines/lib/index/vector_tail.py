@@ -58,6 +58,7 @@ from fabric_pipelines.lib.index.vectors import (
 )
 from fabric_pipelines.lib.store.keys import model_id, task_set_id
 from fabric_pipelines.lib.store.schema import has_pgvector_column
+from fabric_pipelines.lib.stored_vectors import StoredCodec
 from fabric_pipelines.lib.tasks.catalog import get_task_set
 from fabric_pipelines.lib.tasks.store import read_table
 
@@ -73,18 +74,24 @@ LOCK_WAIT_MS = 5000  # PostgreSQL: the longest the registration waits for writes
 SLOW_HAND_OVER_SECONDS = 10.0  # a hand-over slower than this is logged, with why
 
 
+FLOAT32_ROWS = np.dtype("<f4")  # how plain rows are stored, and kept as they arrive
+
+
 class TailGaveUp(Exception):
     """What the tail saw cannot stand for the table: the index step reads the table instead."""
 
 
 class _Arrivals:
     """The ids the model will hold if every task completes (ascending), their vectors as they
-    arrive (allocated with the first one), and which have arrived."""
+    arrive (allocated with the first one), and which have arrived. `row_dtype`: the stored
+    layout, little-endian float32; an output variant's rows are kept as their bytes (uint8) and
+    decoded at the hand-over."""
 
-    def __init__(self, ids: np.ndarray) -> None:
+    def __init__(self, ids: np.ndarray, row_dtype: np.dtype[Any] = FLOAT32_ROWS) -> None:
         self.ids = ids
         self.arrived = np.zeros(len(ids), bool)
         self.vectors: np.ndarray | None = None
+        self.row_dtype = row_dtype
 
     def _places(self, ids: np.ndarray, dim: int) -> np.ndarray:
         at = np.searchsorted(self.ids, ids)
@@ -93,21 +100,21 @@ class _Arrivals:
         if self.arrived[at].any():
             raise TailGaveUp("a row arrived twice")
         if self.vectors is None and dim > 0:
-            self.vectors = np.empty((len(self.ids), dim), "<f4")  # the stored layout
+            self.vectors = np.empty((len(self.ids), dim), self.row_dtype)  # the stored layout
         if self.vectors is None or self.vectors.shape[1] != dim:
             raise TailGaveUp("vectors of several sizes")
         self.arrived[at] = True
         return at
 
     def place_blobs(self, ids: np.ndarray, blobs: list[Any]) -> None:
-        """SQLite's rows: each vector 4 * dim bytes of little-endian float32."""
+        """SQLite's rows: each vector's stored bytes (float32: 4 * dim of little-endian)."""
         if set(map(type, blobs)) != {bytes}:
             raise TailGaveUp("a vector not stored as bytes")
         sizes = set(map(len, blobs))
         size = min(sizes)
-        if len(sizes) != 1 or size % 4:
+        if len(sizes) != 1 or size % self.row_dtype.itemsize:
             raise TailGaveUp("vectors of several sizes")
-        at = self._places(ids, size // 4)
+        at = self._places(ids, size // self.row_dtype.itemsize)
         assert self.vectors is not None
         self.vectors.view(f"S{size}")[at, 0] = blobs
 
@@ -144,6 +151,7 @@ class VectorTail:
     def __init__(self, db: Engine, model_key: str, task_set: str) -> None:
         self.key = _key(db, model_key)
         self._engine, self._task_set = db, task_set
+        self._variant = bool(variant_of_model_key(model_key).key_suffix)
         self._stop = threading.Event()
         self._lock = threading.Lock()  # the thread's reads and the hand-over take turns
         self._ready = threading.Event()  # the first read is done: only snapshot reads follow
@@ -222,7 +230,11 @@ class VectorTail:
                 + " UNION SELECT task_set_id * {s} + record_no FROM tasks WHERE task_set_id = {p}",
                 (self._model, self._set),
             )
-            self._arrivals = _Arrivals(np.sort(np.fromiter((row[0] for row in ids), np.int64)))
+            # An output variant's rows are kept as bytes; decoded at the hand-over.
+            layout = np.dtype(np.uint8) if self._variant else FLOAT32_ROWS
+            self._arrivals = _Arrivals(
+                np.sort(np.fromiter((row[0] for row in ids), np.int64)), layout
+            )
             self._read_model_rows(cursor)
         self._ready.set()
 
@@ -285,6 +297,12 @@ class VectorTail:
                 self._error = TailGaveUp("no rows arrived")
                 return None
             ids, vectors = arrivals.compacted()
+            if self._variant:
+                # Read now, not at the start: an int8 key's first run records its calibration
+                # while it extracts. The same decoding as the table's read (vectors.py).
+                codec = StoredCodec.of_key(conn, self.key[1])
+                values = codec.values(vectors.view(codec.variant.numpy_dtype))
+                return vector_set(conn, self.key[1], ids, np.ascontiguousarray(values, np.float32))
             return vector_set(conn, self.key[1], ids, vectors.astype(np.float32, copy=False))
         except Exception as exc:  # any doubt: the index step reads the table as it always did
             if self._error is None:
@@ -479,8 +497,10 @@ def following(db: Engine, model_key: str, task_set: str) -> Iterator[VectorTail 
     kind = _KINDS.get(db.dialect.name) if _in_this_process else None
     if db.dialect.name == "sqlite" and db.url.database in (None, "", ":memory:"):
         kind = None  # another connection would open another database
-    if variant_of_model_key(model_key).key_suffix:
-        kind = None  # an output variant's rows are read as values by the table read
+    if variant_of_model_key(model_key).key_suffix and kind is not _SqliteTail:
+        # PostgreSQL's tail decodes float32 (bytes or pgvector) from its COPY; an output
+        # variant's rows there (bytes, halfvec or bit) are read by the table's read.
+        kind = None
     tail = kind(db, model_key, task_set) if kind is not None else None
     if tail is not None:
         with _tails_lock:

@@ -31,6 +31,7 @@ from fabric_pipelines.lib.index.copy_rows import RowLayoutError, vector_rows
 from fabric_pipelines.lib.index.parallel_read import KeyRange, ReadStopped
 from fabric_pipelines.lib.store.models import WINDOW_BASE, Model, TaskSet
 from fabric_pipelines.lib.store.schema import has_pgvector_column
+from fabric_pipelines.lib.store.vector_columns import VectorColumns
 from fabric_pipelines.lib.stored_vectors import StoredCodec
 
 # An index holds documents: the rows of submitted records, never the windows of a chunked one
@@ -120,15 +121,16 @@ def _read_variant_rows(
     ids: list[np.ndarray] = []
     values: list[np.ndarray] = []
     sizes: set[int] = set()
+    stored = VectorColumns.of(conn)
     with closing(raw.cursor()) as cursor:
         cursor.execute(
-            f"SELECT task_set_id * {mark} + record_no, vector FROM embeddings "
+            f"SELECT task_set_id * {mark} + record_no, {stored.select_sql()} FROM embeddings "
             f"WHERE model_id = {mark} AND {DOCUMENTS} ORDER BY task_set_id, record_no",
             (ID_STRIDE, model),
         )
         while block := cursor.fetchmany(SQLITE_BATCH):
-            block_ids, blobs = zip(*block, strict=True)
-            blobs = tuple(bytes(b) for b in blobs)
+            block_ids = [row[0] for row in block]
+            blobs = [stored.stored_bytes(row[1:]) for row in block]
             sizes |= set(map(len, blobs))
             if len(sizes) > 1:
                 raise BadVectorsError(f"model id {model}: stored rows of several sizes")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from fabric_pipelines.lib.store.vector_columns import BITS, BYTES, FLOAT32, HALF
+
 HEADER = b"PGCOPY\n\xff\r\n\x00" + (0).to_bytes(4, "big") + (0).to_bytes(4, "big")
 TRAILER = (-1).to_bytes(2, "big", signed=True)
 
@@ -20,20 +22,28 @@ def embeddings_payload(
     model_id: np.ndarray,
     n_tokens: np.ndarray,
     vectors: np.ndarray,
-    pgvector: bool = False,
+    column: str = BYTES,
 ) -> bytearray:
-    """Rows for `COPY embeddings (task_set_id, record_no, model_id, n_tokens, <vector column>)
-    FROM STDIN (FORMAT BINARY)`. The last field is bytea of each row's stored bytes (`vectors`
-    uint8 [rows, row bytes]: little-endian float32, or an output variant's encoding), or with
-    `pgvector` the extension's binary `vector` value of `vectors` float32 [rows, dim]: 16-bit
-    dimension, 16-bit zero, float32 in network order (`embedding`)."""
-    rows, dim = vectors.shape
-    if pgvector:  # the vector value: its own 4-byte head, then big-endian float32
-        value = [("dim", ">i2"), ("unused", ">i2"), ("vector", ">f4", (dim,))]
-        vector_bytes = 4 + 4 * dim
-    else:  # bytea: the stored bytes as they are
-        value = [("vector", "u1", (dim,))]
-        vector_bytes = dim
+    """Rows for `COPY embeddings (task_set_id, record_no, model_id, n_tokens, <column>)
+    FROM STDIN (FORMAT BINARY)` (store/vector_columns.py names the columns). For `vector`, bytea
+    of each row's stored bytes (`vectors` uint8 [rows, row bytes]); for pgvector's columns their
+    binary values of `vectors` [rows, width]: `embedding` (float32) and `embedding_half`
+    (float16) a 16-bit dimension, a 16-bit zero and the values in network order;
+    `embedding_bits` (packed bits, uint8) a 32-bit bit length, then the bytes."""
+    rows, width = vectors.shape
+    value: list[tuple[str, str] | tuple[str, str, tuple[int]]]
+    if column in (FLOAT32, HALF):
+        kind = ">f4" if column == FLOAT32 else ">f2"
+        value = [("dim", ">i2"), ("unused", ">i2"), ("vector", kind, (width,))]
+        vector_bytes = 4 + np.dtype(kind).itemsize * width
+    elif column == BITS:
+        value = [("bit_length", ">i4"), ("vector", "u1", (width,))]
+        vector_bytes = 4 + width
+    elif column == BYTES:  # bytea: the stored bytes as they are
+        value = [("vector", "u1", (width,))]
+        vector_bytes = width
+    else:
+        raise ValueError(f"embeddings has no vector column {column!r}")
     layout = np.dtype(
         [
             ("fields", ">i2"),
@@ -60,8 +70,10 @@ def embeddings_payload(
     out["len_tokens"] = 4
     out["n_tokens"] = n_tokens
     out["len_vector"] = vector_bytes
-    if pgvector:
-        out["dim"] = dim
+    if column in (FLOAT32, HALF):
+        out["dim"] = width
         out["unused"] = 0
+    elif column == BITS:
+        out["bit_length"] = 8 * width
     out["vector"] = vectors  # converted to the field's byte order in this one copy
     return buffer

@@ -15,6 +15,8 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Connection, Engine, inspect, text
 
+from fabric_pipelines.lib.store.vector_columns import VectorColumns
+
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
 
 
@@ -105,14 +107,5 @@ def stores_pgvector(engine: Engine) -> bool:
 
 
 def has_pgvector_column(conn: Connection) -> bool:
-    """`stores_pgvector` inside an open connection (asked of the catalogue, not the inspector,
-    which does not know the `vector` type)."""
-    if conn.dialect.name != "postgresql":
-        return False
-    found = conn.execute(
-        text(
-            "select 1 from information_schema.columns where table_schema = current_schema() "
-            "and table_name = 'embeddings' and column_name = 'embedding'"
-        )
-    ).first()
-    return found is not None
+    """`stores_pgvector` inside an open connection."""
+    return VectorColumns.of(conn).float32
