@@ -3,7 +3,9 @@ an engine configured without overrides gives `SentenceTransformer(folder).encode
 
 - `sentence_bert_config.json`: `max_seq_length` (encode() truncates there) and `do_lower_case`;
 - `modules.json`: a `Normalize` module (unit-length vectors) and where the pooling config is;
-- that pooling config (`1_Pooling/config.json`): the pooling mode;
+- that pooling config (`1_Pooling/config.json`): the pooling mode, and `include_prompt` (false:
+  encode() leaves a prompt's tokens out of the pooling, which the engines do not do, so a prompt
+  is refused for such a model: `prompt_pooling_error`);
 - `config_sentence_transformers.json`: named prompts and the default prompt's name.
 
 A folder without these files (a plain Hugging Face model) gets mean pooling, no normalisation,
@@ -45,6 +47,7 @@ class ModelDefaults:
     default_prompt_name: str | None = None
     source: str = "model config"  # which files they came from, for messages and receipts
     pooling_refused: str = ""  # why `pooling` is None
+    include_prompt: bool = True  # the pooling config's: False leaves prompt tokens out of pooling
 
     def default_pooling(self) -> str:
         """The pooling to use when none is set; an error saying what to set where the folder's
@@ -52,6 +55,20 @@ class ModelDefaults:
         if self.pooling is None:
             raise ModelDefaultsError(self.pooling_refused)
         return self.pooling
+
+    def prompt_pooling_error(self, prompt: str, model: str) -> str | None:
+        """Why `prompt` cannot be used with this model, or None. encode() pools such a model
+        without the prompt's tokens; the engines pool every token, so they would give other
+        vectors, silently: refused instead, saying what to do."""
+        if not prompt or self.include_prompt:
+            return None
+        return (
+            f"{model}: its pooling config sets include_prompt false (encode() leaves the "
+            f"prompt's tokens out of the pooled vector), which the engines do not compute; "
+            f"submit this set without a prompt (it would be {prompt!r}), or use a copy of the "
+            "model whose pooling config sets include_prompt true, knowing its vectors then "
+            "differ from encode()'s"
+        )
 
 
 def model_defaults(model_dir: Path) -> ModelDefaults:
@@ -66,6 +83,7 @@ def model_defaults(model_dir: Path) -> ModelDefaults:
     max_seq_len = (st_config or {}).get("max_seq_length") or _model_limit(model_dir)
     pooling, refused = _pooling(model_dir, modules)
     return ModelDefaults(
+        include_prompt=_include_prompt(model_dir, modules),
         max_seq_len=int(max_seq_len),
         pooling=pooling,
         pooling_refused=refused,
@@ -95,6 +113,14 @@ def _pooling(model_dir: Path, modules: list[dict[str, Any]]) -> tuple[str | None
             "--pooling) to use this model"
         )
     return _POOLING_MODES[chosen[0]], ""
+
+
+def _include_prompt(model_dir: Path, modules: list[dict[str, Any]]) -> bool:
+    pooling_module = next((m for m in modules if str(m.get("type", "")).endswith(".Pooling")), None)
+    if pooling_module is None:
+        return True
+    config = _json(model_dir / str(pooling_module.get("path", "")) / "config.json") or {}
+    return bool(config.get("include_prompt", True))
 
 
 def _model_limit(model_dir: Path) -> int:

@@ -15,6 +15,7 @@ def test_all_minilm_says_256_tokens_mean_pooling_and_unit_vectors() -> None:
     found = model_defaults(resolve_model_dir(DEFAULT_MODEL_ID))
     assert (found.max_seq_len, found.pooling, found.normalize) == (256, "mean", True)
     assert found.do_lower_case is False and found.prompts == {}
+    assert found.include_prompt is True  # its pooling config does not set it: the default
 
 
 def _folder(tmp_path: Path, files: dict[str, object]) -> Path:
@@ -49,7 +50,7 @@ def test_cls_pooling_prompts_and_lower_casing_are_read(tmp_path: Path) -> None:
                 {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                 {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
             ],
-            "1_Pooling/config.json": {"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False},
+            "1_Pooling/config.json": {"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False, "include_prompt": False},
             "config_sentence_transformers.json": {
                 "prompts": {"query": "query: ", "passage": "passage: "},
                 "default_prompt_name": "query",
@@ -61,6 +62,9 @@ def test_cls_pooling_prompts_and_lower_casing_are_read(tmp_path: Path) -> None:
     assert found.do_lower_case is True
     assert found.prompts == {"query": "query: ", "passage": "passage: "}
     assert found.default_prompt_name == "query"
+    assert found.include_prompt is False
+    assert found.prompt_pooling_error("", "m") is None
+    assert "include_prompt false" in (found.prompt_pooling_error("query: ", "m") or "")
 
 
 def test_a_pooling_the_engines_do_not_compute_is_refused_only_where_it_is_needed(

@@ -90,3 +90,35 @@ def test_a_prompt_name_must_be_one_the_model_defines(manifest: EngineManifest) -
         chosen_prompt(manifest.model_id, None, "query")
     with pytest.raises(PromptError, match="not both"):
         chosen_prompt(manifest.model_id, "query: ", "query")
+
+
+def test_a_prompt_is_refused_for_a_model_that_pools_without_its_tokens(tmp_path: Path) -> None:
+    """include_prompt false (encode() leaves the prompt's tokens out of the pooled vector) is not
+    computed by the engines: a prompt for such a model is refused at submit and at ingest, by
+    text, by name and as the model's default, naming the field; no prompt is fine."""
+    import shutil
+
+    from fabric_gpu.model import DEFAULT_MODEL_ID, resolve_model_dir
+
+    folder = tmp_path / "model"
+    shutil.copytree(resolve_model_dir(DEFAULT_MODEL_ID), folder)
+    pooling = folder / "1_Pooling" / "config.json"
+    pooling.write_text(json.dumps({**json.loads(pooling.read_text()), "include_prompt": False}))
+    (folder / "config_sentence_transformers.json").write_text(
+        json.dumps({"prompts": {"query": "query: "}, "default_prompt_name": "query"})
+    )
+    model = str(folder)
+    refused = r"include_prompt false.*without a prompt \(it would be 'query: '\)"
+    with pytest.raises(PromptError, match=refused):
+        chosen_prompt(model, "query: ", None)
+    with pytest.raises(PromptError, match=refused):
+        chosen_prompt(model, None, "query")
+    assert chosen_prompt(model, "", None) == ""  # an empty prompt is no prompt
+    inbox = tmp_path / "inbox"
+    with pytest.raises(PromptError, match=refused):
+        set_prompt(inbox, "s", model)  # the model's default prompt, at ingest
+    record_prompt(inbox, "s", "query: ")
+    with pytest.raises(PromptError, match=refused):
+        set_prompt(inbox, "s", model)
+    record_prompt(inbox, "t", "")
+    assert set_prompt(inbox, "t", model) == ""

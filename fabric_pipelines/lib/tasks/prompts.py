@@ -28,6 +28,8 @@ def chosen_prompt(model_id: str, prompt: str | None, prompt_name: str | None) ->
     if prompt is not None and prompt_name is not None:
         raise PromptError("give a prompt or a prompt name, not both")
     if prompt_name is None:
+        if prompt:
+            _check_pooling(model_id, prompt)
         return prompt
     named = model_defaults(resolve_model_dir(model_id)).prompts
     if prompt_name not in named:
@@ -36,7 +38,7 @@ def chosen_prompt(model_id: str, prompt: str | None, prompt_name: str | None) ->
             f"{model_id} defines no prompt named {prompt_name!r} (its prompts: {known}); pass "
             "the text with --prompt instead"
         )
-    return named[prompt_name]
+    return _check_pooling(model_id, named[prompt_name])
 
 
 def record_prompt(inbox: Path, task_set: str, prompt: str) -> None:
@@ -48,11 +50,20 @@ def set_prompt(inbox: Path, task_set: str, model_id: str) -> str:
     default prompt, else none ("")."""
     path = _prompt_path(inbox, task_set)
     if path.is_file():
-        return path.read_text(encoding="utf-8")
+        return _check_pooling(model_id, path.read_text(encoding="utf-8"))
     defaults = model_defaults(resolve_model_dir(model_id))
     if defaults.default_prompt_name:
-        return defaults.prompts.get(defaults.default_prompt_name, "")
+        return _check_pooling(model_id, defaults.prompts.get(defaults.default_prompt_name, ""))
     return ""
+
+
+def _check_pooling(model_id: str, prompt: str) -> str:
+    """`prompt`, unless the model pools without its prompt's tokens (PromptError, saying what
+    to do): the engines cannot, and would give other vectors than encode()."""
+    problem = model_defaults(resolve_model_dir(model_id)).prompt_pooling_error(prompt, model_id)
+    if problem:
+        raise PromptError(problem)
+    return prompt
 
 
 def forget_prompt(inbox: Path, task_set: str) -> None:
