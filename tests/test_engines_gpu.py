@@ -172,6 +172,16 @@ def test_random_weights_through_the_runtime_match_the_cpu_reference(
     assert stats["torch_allocated_delta"] == 0, "torch allocated in the hot loop"
 
 
+def test_float32_on_the_packed_layout_is_refused_naming_the_field() -> None:
+    """FlashAttention's varlen kernel takes half precision only: the engine says so when it is
+    made, rather than failing inside the first batch."""
+    from fabric_gpu.engines.base import EngineError
+    from fabric_gpu.engines.torch_engine import TorchEngine
+
+    with pytest.raises(EngineError, match=r"dtype 'float32'.*float16"):
+        TorchEngine(_manifest("float32"), model=_random_bert(), layout="packed")
+
+
 def test_random_mpnet_through_the_runtime_matches_the_cpu_reference() -> None:
     """MPNet (all-mpnet-base-v2's architecture) runs padded, through the Hugging Face module
     captured as CUDA graphs: its relative position bias comes with it."""

@@ -27,6 +27,14 @@ from tests.pipeline_helpers import run_stages, stored_embeddings
 from tests.test_chunking import _windows_by_hand
 
 N_TEXTS = 240
+# Each model with its own length and a sample stride; each long-input policy (shared with
+# tests/test_parity_gpu.py).
+MODELS = pytest.mark.parametrize(
+    ("model_id", "max_seq_len", "every"),
+    [(DEFAULT_MODEL_ID, 256, 10), (MPNET_MODEL_ID, 384, 20)],
+    ids=["all-MiniLM-L6-v2", "all-mpnet-base-v2"],
+)
+LONG_INPUTS = pytest.mark.parametrize("long_inputs", ["truncate", "chunk"])
 
 
 @pytest.mark.slow
@@ -70,12 +78,8 @@ def test_pooled_embeddings_match_sentence_transformers(paths: FabricPaths, tmp_p
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("long_inputs", ["truncate", "chunk"])
-@pytest.mark.parametrize(
-    ("model_id", "max_seq_len", "every"),
-    [(DEFAULT_MODEL_ID, 256, 10), (MPNET_MODEL_ID, 384, 20)],
-    ids=["all-MiniLM-L6-v2", "all-mpnet-base-v2"],
-)
+@LONG_INPUTS
+@MODELS
 def test_the_models_own_defaults_give_encode_at_its_defaults_for_every_item(
     paths: FabricPaths,
     tmp_path: Path,
@@ -90,13 +94,31 @@ def test_the_models_own_defaults_give_encode_at_its_defaults_for_every_item(
     each is the token-weighted mean of the model's own vectors of the same windows (cut here by
     a loop of the test's own). all-mpnet-base-v2 (MPNet: relative position bias) comes from its
     split PyPI archive."""
+    check_encode_parity(paths, tmp_path, model_id, max_seq_len, every, long_inputs)
+
+
+def check_encode_parity(
+    paths: FabricPaths,
+    tmp_path: Path,
+    model_id: str,
+    max_seq_len: int,
+    every: int,
+    long_inputs: str,
+    backend: str = "cpu",
+    dtype: str = "float32",
+    min_cosine: float = 0.9999,
+) -> float:
+    """The body of the test above on any engine; returns the lowest cosine (also used by
+    tests/test_parity_gpu.py for the torch engine)."""
     import pyarrow.parquet as pq
     from sentence_transformers import SentenceTransformer
 
     from fabric_pipelines.defs.resources import EngineConfig
     from fabric_pipelines.lib.export import export_task_set
 
-    engine_config = EngineConfig(model_id=model_id, long_inputs=long_inputs)
+    engine_config = EngineConfig(
+        model_id=model_id, long_inputs=long_inputs, backend=backend, dtype=dtype
+    )
     manifest = engine_config.manifest()
     assert manifest.profile.max_seq_len == max_seq_len and manifest.hooks.normalize is True
     policy = engine_config.long_input_policy()
@@ -110,9 +132,13 @@ def test_the_models_own_defaults_give_encode_at_its_defaults_for_every_item(
     source.write_text("".join(json.dumps({"id": k, "text": v}) + "\n" for k, v in texts.items()))
     db: Engine = make_engine(f"sqlite:///{paths.sqlite_path}")
     create_schema(db)
-    summary, report = run_stages(
-        db, paths, create_engine(manifest), manifest, source, "defaults", long_inputs=policy
-    )
+    engine = create_engine(manifest)
+    try:
+        summary, report = run_stages(
+            db, paths, engine, manifest, source, "defaults", long_inputs=policy
+        )
+    finally:
+        engine.close()
     long_items = summary.truncated if long_inputs == "truncate" else summary.n_chunked
     assert long_items > 0, "the sample holds items longer than the model's length"
     assert summary.n_failed == 0 and report.batches_failed == 0
@@ -135,7 +161,8 @@ def test_the_models_own_defaults_give_encode_at_its_defaults_for_every_item(
         np.linalg.norm(got, axis=1) * np.linalg.norm(expected, axis=1)
     )
     worst = int(np.argmin(cosine))
-    assert cosine.min() >= 0.9999, f"{ids[worst]}: cosine {cosine[worst]:.6f}"
+    assert cosine.min() >= min_cosine, f"{ids[worst]}: cosine {cosine[worst]:.6f}"
+    return float(cosine.min())
 
 
 def _weighted_mean_of_windows(reference: Any, windows: list[list[int]]) -> np.ndarray:

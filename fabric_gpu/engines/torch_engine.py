@@ -146,6 +146,13 @@ class TorchEngine:
         self.int8_calibration: Int8Calibration | None = None
         self.packed = bert if layout in ("auto", "packed") else None
         self.layout = "packed" if self.packed is not None else "padded"
+        if self.packed is not None and self.device.type == "cuda" and self.dtype == torch.float32:
+            # FlashAttention's varlen kernel (packed_bert.py) takes half precision only.
+            raise EngineError(
+                "dtype 'float32': the torch engine's packed attention runs float16 or bfloat16 "
+                "on the GPU; set dtype to float16 (its vectors match float32's to cosine "
+                "0.99999, README 'Parity'), or use backend 'cpu' for float32"
+            )
         encoder: Any = getattr(self.model, "encoder", None)
         if bert is None and hasattr(encoder, "compute_position_bias"):  # MPNet
             encoder.compute_position_bias = LengthCachedBias(encoder.compute_position_bias)
