@@ -160,8 +160,8 @@ def engine_only_cpu(model_dir: Path, lengths: np.ndarray, profile: Any) -> dict[
     """The CPU engine's forward over the planner's padded batches (best of two passes)."""
     from fabric_gpu.batching import plan_batches
     from fabric_gpu.engines import create_engine
+    from fabric_gpu.engines.base import gather_padded
     from fabric_gpu.manifest import HookSpec, manifest_for_model
-    from fabric_pipelines.lib.extraction import gather_padded
 
     manifest = manifest_for_model(
         str(model_dir), backend="cpu", dtype="float32", profile=profile, hooks=HookSpec((), "mean")
@@ -224,6 +224,7 @@ def run_product(
     db_url: str,
     gpus: int,
     task_set: str = TASK_SET,
+    extra: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """`fabric submit FILE --task-set e2e --run` in a fresh process; wall time from launch to
     exit, the run's own report, and the exactly-once check read back from the database."""
@@ -239,6 +240,7 @@ def run_product(
         sys.executable, "-c", "from fabric_pipelines.cli import run_command; run_command()",
         "submit", str(tasks_file), "--task-set", task_set, "--run",
         "--manifest", str(manifest_file), "--workers", str(gpus), "--report", str(report_file),
+        *extra,
     ]  # fmt: skip
     launched_at, start = time.time(), time.perf_counter()
     done = subprocess.run(command, env=env, capture_output=True, text=True)
@@ -328,18 +330,18 @@ def exactly_once(db_url: str, manifest_file: Path, task_set: str = TASK_SET) -> 
             .where(TaskSet.name == task_set)
         ).scalar_one()
     db.dispose()
-    balanced = counts.finished and counts.tasks == counts.completed + counts.failed
+    stored = counts.completed + counts.reused  # reused: copies of stored rows (lib/reuse.py)
+    balanced = counts.finished and counts.tasks == stored + counts.failed
     # A chunked document's own row comes beside its windows' (lib/documents.py).
     documents = counts.documents
-    combined = (
-        0 if documents is None else documents.stored - (counts.completed - documents.windows_stored)
-    )
+    combined = 0 if documents is None else documents.stored - (stored - documents.windows_stored)
     return {
         "tasks": counts.tasks,
         "completed": counts.completed,
         "failed": counts.failed,
+        "reused": counts.reused,
         "rows": int(rows),
-        "exactly_once": bool(balanced and rows == counts.completed + combined),
+        "exactly_once": bool(balanced and rows == stored + combined),
         **({"documents": documents.to_mapping()} if documents is not None else {}),
     }
 

@@ -93,6 +93,8 @@ def _engine_config(args: argparse.Namespace) -> dict[str, Any]:
             config[name] = getattr(args, name)
     if getattr(args, "store_variant", None) is not None:
         config["variant"] = args.store_variant
+    if getattr(args, "reuse_results", None) is not None:
+        config["reuse_results"] = args.reuse_results
     return config
 
 
@@ -529,10 +531,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     manifest = _engine_manifest(args)
     _, db = _open_database()
     try:
-        long_inputs = EngineConfig(**_engine_config(args)).long_input_policy()
+        config = EngineConfig(**_engine_config(args))
         preview = preview_plan(
-            db, path, manifest, long_inputs=long_inputs, prompt=args.prompt or ""
-        )
+            db, path, manifest, long_inputs=config.long_input_policy(), prompt=args.prompt or "",
+            reuse=config.reuse_results,
+        )  # fmt: skip
     except (SubmissionError, ValueError) as exc:
         print(f"fabric plan: {exc}", file=sys.stderr)
         return 2
@@ -567,7 +570,11 @@ def cmd_export(args: argparse.Namespace) -> int:
         with db.connect() as conn:
             counts = accounting(conn, name, args.model_key)
         # Rows are documents: a chunked one is one row, not its windows.
-        total = counts.documents.stored if counts.documents is not None else counts.completed
+        total = (
+            counts.documents.stored
+            if counts.documents is not None
+            else counts.completed + counts.reused
+        )
         if args.windows and counts.documents is not None:
             total += counts.documents.windows_stored
     except LookupError:
@@ -609,6 +616,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from sqlalchemy.orm import Session
 
     from fabric_pipelines.lib.broker.ledger import accounting
+    from fabric_pipelines.lib.efficiency import latest_runs
     from fabric_pipelines.lib.store.models import TaskFailure, TaskSet
     from fabric_pipelines.lib.tasks.catalog import list_task_sets
 
@@ -630,6 +638,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                     "task_set": name,
                     "tasks": a.tasks,
                     "completed": a.completed,
+                    # Copies of stored results of the same content (lib/reuse.py).
+                    "reused": a.reused,
                     "failed": a.failed,
                     "in_flight": a.in_flight,
                     "queued": a.queued,
@@ -646,6 +656,11 @@ def cmd_status(args: argparse.Namespace) -> int:
                     **(_document_columns(a.documents) if a.documents is not None else {}),
                 }
             )
+    with db.connect() as conn:  # each set's last extraction: speed and where its time went
+        last_runs = latest_runs(conn, names)
+    for row in rows:
+        if args.json and row["task_set"] in last_runs:
+            row["last_extraction"] = last_runs[row["task_set"]]
     failures = []
     if args.failures:
         with Session(db) as session:
@@ -664,6 +679,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps({"task_sets": rows, **({"failures": listed} if args.failures else {})}))
         return 0
     print(pd.DataFrame(rows).drop(columns="finished").fillna("").to_string(index=False))
+    for name in names:
+        if name in last_runs:
+            last = last_runs[name]
+            print(f"{name}, last extraction ({last['finished_at'][:19]}): {last['sentence']}")
     if args.failures:
         print()
         if not failures:
@@ -1075,6 +1094,13 @@ def build_parser() -> argparse.ArgumentParser:
             action="store_const",
             const="truncate",
             help=argparse.SUPPRESS,  # the earlier spelling of --long-inputs truncate
+        )
+        g.add_argument(
+            "--reuse",
+            dest="reuse_results",
+            action=argparse.BooleanOptionalAction,
+            help="give tasks whose token ids already have a stored result of this model a copy "
+            "of it instead of computing them again (default: on, or FABRIC_REUSE)",
         )
         g.add_argument(
             "--lease-seconds",

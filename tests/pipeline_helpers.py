@@ -14,8 +14,8 @@ from fabric_gpu.engines import Engine as ExtractionEngine
 from fabric_gpu.engines import input_layout
 from fabric_gpu.manifest import EngineManifest
 from fabric_pipelines.lib.broker.plans import load_plan_order, plan_task_set
-from fabric_pipelines.lib.documents import combine_task_set
 from fabric_pipelines.lib.extraction import ExtractionJob, ExtractionReport, run_worker
+from fabric_pipelines.lib.run_extraction import finish_task_set
 from fabric_pipelines.lib.settings import FabricPaths
 from fabric_pipelines.lib.store.models import Embedding, Model, Task, TaskSet
 from fabric_pipelines.lib.tasks.catalog import IngestSummary, ingest_task_set
@@ -38,8 +38,8 @@ def run_stages(
     long_inputs: LongInputs | None = None,
     prompt: str = "",
 ) -> tuple[IngestSummary, ExtractionReport]:
-    """Ingest, plan, one in-process worker, and the combining of chunked documents that ends
-    every extraction run (run_extraction.extract_task_set)."""
+    """Ingest, plan, one in-process worker, and what ends every extraction run (combining
+    chunked documents, copying duplicates: run_extraction.finish_task_set)."""
     submit(source, paths.inbox, task_set)
     summary = ingest_task_set(
         db, paths, task_set, model_id=manifest.model_id,
@@ -57,7 +57,7 @@ def run_stages(
         shard_folder=paths.shards,
     )
     report = run_worker(db, engine, job, owner="test")
-    combine_task_set(db, task_set, manifest)
+    finish_task_set(db, task_set, manifest)
     return summary, report
 
 

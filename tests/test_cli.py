@@ -163,9 +163,23 @@ def test_submit_and_run_then_status(tmp_path: Path) -> None:
     status = _fabric(home, "status", "small", "--failures")
     assert status.returncode == 0
     line = next(ln for ln in status.stdout.splitlines() if ln.strip().startswith("small"))
-    assert line.split()[1:7] == ["41", "40", "1", "0", "0", "True"]
+    # tasks, completed, reused, failed, in flight, queued, balanced
+    assert line.split()[1:8] == ["41", "40", "0", "1", "0", "0", "True"]
     assert "text is only whitespace" in status.stdout
+    assert "small, last extraction (" in status.stdout and "real tokens/s" in status.stdout
     assert (home / "fabric.db").exists()  # the embedded default: SQLite under DAGSTER_HOME
+
+    # The same texts again under another name: every row is reused, none reaches the engine,
+    # and the index over them is published as any other.
+    again = _fabric(
+        home, "submit", str(source), "--task-set", "again", "--run",
+        "--max-seq-len", "128", "--max-batch-tokens", "2048", "--hook-layers", "",
+    )  # fmt: skip
+    assert again.returncode == 0 and "accounting passed" in again.stdout, again.stdout
+    machine = json.loads(_fabric(home, "status", "again", "--json").stdout)["task_sets"][0]
+    assert (machine["tasks"], machine["completed"], machine["reused"]) == (41, 0, 40), machine
+    assert machine["last_extraction"]["engine_items"] == 0, machine
+    assert _fabric(home, "forget", "again").returncode == 0
 
     # Its results as Parquet, for other tools; an existing file is kept unless --force.
     exported = home / "small.parquet"
@@ -271,4 +285,4 @@ def test_a_set_whose_every_record_fails_runs_to_the_end_with_no_index(tmp_path: 
     assert "recall_at_10 passed" in run.stdout
     status = _fabric(home, "status", "allbad")
     line = next(ln for ln in status.stdout.splitlines() if ln.strip().startswith("allbad"))
-    assert line.split()[1:7] == ["2", "0", "2", "0", "0", "True"]
+    assert line.split()[1:8] == ["2", "0", "0", "2", "0", "0", "True"]

@@ -340,5 +340,8 @@ def test_by_default_no_hook_layers_no_shard_files_and_the_set_completes(
     with db.connect() as conn:
         a = accounting(conn, "pooled")
         shards = conn.execute(select(HiddenStateShard)).all()
-    assert a.finished and a.completed == len(TEXTS)
+    # TEXTS repeats five texts six times: each is computed once, the repeats are copies of it.
+    distinct = len(set(TEXTS.values()))
+    assert a.finished and (a.completed, a.reused) == (distinct, len(TEXTS) - distinct)
+    assert summary.engine_items == distinct
     assert shards == [] and not any(p.is_file() for p in paths.shards.rglob("*"))

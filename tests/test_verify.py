@@ -212,7 +212,7 @@ def test_embedding_rows_deleted_by_hand_are_found_per_batch(
     assert rows.subject == f"{SET} plan {shard.plan_id} batch {shard.batch_no}"
     assert rows.problem.startswith(f"1 of {shard.n_items} tasks of this completed batch")
     ledger = _only(report, "ledger")
-    assert "tasks 151 != completed 149 + failed 1" in ledger.problem
+    assert "tasks 151 != completed 149 + reused 0 + failed 1 " in ledger.problem
     assert ledger.repair == rows.repair  # requeue that batch, not just run the set
     assert any("stale (rebuild pending)" in note for note in report.notes)  # a note only
 

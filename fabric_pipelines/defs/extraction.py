@@ -91,8 +91,9 @@ def shape_batches(
     started = time.perf_counter()
     stage("plan")
     summary = plan_task_set(
-        database.engine(), store.paths(), context.partition_key, manifest, input_layout(manifest)
-    )
+        database.engine(), store.paths(), context.partition_key, manifest, input_layout(manifest),
+        reuse=engine.reuse_results,
+    )  # fmt: skip
     return dg.MaterializeResult(
         metadata=dagster_metadata(plan_metadata(summary, time.perf_counter() - started)),
         data_version=dg.DataVersion(summary.plan_id),
@@ -121,7 +122,8 @@ def _partitioned_check_spec(name: str, **kwargs: Any) -> dg.AssetCheckSpec:
             asset="extraction_outputs",
             blocking=True,
             description=(
-                "tasks = completed + failed + in_flight + queued, nothing left in flight, and "
+                "tasks = completed + reused + failed + in_flight + queued, nothing left in "
+                "flight, and "
                 "every stored output verified: each completed task has its embedding row and, "
                 "when the engine keeps hook layers, is in exactly one shard file (sha256 "
                 "checked) per layer"
@@ -168,7 +170,8 @@ def extraction_outputs(
 
 def _progress(context: dg.AssetExecutionContext, task_set: str, counts: Accounting) -> None:
     context.log.info(
-        f"{task_set}: {counts.completed:,} completed, {counts.failed:,} failed, "
+        f"{task_set}: {counts.completed:,} completed, {counts.reused:,} reused, "
+        f"{counts.failed:,} failed, "
         f"{counts.in_flight:,} in flight, {counts.queued:,} queued of {counts.tasks:,}"
     )
     context.log_event(
@@ -177,6 +180,7 @@ def _progress(context: dg.AssetExecutionContext, task_set: str, counts: Accounti
             partition=task_set,
             metadata={
                 "completed": counts.completed,
+                "reused": counts.reused,
                 "in_flight": counts.in_flight,
                 "queued": counts.queued,
             },

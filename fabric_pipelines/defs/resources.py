@@ -80,6 +80,10 @@ class EngineConfig(dg.ConfigurableResource):
     # optionally shortened to its first N dimensions (e.g. "int8:256"). It is part of the model
     # key: each variant's results are kept apart.
     variant: str = "float32"
+    # Tasks whose content key (token ids, model key, hook layers) already has a stored result,
+    # in any task set, get a copy of it instead of a place in a batch (lib/reuse.py). None:
+    # FABRIC_REUSE (on unless "off"); False: every task is computed.
+    reuse_results: bool | None = None
     # Items longer than max_seq_len (lib/tasks/windows.py): "chunk" into windows of the model's
     # length overlapping by window_overlap tokens, one vector per document from them; "truncate"
     # to it, as sentence-transformers' encode() does (counted); or "fail" with the reason.

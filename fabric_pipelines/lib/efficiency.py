@@ -12,12 +12,21 @@ The step's wall time splits, on the wall clock, into:
   other               the rest (the step's own start-up and bookkeeping).
 GPU busy time inside the window is not measured in product runs (the runtime's per-batch timing
 marks are off there; `bench/extract.py` measures it).
+
+Each step's record is kept (table extraction_runs, `record_run`) and `fabric status` shows the
+set's last one.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
+
+from sqlalchemy import Connection, Engine, func, insert, select
+
+from fabric_pipelines.lib.store.keys import model_id, task_set_id
+from fabric_pipelines.lib.store.models import ExtractionRun, TaskSet
 
 
 @dataclass(frozen=True)
@@ -124,3 +133,38 @@ def extraction_efficiency(
         settle_seconds=settle_seconds,
         verify_seconds=verify_seconds,
     )
+
+
+def record_run(
+    db: Engine, task_set: str, model_key: str, plan_id: str, record: dict[str, Any]
+) -> None:
+    """Keep one step's record (`as_mapping()` and what the step adds) for `fabric status`."""
+    with db.begin() as conn:
+        conn.execute(
+            insert(ExtractionRun),
+            {
+                "task_set_id": task_set_id(conn, task_set),
+                "model_id": model_id(conn, model_key),
+                "plan_id": plan_id,
+                "record_json": json.dumps(record, sort_keys=True),
+            },
+        )
+
+
+def latest_runs(conn: Connection, task_sets: list[str]) -> dict[str, dict[str, Any]]:
+    """Each named set's last extraction record (sets never extracted are left out)."""
+    last = (
+        select(ExtractionRun.task_set_id, func.max(ExtractionRun.id).label("id"))
+        .group_by(ExtractionRun.task_set_id)
+        .subquery()
+    )
+    rows = conn.execute(
+        select(TaskSet.name, ExtractionRun.record_json, ExtractionRun.finished_at)
+        .join(last, last.c.id == ExtractionRun.id)
+        .join(TaskSet, TaskSet.id == ExtractionRun.task_set_id)
+        .where(TaskSet.name.in_(task_sets))
+    ).all()
+    return {
+        name: {**json.loads(record), "finished_at": str(finished_at)}
+        for name, record, finished_at in rows
+    }

@@ -72,6 +72,9 @@ class ExtractionReport:
     batches_requeued: int = 0
     stale_acks: int = 0
     items_done: int = 0
+    # Rows the engine returned, retried batches included: what really reached it (the planner's
+    # counts say what was meant to).
+    engine_items: int = 0
     rows_inserted: int = 0
     real_tokens: int = 0
     padded_tokens: int = 0
@@ -266,6 +269,7 @@ class WorkerRun:
             self.writer.put(BatchFailed(lease, rows, result.error))
             return
         assert result.pooled is not None
+        self.report.engine_items += len(result.pooled)
         self.writer.put(
             BatchRows(
                 lease=lease,

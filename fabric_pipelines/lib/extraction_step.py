@@ -15,7 +15,7 @@ from sqlalchemy import Engine
 from fabric_gpu.manifest import EngineManifest
 from fabric_pipelines.lib.broker.ledger import Accounting, accounting
 from fabric_pipelines.lib.broker.plans import current_plan
-from fabric_pipelines.lib.efficiency import Efficiency, extraction_efficiency
+from fabric_pipelines.lib.efficiency import Efficiency, extraction_efficiency, record_run
 from fabric_pipelines.lib.engine_speeds import record_speed
 from fabric_pipelines.lib.index import vector_tail
 from fabric_pipelines.lib.preload import INDEX_MODULES, preload
@@ -104,7 +104,7 @@ def run_extraction_step(
     )  # fmt: skip
     # PostgreSQL: make the fresh rows countable from the primary key alone (store/settle.py).
     settle_started = time.perf_counter()
-    if report.rows_inserted:
+    if report.rows_inserted or report.copied_after:
         settle_embeddings(db)
     settle_seconds = time.perf_counter() - settle_started
     with db.connect() as conn:
@@ -126,6 +126,14 @@ def run_extraction_step(
         real_tokens=report.real_tokens, padded_tokens=report.padded_tokens,
         timelines=report.timelines, step_started_at=started_at, workers_done_at=workers_done_at,
         step_ended_at=time.time(), settle_seconds=settle_seconds, verify_seconds=verify_seconds,
+    )  # fmt: skip
+    record_run(
+        db, task_set, manifest.model_key, plan.plan_id,
+        {
+            **efficiency.as_mapping(), "sentence": efficiency.sentence(),
+            "engine_items": report.engine_items, "reused": counts.reused,
+            "completed": counts.completed, "failed": counts.failed,
+        },
     )  # fmt: skip
     metadata = extraction_metadata(
         report, counts, plan, model_key=manifest.model_key, database=database_name,

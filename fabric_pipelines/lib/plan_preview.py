@@ -1,7 +1,8 @@
 """`fabric plan FILE`: what a job will be, before any of it runs. The file is read and tokenised
-as ingest would (nothing is stored), its tasks are planned into the batches the engine would
-run, and the time is predicted from this engine's measured speed (engine_speeds.py), or not at
-all when it was never measured here."""
+as ingest would (nothing is stored), the tasks whose content key already has a stored result are
+counted as reused (lib/reuse.py) and so are repeats inside the file, the rest are planned into
+the batches the engine would run, and the time is predicted from this engine's measured speed
+(engine_speeds.py), or not at all when it was never measured here."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Engine
+from sqlalchemy import Engine, select
 
 from fabric_gpu.batching import plan_batches, prefix_keys
 from fabric_gpu.engines import input_layout
@@ -19,7 +20,9 @@ from fabric_gpu.manifest import EngineManifest
 from fabric_gpu.model import load_tokenizer, resolve_model_dir
 from fabric_pipelines.lib.charts import power_of_two_bins
 from fabric_pipelines.lib.engine_speeds import Prediction, engine_device, predict
-from fabric_pipelines.lib.tasks.ingest import ingest
+from fabric_pipelines.lib.reuse import content_keys, reuse_enabled, stored_keys
+from fabric_pipelines.lib.store.models import WINDOW_BASE, Model
+from fabric_pipelines.lib.tasks.ingest import TokenisedTasks, ingest
 from fabric_pipelines.lib.tasks.windows import LongInputs
 
 
@@ -36,7 +39,9 @@ class PlanPreview:
     truncated: int
     chunked: int  # documents split into windows (their windows are among `tasks`)
     windows: int
-    real_tokens: int
+    reused: int  # tasks whose content already has a stored result: copied, not computed
+    repeats: int  # tasks repeating another's content inside the file: computed once
+    real_tokens: int  # of the tasks the engine would compute
     length_histogram: list[tuple[str, int]]  # (token range, tasks)
     batches: int
     padded_tokens: int
@@ -67,6 +72,9 @@ class PlanPreview:
             "truncated": self.truncated,
             "chunked": self.chunked,
             "windows": self.windows,
+            "reused": self.reused,
+            "repeats": self.repeats,
+            "to_compute": self.tasks - self.reused - self.repeats,
             "real_tokens": self.real_tokens,
             "length_histogram": [{"tokens": r, "tasks": n} for r, n in self.length_histogram],
             "batches": self.batches,
@@ -86,8 +94,10 @@ def preview_plan(
     truncate: bool = False,
     long_inputs: LongInputs | None = None,
     prompt: str = "",
+    reuse: bool | None = None,
 ) -> PlanPreview:
-    """Over-long items follow `long_inputs` (default: fail, or truncate if `truncate`)."""
+    """Over-long items follow `long_inputs` (default: fail, or truncate if `truncate`); reuse as
+    planning would (`reuse` None: FABRIC_REUSE)."""
     tokenizer = load_tokenizer(resolve_model_dir(manifest.model_id), prompt)
     tasks = ingest(
         path, tokenizer, max_seq_len=manifest.profile.max_seq_len, truncate=truncate,
@@ -95,9 +105,11 @@ def preview_plan(
     )  # fmt: skip
     lengths = tasks.lengths
     layout = input_layout(manifest)
+    reused, repeats, rows = _reused(db, tasks, manifest, reuse)
     plan = plan_batches(
-        lengths, manifest.profile.with_layout(layout), keys=prefix_keys(tasks.tokens, tasks.offsets)
-    )
+        lengths, manifest.profile.with_layout(layout), rows,
+        keys=prefix_keys(tasks.tokens, tasks.offsets),
+    )  # fmt: skip
     padded = int(plan.padded_tokens.sum())
     bins, counts = power_of_two_bins(lengths)
     return PlanPreview(
@@ -112,13 +124,40 @@ def preview_plan(
         truncated=tasks.truncated,
         chunked=tasks.n_chunked,
         windows=0 if tasks.windows is None else len(tasks.windows.document),
-        real_tokens=int(lengths.sum()),
+        reused=reused,
+        repeats=repeats,
+        real_tokens=int(lengths[rows].sum()),
         length_histogram=list(zip(bins, counts, strict=True)),
         batches=plan.n_batches,
         padded_tokens=padded,
         shapes=len(np.unique(plan.seq_len)),
         prediction=predict(db, manifest, layout, padded),
     )
+
+
+def _reused(
+    db: Engine, tasks: TokenisedTasks, manifest: EngineManifest, reuse: bool | None
+) -> tuple[int, int, np.ndarray]:
+    """(tasks with a stored result, repeats inside the file, the task rows left to compute)."""
+    rows = np.arange(len(tasks.record_no), dtype=np.int64)
+    if not reuse_enabled(reuse) or manifest.hooks.layers:  # as planning decides (lib/reuse.py)
+        return 0, 0, rows
+    keys = content_keys(tasks.tokens, tasks.offsets, manifest.model_key, manifest.hooks.layers)
+    eligible = tasks.record_no < WINDOW_BASE
+    with db.connect() as conn:
+        mid = conn.execute(select(Model.id).where(Model.model_key == manifest.model_key)).scalar()
+        stored = (
+            stored_keys(conn, mid, keys) & eligible
+            if mid is not None
+            else np.zeros(keys.size, dtype=bool)
+        )
+    left = rows[~stored]
+    candidates = left[eligible[left]]
+    _, first = np.unique(keys[candidates], return_index=True)
+    is_first = np.zeros(candidates.size, dtype=bool)
+    is_first[first] = True
+    repeats = candidates[~is_first]
+    return int(stored.sum()), int(repeats.size), np.setdiff1d(left, repeats)
 
 
 def render(preview: PlanPreview) -> str:
@@ -130,7 +169,13 @@ def render(preview: PlanPreview) -> str:
     ]
     for kind, n in p.failure_kinds.items():
         lines.append(f"  failed: {n:,} {kind}")
-    lines.append(f"tokens: {p.real_tokens:,} real; tasks per length:")
+    if p.reused or p.repeats:
+        lines.append(
+            f"reused: {p.reused:,} tasks already have a stored result of {p.model_key}, "
+            f"{p.repeats:,} repeat another task of the file; "
+            f"{p.tasks - p.reused - p.repeats:,} to compute"
+        )
+    lines.append(f"tokens: {p.real_tokens:,} real to compute; tasks per length:")
     top = max((n for _, n in p.length_histogram), default=0)
     for tokens, n in p.length_histogram:
         bar = "#" * (round(40 * n / top) if top else 0)

@@ -54,7 +54,7 @@ class RunProgress:
         if bar is None:
             return
         bar.total = counts.tasks
-        bar.n = counts.completed + counts.failed
+        bar.n = counts.completed + counts.reused + counts.failed
         elapsed = max(time.monotonic() - self._extract_started, 1e-9)
         rate = (bar.n - self._done_at_start) * self._tokens_per_task / elapsed
         bar.set_postfix_str(
@@ -111,8 +111,10 @@ class TaskProgress:
             return
         if self.bar is None:
             self.bar = tqdm(total=counts.tasks, desc=self.desc, unit="task", dynamic_ncols=True)
-        self.bar.n = counts.completed + counts.failed
-        self.bar.set_postfix(failed=counts.failed, in_flight=counts.in_flight, refresh=False)
+        self.bar.n = counts.completed + counts.reused + counts.failed
+        self.bar.set_postfix(
+            reused=counts.reused, failed=counts.failed, in_flight=counts.in_flight, refresh=False
+        )
         self.bar.refresh()
 
     def close(self) -> None:

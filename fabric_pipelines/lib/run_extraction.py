@@ -14,11 +14,12 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fabric_pipelines.lib.broker.ledger import DEFAULT_LEASE_SECONDS, Accounting, heartbeat_interval
 from fabric_pipelines.lib.documents import combine_task_set
 from fabric_pipelines.lib.pool_run import free_devices, open_pool_run, supervise_pool_run
+from fabric_pipelines.lib.reuse import copy_pending_of
 from fabric_pipelines.lib.warm_workers import take_warm_pool
 from fabric_pipelines.lib.workers import (
     WorkerProcess,
@@ -30,6 +31,11 @@ from fabric_pipelines.lib.workers import (
     supervise,
     worker_settings,
 )
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
+
+    from fabric_gpu.manifest import EngineManifest
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,10 @@ class ExtractionSummary:
     timelines: tuple[dict[str, float], ...] = ()
     # Chunked documents whose vectors this run combined from their windows (lib/documents.py).
     documents_combined: int = 0
+    # Rows the engines returned (their own count, retries included), and the tasks given a copy
+    # of the same content's row once it was stored (lib/reuse.py) after the workers.
+    engine_items: int = 0
+    copied_after: int = 0
 
     @property
     def tokens_per_second(self) -> float:
@@ -122,7 +132,7 @@ def extract_task_set(
                         started_workers, db, task_set, on_progress, progress_every_s
                     )
     superseded = next((r for r in reports if r.get("superseded_by")), None)
-    combined = combine_task_set(db, task_set, manifest)
+    combined, copied = finish_task_set(db, task_set, manifest)
     return ExtractionSummary(
         workers=max(workers, 1),
         batches_done=sum(r["batches_done"] for r in reports),
@@ -138,7 +148,18 @@ def extract_task_set(
         superseded=superseded["superseded"] if superseded else "",
         timelines=tuple(_timeline(r) for r in reports if r.get("started_at")),
         documents_combined=combined,
+        engine_items=sum(r.get("engine_items", 0) for r in reports),
+        copied_after=copied,
     )
+
+
+def finish_task_set(db: Engine, task_set: str, manifest: EngineManifest) -> tuple[int, int]:
+    """What ends every extraction run once its workers are done: chunked documents combined from
+    their windows, then duplicates inside the set given their first copy's row (they waited for
+    it, lib/reuse.py); (documents combined, rows copied)."""
+    combined = combine_task_set(db, task_set, manifest)
+    copied, _ = copy_pending_of(db, task_set, manifest.model_key)
+    return combined, copied
 
 
 def _timeline(report: dict[str, Any]) -> dict[str, float]:

@@ -97,6 +97,10 @@ def plan_metadata(summary: PlanSummary, seconds: float) -> Metadata:
         "batches": plan.n_batches,
         "new_ledger_rows": summary.new_batches,
         "items": int(plan.item_count.sum()),
+        # Tasks given a stored result of the same content instead (lib/reuse.py), and
+        # duplicates inside the set that wait for their first copy's row.
+        "reused": summary.reused,
+        "duplicates_waiting": summary.deferred,
         "real_tokens": int(plan.real_tokens.sum()),
         "padded_tokens": int(plan.padded_tokens.sum()),
         "padding_fraction": round(plan.padding_fraction, 5),
@@ -140,6 +144,9 @@ def extraction_metadata(
         "worker_timelines": Json(list(report.timelines)),
         "pulling_tokens_per_s": round(report.real_tokens / pulling if pulling else 0.0, 1),
         "completed": counts.completed,
+        "reused": counts.reused,
+        "engine_items": report.engine_items,
+        "copied_after_workers": report.copied_after,
         "failed": counts.failed,
         # A set with chunked documents, by document (their windows are the tasks above).
         **({"documents": Json(counts.documents.to_mapping())} if counts.documents else {}),
@@ -164,6 +171,7 @@ def accounting_check_metadata(
         "task_set": task_set,
         "tasks": counts.tasks,
         "completed": counts.completed,
+        "reused": counts.reused,
         "failed": counts.failed,
         "in_flight": counts.in_flight,
         "queued": counts.queued,

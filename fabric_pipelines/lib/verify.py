@@ -6,8 +6,8 @@ What is checked, per task set: its stored Arrow file (TaskSet.content_sha256); e
 hidden-state shard file (HiddenStateShard.sha256, its task ids against the batch's, its layers);
 that each task of a completed batch is in that batch only and, once the set keeps hidden states
 (any shard row of its model), in exactly one verified shard file per layer; and the accounting
-tasks = completed + failed + in_flight + queued, with nothing left queued or in flight once no
-run holds a lease. Per indexed model: the newest receipt's files (served index, quantizer,
+tasks = completed + reused + failed + in_flight + queued, each reused row equal to its source's,
+with nothing left queued or in flight once no run holds a lease. Per indexed model: the newest receipt's files (served index, quantizer,
 shards) against the receipt, and every receipt file against its own name.
 
 A stale index is normal after new rows (the sensors rebuild it): it is a note, not a finding.
@@ -35,6 +35,7 @@ from fabric_pipelines.lib.documents import mismatched_documents
 from fabric_pipelines.lib.files import sha256_file
 from fabric_pipelines.lib.index.receipt import Receipt
 from fabric_pipelines.lib.index.staleness import indexed_models, latest_receipt, staleness
+from fabric_pipelines.lib.reuse import reused_copies
 from fabric_pipelines.lib.settings import FabricPaths
 from fabric_pipelines.lib.store.models import (
     Batch,
@@ -331,13 +332,15 @@ def _verify_task_set(
                         )
                 _check_shards(ctx, paths, b, rows, shards, layers)
         _check_duplicates(ctx, model_plans, orders, by_plan, in_batches)
-        if embedded.size > completed_items and not short:
+        # Copies of stored results (lib/reuse.py) belong to no batch: each must equal its source.
+        copies = _check_reused(ctx, conn, row.id, model_key)
+        if embedded.size - copies > completed_items and not short:
             report.add(
                 "rows",
                 f"{name} ({model_key})",
-                f"{embedded.size} embedding rows but the ledger's completed batches hold "
-                f"{completed_items} tasks: {embedded.size - completed_items} rows belong to "
-                "no completed batch",
+                f"{embedded.size - copies} embedding rows (besides {copies} reused) but the "
+                f"ledger's completed batches hold {completed_items} tasks: "
+                f"{embedded.size - copies - completed_items} rows belong to no completed batch",
                 _no_repair(name, "rows were written outside the ledger"),
             )
         if model_key == _plan_model(plans, ctx.current_plan):
@@ -582,6 +585,22 @@ def _check_duplicates(
     )
 
 
+def _check_reused(ctx: _Context, conn: Connection, set_id: int, model_key: str) -> int:
+    """Every copied row of the set still equals its source's row (where the source is still
+    stored: a forgotten set takes its rows, never its copies); how many copies the set holds."""
+    n_copies, differing = reused_copies(conn, set_id, model_key)
+    ctx.report.count("reused_rows", n_copies)
+    if differing:
+        ctx.report.add(
+            "rows",
+            f"{ctx.name} ({model_key})",
+            f"{differing} of {n_copies} reused rows differ from the stored rows they were "
+            "copied from",
+            _no_repair(ctx.name, "a copied row was changed after it was stored"),
+        )
+    return n_copies
+
+
 def _check_accounting(
     ctx: _Context,
     conn: Connection,
@@ -596,9 +615,9 @@ def _check_accounting(
         ctx.report.add(
             "ledger",
             ctx.name,
-            f"tasks {a.tasks} != completed {a.completed} + failed {a.failed} + in flight "
-            f"{a.in_flight} + queued {a.queued} "
-            f"(= {a.completed + a.failed + a.in_flight + a.queued})",
+            f"tasks {a.tasks} != completed {a.completed} + reused {a.reused} + failed "
+            f"{a.failed} + in flight {a.in_flight} + queued {a.queued} "
+            f"(= {a.completed + a.reused + a.failed + a.in_flight + a.queued})",
             repair,
         )
     docs = a.documents

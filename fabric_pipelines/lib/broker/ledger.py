@@ -28,6 +28,7 @@ from fabric_pipelines.lib.store.models import (
     DocumentWindow,
     Embedding,
     Model,
+    ReusedResult,
     TaskFailure,
     TaskSet,
 )
@@ -105,9 +106,11 @@ class DocumentAccounting:
 
 @dataclass(frozen=True)
 class Accounting:
-    """tasks = completed + failed + in_flight + queued. A chunked document's tasks are its
-    windows: `tasks` counts them in its place, and `completed` counts windows, not the document
-    row combined from them; `documents` then counts by document."""
+    """tasks = completed + reused + failed + in_flight + queued. `completed`: results the engine
+    computed; `reused`: copies of stored results of the same content key (lib/reuse.py); a task
+    waiting for such a copy is `queued`. A chunked document's tasks are its windows: `tasks`
+    counts them in its place, and `completed` counts windows, not the document row combined
+    from them; `documents` then counts by document."""
 
     tasks: int
     completed: int
@@ -115,10 +118,20 @@ class Accounting:
     in_flight: int
     queued: int
     documents: DocumentAccounting | None = None
+    reused: int = 0
 
     @property
     def balanced(self) -> bool:
-        return self.tasks == self.completed + self.failed + self.in_flight + self.queued
+        accounted = self.completed + self.reused + self.failed + self.in_flight + self.queued
+        return self.tasks == accounted
+
+    def to_mapping(self) -> dict[str, Any]:
+        return {
+            "tasks": self.tasks, "completed": self.completed, "reused": self.reused,
+            "failed": self.failed, "in_flight": self.in_flight, "queued": self.queued,
+            "balanced": self.balanced, "finished": self.finished,
+            **({"documents": self.documents.to_mapping()} if self.documents else {}),
+        }  # fmt: skip
 
     @property
     def finished(self) -> bool:
@@ -399,9 +412,10 @@ def superseded_message(plan_id: str, by: str) -> str:
 
 
 def accounting(conn: Connection, task_set: str, model_key: str | None = None) -> Accounting:
-    """tasks = completed + failed + in_flight + queued, for one task set, in one query.
+    """tasks = completed + reused + failed + in_flight + queued, for one task set, in one query.
 
-    `completed` counts result rows of `model_key`, by default the model of the set's current plan.
+    `completed` counts result rows of `model_key` (by default the model of the set's current
+    plan) that are not copies; `reused` the copies.
     """
     current_plan = select(TaskSet.current_plan_id).where(TaskSet.name == task_set).scalar_subquery()
     model: Any = (
@@ -429,6 +443,33 @@ def accounting(conn: Connection, task_set: str, model_key: str | None = None) ->
         .where(DocumentWindow.task_set_id == TaskSet.id, Embedding.model_id == model)
         .scalar_subquery()
     )
+    copy_stored = (
+        select(Embedding.record_no)
+        .where(
+            Embedding.model_id == ReusedResult.model_id,
+            Embedding.task_set_id == ReusedResult.task_set_id,
+            Embedding.record_no == ReusedResult.record_no,
+        )
+        .exists()
+    )
+    copy_failed = (
+        select(TaskFailure.id)
+        .where(
+            TaskFailure.task_set_id == ReusedResult.task_set_id,
+            TaskFailure.record_no == ReusedResult.record_no,
+        )
+        .exists()
+    )
+
+    def links(*conditions: Any) -> Any:
+        return (
+            select(func.count())
+            .select_from(ReusedResult)
+            .where(ReusedResult.task_set_id == TaskSet.id, ReusedResult.model_id == model,
+                   *conditions)
+            .scalar_subquery()
+        )  # fmt: skip
+
     query = select(
         TaskSet.n_records - TaskSet.n_chunked + TaskSet.n_windows,
         select(func.count())
@@ -443,13 +484,17 @@ def accounting(conn: Connection, task_set: str, model_key: str | None = None) ->
         batch_items(LEASED),
         batch_items(QUEUED),
         TaskSet.n_chunked,
+        links(copy_stored),
+        links(~copy_stored, ~copy_failed),  # waiting for their source's row: queued
     ).where(TaskSet.name == task_set)
     row = conn.execute(query).first()
     if row is None:
         raise LookupError(f"no task set named {task_set!r}")
-    tasks, completed, failed, in_flight, queued, n_chunked = (int(v) for v in row)
+    tasks, stored, failed, in_flight, queued, n_chunked, reused, waiting = (int(v) for v in row)
     documents = _document_accounting(conn, task_set, model) if n_chunked else None
-    return Accounting(tasks, completed, failed, in_flight, queued, documents)
+    return Accounting(
+        tasks, stored - reused, failed, in_flight, queued + waiting, documents, reused=reused
+    )
 
 
 def _document_accounting(conn: Connection, task_set: str, model: Any) -> DocumentAccounting:

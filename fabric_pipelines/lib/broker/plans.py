@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Callable
@@ -21,6 +22,12 @@ from fabric_pipelines.lib.broker.ledger import (
     outstanding_rows,
     register_plan,
     supersede_open_batches,
+)
+from fabric_pipelines.lib.reuse import (
+    content_keys,
+    link_before_planning,
+    pending_record_nos,
+    reuse_enabled,
 )
 from fabric_pipelines.lib.settings import FabricPaths
 from fabric_pipelines.lib.store.db import insert_ignoring_duplicates
@@ -49,6 +56,10 @@ class PlanSummary:
     sha256: str
     outstanding: int
     new_batches: int
+    # Tasks given a copy of a stored result of the same content key instead of planned
+    # (lib/reuse.py), and duplicates inside the set waiting for their first copy, by this planning.
+    reused: int = 0
+    deferred: int = 0
 
     def padding_by_bucket(self) -> dict[int, float]:
         """Padding fraction per bucket length."""
@@ -81,9 +92,17 @@ def plan_id(
 
 
 def plan_task_set(
-    db: Engine, paths: FabricPaths, task_set: str, manifest: EngineManifest, layout: str = "padded"
+    db: Engine,
+    paths: FabricPaths,
+    task_set: str,
+    manifest: EngineManifest,
+    layout: str = "padded",
+    *,
+    reuse: bool | None = None,
 ) -> PlanSummary:
-    """Plan the set's outstanding items for the manifest's engine, which takes `layout` input."""
+    """Plan the set's outstanding items for the manifest's engine, which takes `layout` input.
+    Items whose content key has a stored result get a copy of it instead (lib/reuse.py; `reuse`
+    None: FABRIC_REUSE decides, on by default)."""
     ts = get_task_set(db, task_set)
     tok_sha = tokenizer_sha256(resolve_model_dir(manifest.model_id))
     if ts.tokenizer_sha256 != tok_sha:
@@ -105,18 +124,40 @@ def plan_task_set(
         # Items sharing their first tokens run together (padded engines; packed keep arrival
         # order).
         keys = prefix_keys(tokens, offsets)
-        with db.connect() as conn:
+        # Runs that keep hook layers are not reused: their hidden states are files per batch.
+        content = (
+            content_keys(tokens, offsets, manifest.model_key, manifest.hooks.layers)
+            if reuse_enabled(reuse) and not manifest.hooks.layers
+            else None
+        )
+        with db.begin() as conn:
             rows = outstanding_rows(conn, task_set, manifest.model_key, record_no)
-        plan = plan_batches(lengths, profile, rows, keys=keys)
+            mid = model_id(conn, manifest.model_key)
+    reused = None
+    if content is not None and rows.size:
+        reused = link_before_planning(db, ts.id, mid, record_no, content, rows)
+        rows = reused.rows
+    plan = plan_batches(lengths, profile, rows, keys=keys)
+
+    def plannable(conn: Connection) -> np.ndarray:
+        """The items with neither a result nor a failure, less those waiting for a copy."""
+        now = outstanding_rows(conn, task_set, manifest.model_key, record_no)
+        if content is None:
+            return now
+        return now[~np.isin(record_no[now], pending_record_nos(conn, ts.id, mid))]
+
     if rows.size == 0:
         kept = _kept_plan_summary(db, ts, manifest.model_key)
         if kept is not None:
             return kept
     try:
-        return _store_plan(
-            db, paths, ts, manifest.model_key, profile, rows, plan, record_no,
+        stored = _store_plan(
+            db, paths, ts, manifest.model_key, profile, rows, plan, plannable,
             replan=lambda outstanding: plan_batches(lengths, profile, outstanding, keys=keys),
         )  # fmt: skip
+        if reused is None:
+            return stored
+        return dataclasses.replace(stored, reused=reused.copied, deferred=reused.deferred)
     except _NothingLeft:
         # Another run finished the rest while this plan was computed: its plan stays current.
         kept = _kept_plan_summary(db, get_task_set(db, task_set), manifest.model_key)
@@ -151,7 +192,7 @@ def _store_plan(
     profile: ConsumerProfile,
     rows: np.ndarray,
     plan: BatchPlan,
-    record_no: np.ndarray,
+    plannable: Callable[[Connection], np.ndarray],
     replan: Callable[[np.ndarray], BatchPlan],
 ) -> PlanSummary:
     """Write the plan's file and ledger rows and make it current.
@@ -167,13 +208,13 @@ def _store_plan(
         # be acked (PostgreSQL: their rows are locked; SQLite: this transaction holds the write
         # lock), so the read below sees every batch that will ever finish under an older plan.
         supersede_open_batches(conn, task_set, keep_plan=pid)
-        now = outstanding_rows(conn, task_set, model_key, record_no)
+        now = plannable(conn)
         if not np.array_equal(now, rows):
             # Batches finished meanwhile. `pid` may be a plan registered before whose open
             # batches are still running: superseding those too leaves nothing that can finish,
             # so the items read now are final and the plan made from them exact.
             supersede_open_batches(conn, task_set, keep_plan=None)
-            rows = outstanding_rows(conn, task_set, model_key, record_no)
+            rows = plannable(conn)
             if rows.size == 0 and _current_plan_model_key(conn, task_set) == model_key:
                 raise _NothingLeft  # rolls the transaction back
             plan = replan(rows)

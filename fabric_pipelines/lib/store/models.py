@@ -328,3 +328,56 @@ class Int8Calibration(Base):
     n_vectors: Mapped[int] = mapped_column(Integer)
     source: Mapped[str] = mapped_column(String(256))  # e.g. "first 1024 tasks of set X"
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class ContentKey(Base):
+    """The content key of each task of a set planned for a model (migration 0014, lib/reuse.py):
+    sha256 of the model key, the hook layers and the task's final token ids. A stored result
+    of one key is the result of every task with that key, in any set.
+
+    A bulk table like `tasks` (no foreign key: a million rows arrive at once when a set is first
+    planned); its rows go with their set in `tasks/catalog.forget_task_set`."""
+
+    __tablename__ = "content_keys"
+    __table_args__ = (Index("ix_content_keys_key", "model_id", "content_key"),)
+
+    model_id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    task_set_id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    record_no: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    content_key: Mapped[bytes] = mapped_column(LargeBinary(32))
+
+
+class ReusedResult(Base):
+    """A task whose result is another task's, of the same content key (lib/reuse.py): its
+    embedding row is a copy of the source's, made when the source's row is stored. Until then
+    (a duplicate inside the set whose first copy is still queued) the task counts as queued."""
+
+    __tablename__ = "reused_results"
+
+    model_id: Mapped[int] = mapped_column(
+        Integer, ForeignKey("models.id"), primary_key=True, autoincrement=False
+    )
+    task_set_id: Mapped[int] = mapped_column(
+        Integer, ForeignKey("task_sets.id", ondelete="CASCADE"), primary_key=True
+    )
+    record_no: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    # No foreign key: a copy stays valid when its source's set is forgotten.
+    from_task_set_id: Mapped[int] = mapped_column(Integer)
+    from_record_no: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class ExtractionRun(Base):
+    """One extraction step's efficiency record (lib/efficiency.py), as JSON: what `fabric
+    status` shows of a set's last run."""
+
+    __tablename__ = "extraction_runs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    task_set_id: Mapped[int] = _set_id_column()
+    model_id: Mapped[int] = _model_id_column()
+    task_set: Mapped[str] = _set_name(task_set_id)
+    model_key: Mapped[str] = _model_key(model_id)
+    plan_id: Mapped[str] = mapped_column(String(64))
+    record_json: Mapped[str] = mapped_column(Text)
+    finished_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -36,6 +36,7 @@ from fabric_pipelines.lib.store import task_partitions
 from fabric_pipelines.lib.store.db import sqlite_has_json
 from fabric_pipelines.lib.store.keys import set_id_of
 from fabric_pipelines.lib.store.models import (
+    ContentKey,
     DocumentWindow,
     Embedding,
     Task,
@@ -645,6 +646,7 @@ def forget_task_set(db: Engine, paths: FabricPaths, task_set: str) -> None:
         set_id = conn.execute(select(TaskSet.id).where(TaskSet.name == task_set)).scalar()
         if set_id is not None:
             conn.execute(delete(Embedding).where(Embedding.task_set_id == set_id))
+            conn.execute(delete(ContentKey).where(ContentKey.task_set_id == set_id))
             # PostgreSQL: a set's own partition goes after the commit, rows and all.
             if conn.dialect.name != "postgresql" or not task_partitions.has_own(conn, set_id):
                 conn.execute(delete(Task).where(Task.task_set_id == set_id))
