@@ -362,3 +362,63 @@ def test_keys_ending_in_zero_bytes_keep_all_32_bytes() -> None:
     expected = hashlib.sha256(json.dumps({"layers": [], "model_key": "m"}).encode())
     expected.update(np.array([7], dtype="<i4").tobytes())
     assert key_bytes(keys)[7] == expected.digest()
+
+
+def test_planning_one_set_from_several_threads_at_once_stores_its_keys_and_links_once(
+    db: Engine, db_url: str, paths: FabricPaths, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """Two runs of one set started together both plan it: each must find the keys the other
+    stored (or wait for them), never store them twice; every link is made once."""
+    import threading
+
+    from fabric_pipelines.lib.reuse import link_before_planning
+    from fabric_pipelines.lib.store.keys import model_id
+    from fabric_pipelines.lib.tasks.catalog import get_task_set
+    from fabric_pipelines.lib.tasks.store import flat_tokens, read_table
+
+    manifest = _manifest(str(tiny_model_dir))
+    shared = [(f"t{i}", _text(i)) for i in range(200)]
+    _run(db, db_url, paths, manifest, _write(tmp_path / "a.jsonl", shared), "a")
+    repeats = [(f"r{j}", f"repeated text {j % 10}") for j in range(40)]
+    submit(_write(tmp_path / "b.jsonl", shared + repeats), paths.inbox, "b")
+    ingest_task_set(db, paths, "b", model_id=manifest.model_id, max_seq_len=64)
+
+    ts = get_task_set(db, "b")
+    table = read_table(Path(ts.path), ts.content_sha256)
+    tokens, offsets = flat_tokens(table)
+    record_no = table.column("record_no").to_numpy()
+    keys = content_keys(tokens, offsets, manifest.model_key)
+    with db.begin() as conn:
+        mid = model_id(conn, manifest.model_key)
+    planners = 4
+    start = threading.Barrier(planners)
+    errors: list[BaseException] = []
+
+    def plan() -> None:
+        start.wait()
+        try:
+            link_before_planning(db, ts.id, mid, record_no, keys, np.arange(record_no.size))
+        except BaseException as error:  # reported by the assertion below
+            errors.append(error)
+
+    threads = [threading.Thread(target=plan) for _ in range(planners)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert errors == [], errors
+    with db.connect() as conn:
+        stored = conn.execute(
+            select(func.count()).select_from(ContentKey).where(ContentKey.task_set_id == ts.id)
+        ).scalar_one()
+        links = conn.execute(
+            select(func.count(), func.count(func.distinct(ReusedResult.record_no))).where(
+                ReusedResult.task_set_id == ts.id
+            )
+        ).one()
+        copies = conn.execute(
+            select(func.count()).select_from(Embedding).where(Embedding.task_set_id == ts.id)
+        ).scalar_one()
+    assert stored == record_no.size
+    # 200 linked to set a (and copied), 30 repeats waiting for the first of their text.
+    assert tuple(links) == (230, 230) and copies == 200, (links, copies)

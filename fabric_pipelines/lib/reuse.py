@@ -125,6 +125,7 @@ def link_before_planning(
     one, and defer the set's own duplicates to their first copy; the rows left to plan."""
     eligible = record_no < WINDOW_BASE
     with db.begin() as conn:
+        _lock_planning(conn, set_id)
         _store_keys(conn, set_id, model_id, record_no[eligible], keys[eligible])
         linked = _link_stored(conn, set_id, model_id)
         # Also copies to links left waiting by an earlier run whose sources are stored now.
@@ -228,6 +229,24 @@ def reused_copies(conn: Connection, set_id: int, model_key: str) -> tuple[int, i
 
 
 # ---- inside one transaction -------------------------------------------------------------------
+
+# The first of the two 32-bit advisory lock keys planning takes (the set id is the second): the
+# bytes of "fbru". Two-key locks never meet the schema's 64-bit one (store/schema.py).
+PLANNING_LOCK_CLASS = 0x66627275
+
+
+def _lock_planning(conn: Connection, set_id: int) -> None:
+    """Serialise reuse planning of one set for the rest of `conn`'s transaction.
+
+    Two runs of one set started together would each find no keys stored and COPY them (a
+    unique violation): the second waits here, then finds them. SQLite needs no lock: the
+    transaction began with BEGIN IMMEDIATE (store/db.py).
+    """
+    if conn.dialect.name == "postgresql":
+        conn.execute(
+            text("SELECT pg_advisory_xact_lock(:kind, :set)"),
+            {"kind": PLANNING_LOCK_CLASS, "set": set_id},
+        )
 
 
 def _store_keys(
