@@ -552,6 +552,8 @@ def summarise(run: dict[str, Any], engine: dict[str, Any], submitted_tokens: int
         "real_tokens": real_tokens,
         "wall_seconds": round(run["wall_seconds"], 2),
         "recall_at_10": index.get("recall_at_10"),
+        # The step's own record: the GPU's batch time over its span (None on the CPU engine).
+        "gpu_busy_fraction": (extraction.get("efficiency_record") or {}).get("gpu_busy_fraction"),
         "index_factory": index.get("factory"),
         # The index step took the vectors a tail followed during extraction (vector_tail).
         "vectors_followed": index.get("vectors_followed"),
@@ -575,6 +577,7 @@ def show(key: str, r: dict[str, Any]) -> None:
         f"  stages: {', '.join(f'{k} {v:.2f}' for k, v in s.items())}\n"
         f"  rows {r['rows']:,} = completed {r['completed']:,} of {r['tasks']:,} "
         f"(failed {r['failed']}); exactly once: {r['exactly_once']}; "
+        f"GPU busy fraction (the run's record): {r.get('gpu_busy_fraction')}; "
         f"index {r['index_factory']} recall@10 {r['recall_at_10']}, vectors followed during "
         f"extraction: {r.get('vectors_followed')}\n"
         f"  clock (s from launch): {', '.join(f'{k} {v}' for k, v in r.get('clock', {}).items())}",

@@ -397,9 +397,12 @@ def open_runner(
     shapes: list[tuple[int, int]],
     pad_token_id: int = 0,
     max_in_flight: int = 4,
+    measure_gpu_time: bool = False,
 ) -> _Runner:
     """The runner for `engine`: engines that read on the CPU run on the emulated GPU; engines
-    that read on the GPU get their `shapes` (epoch, rows) captured as CUDA graphs first."""
+    that read on the GPU get their `shapes` (epoch, rows) captured as CUDA graphs first, and with
+    `measure_gpu_time` their stats count the GPU's busy seconds and its span (two timing marks
+    per batch)."""
     if engine.input_location is InputLocation.HOST and hasattr(engine, "forward_hidden"):
         return EngineRunner(
             cast(HostEngine, engine),
@@ -412,7 +415,7 @@ def open_runner(
     if hasattr(engine, "capture") and hasattr(engine, "shapes"):
         return GpuEngineRunner(
             cast(DeviceEngine, engine), tokens, offsets, on_result, shapes=shapes,
-            max_in_flight=max(max_in_flight, 8),
+            max_in_flight=max(max_in_flight, 8), measure_gpu_time=measure_gpu_time,
         )  # fmt: skip
     raise NotImplementedError(f"{type(engine).__name__} can be driven by no runner")
 

@@ -93,6 +93,9 @@ def test_materialize_the_chain_then_again(paths: FabricPaths, db_url: str, tmp_p
     # Where the step's time went: the engine's window and the rest add up to the step.
     seconds = extracted["efficiency_record"]["seconds"]
     assert seconds["engine"] > 0 and seconds["before_engine"] >= 0
+    # The CPU engine has no GPU timing: no busy fraction, and no GPU seconds in the sum.
+    assert extracted["efficiency_record"]["gpu_busy_fraction"] is None
+    assert extracted["efficiency_record"]["gpu_seconds"] == {"busy": 0, "span": 0}
     parts = sum(v for k, v in seconds.items() if k != "step")
     assert parts == pytest.approx(seconds["step"], abs=0.01)
     assert "engine pulled batches for" in str(extracted["efficiency"])

@@ -41,3 +41,19 @@ def test_a_step_with_no_batch_says_so() -> None:
     )  # fmt: skip
     assert e.engine_seconds == 0.0 and e.before_engine_seconds == pytest.approx(1.5)
     assert e.sentence().startswith("no batch ran in this step (2.00 s")
+
+
+def test_the_gpu_busy_fraction_is_the_batches_time_over_the_gpus_span() -> None:
+    timelines = ({"started_at": 0.0, "ready": 1.0, "last_ack": 11.0},)
+    e = extraction_efficiency(
+        real_tokens=1, padded_tokens=1, timelines=timelines, step_started_at=0.0,
+        workers_done_at=11.0, step_ended_at=12.0, settle_seconds=0.0, verify_seconds=0.0,
+        gpu_busy_seconds=7.5, gpu_span_seconds=9.6,
+    )  # fmt: skip
+    assert e.gpu_busy_fraction == pytest.approx(7.5 / 9.6)
+    record = e.as_mapping()
+    assert record["gpu_busy_fraction"] == round(7.5 / 9.6, 4)
+    assert record["gpu_seconds"] == {"busy": 7.5, "span": 9.6}
+    # GPU seconds are not step seconds: they overlap the engine's window, "other" is unchanged.
+    assert e.other_seconds == pytest.approx(1.0)
+    assert "the GPU busy 78.1% of its 9.60 s span" in e.sentence()

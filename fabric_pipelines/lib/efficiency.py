@@ -10,8 +10,10 @@ The step's wall time splits, on the wall clock, into:
   after the engine    the last acknowledgement to the workers done (their last writes, closing);
   settle, verify      the step's own work after the workers (PostgreSQL's settle; the check);
   other               the rest (the step's own start-up and bookkeeping).
-GPU busy time inside the window is not measured in product runs (the runtime's per-batch timing
-marks are off there; `bench/extract.py` measures it).
+On the GPU the runtime also times each batch on the compute stream (a timing mark after its
+doorbell wait and one after its last output is published): the GPU busy fraction is the sum of
+those batch times over the GPU's span, its first batch's start to its last batch's end; the rest
+of the span the GPU waited for work. Summed over the GPU workers; none on the CPU engine.
 
 Each step's record is kept (table extraction_runs, `record_run`) and `fabric status` shows the
 set's last one.
@@ -39,6 +41,15 @@ class Efficiency:
     after_engine_seconds: float
     settle_seconds: float
     verify_seconds: float
+    gpu_busy_seconds: float = 0.0  # summed over GPU workers; 0 where no GPU ran
+    gpu_span_seconds: float = 0.0
+
+    @property
+    def gpu_busy_fraction(self) -> float | None:
+        """The part of the GPU's span it ran batches (None: no GPU timing in this step)."""
+        if self.gpu_span_seconds <= 0:
+            return None
+        return min(1.0, self.gpu_busy_seconds / self.gpu_span_seconds)
 
     @property
     def other_seconds(self) -> float:
@@ -71,7 +82,9 @@ class Efficiency:
             "engine_real_tokens_per_s": round(self.engine_real_tokens_per_s, 1),
             "padding_fraction": round(self.padding_fraction, 5),
             "engine_share": round(self.engine_share, 4),
-            "gpu_busy_fraction": None,  # not measured in product runs (module docstring)
+            "gpu_busy_fraction": (
+                None if self.gpu_busy_fraction is None else round(self.gpu_busy_fraction, 4)
+            ),
             "seconds": {
                 "step": round(self.step_seconds, 3),
                 "before_engine": round(self.before_engine_seconds, 3),
@@ -80,6 +93,11 @@ class Efficiency:
                 "settle": round(self.settle_seconds, 3),
                 "verify": round(self.verify_seconds, 3),
                 "other": round(self.other_seconds, 3),
+            },
+            # Not parts of the step: the GPU ran these inside the engine's window.
+            "gpu_seconds": {
+                "busy": round(self.gpu_busy_seconds, 3),
+                "span": round(self.gpu_span_seconds, 3),
             },
         }
 
@@ -90,11 +108,17 @@ class Efficiency:
                 f"no batch ran in this step ({self.step_seconds:.2f} s: the set's work was "
                 "already done or failed)"
             )
+        busy = self.gpu_busy_fraction
+        gpu = (
+            ""
+            if busy is None
+            else f", the GPU busy {busy:.1%} of its {self.gpu_span_seconds:.2f} s span"
+        )
         return (
             f"{self.real_tokens_per_s:,.0f} real tokens/s over the step's {self.step_seconds:.2f} s; "
             f"the engine pulled batches for {self.engine_seconds:.2f} s "
             f"({self.engine_share:.0%}, {self.engine_real_tokens_per_s:,.0f} tokens/s, "
-            f"{self.padding_fraction:.1%} padding); before its first batch "
+            f"{self.padding_fraction:.1%} padding{gpu}); before its first batch "
             f"{self.before_engine_seconds:.2f} s, after its last {self.after_engine_seconds:.2f} s, "
             f"settle {self.settle_seconds:.2f} s, check {self.verify_seconds:.2f} s, "
             f"other {self.other_seconds:.2f} s"
@@ -111,6 +135,8 @@ def extraction_efficiency(
     step_ended_at: float,
     settle_seconds: float,
     verify_seconds: float,
+    gpu_busy_seconds: float = 0.0,
+    gpu_span_seconds: float = 0.0,
 ) -> Efficiency:
     """From the workers' timelines (wall-clock `started_at` plus offsets in seconds, as
     run_extraction reports them) and the step's own wall-clock marks."""
@@ -132,6 +158,8 @@ def extraction_efficiency(
         after_engine_seconds=after,
         settle_seconds=settle_seconds,
         verify_seconds=verify_seconds,
+        gpu_busy_seconds=gpu_busy_seconds,
+        gpu_span_seconds=gpu_span_seconds,
     )
 
 

@@ -87,6 +87,10 @@ class ExtractionReport:
     superseded: str = ""
     errors: list[str] = field(default_factory=list)
     runtime: dict[str, Any] = field(default_factory=dict)  # the runtime's own counters
+    # The GPU's seconds running batches, and from its first batch's start to its last batch's
+    # end (the runtime's timing marks; 0 on the CPU engine): what the worker's report carries.
+    gpu_busy_seconds: float = 0.0
+    gpu_span_seconds: float = 0.0
 
     @property
     def tokens_per_second(self) -> float:
@@ -428,11 +432,15 @@ class WorkerRun:
                     shapes=shapes,
                     pad_token_id=job.pad_token_id,
                     max_in_flight=settings.max_in_flight,
+                    # For the run's efficiency record: the GPU's busy fraction (lib/efficiency.py).
+                    measure_gpu_time=True,
                 ) as runner:
                     report.warmup_seconds = time.perf_counter() - self.started
                     report.ready_at = time.time()
                     self._submit_all(runner, self.writer)
                     report.runtime = runner.finish().as_dict()
+                    report.gpu_busy_seconds = float(report.runtime.get("gpu_busy_seconds", 0.0))
+                    report.gpu_span_seconds = float(report.runtime.get("gpu_span_seconds", 0.0))
             finally:
                 self.writer.close()  # everything queued is written (or its error is raised)
         report.errors.extend(self.heartbeat.missed)

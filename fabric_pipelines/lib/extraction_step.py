@@ -126,6 +126,7 @@ def run_extraction_step(
         real_tokens=report.real_tokens, padded_tokens=report.padded_tokens,
         timelines=report.timelines, step_started_at=started_at, workers_done_at=workers_done_at,
         step_ended_at=time.time(), settle_seconds=settle_seconds, verify_seconds=verify_seconds,
+        gpu_busy_seconds=report.gpu_busy_seconds, gpu_span_seconds=report.gpu_span_seconds,
     )  # fmt: skip
     record_run(
         db, task_set, manifest.model_key, plan.plan_id,

@@ -66,6 +66,10 @@ class ExtractionSummary:
     # of the same content's row once it was stored (lib/reuse.py) after the workers.
     engine_items: int = 0
     copied_after: int = 0
+    # Summed over the GPU workers (their runtimes' timing marks): seconds the GPU ran batches,
+    # and each GPU's span from its first batch's start to its last batch's end. 0: no GPU.
+    gpu_busy_seconds: float = 0.0
+    gpu_span_seconds: float = 0.0
 
     @property
     def tokens_per_second(self) -> float:
@@ -150,6 +154,8 @@ def extract_task_set(
         documents_combined=combined,
         engine_items=sum(r.get("engine_items", 0) for r in reports),
         copied_after=copied,
+        gpu_busy_seconds=sum(r.get("gpu_busy_seconds", 0.0) for r in reports),
+        gpu_span_seconds=sum(r.get("gpu_span_seconds", 0.0) for r in reports),
     )
 
 
