@@ -12,7 +12,10 @@ first_off (the keys' cost when nothing can be reused), the planning step's secon
 the engine's own row counts. Inputs are token ids as in bench/e2e.py, the model the yardstick's
 random encoder with all-MiniLM's tokenizer.
 
-    python bench/reuse.py                  # GPU: BERT-base, 1,000,000 tasks
+    python bench/reuse.py                  # GPU: BERT-base, 500,000 tasks
+
+(At 1,000,000 tasks the four sets' 768-d rows, 3 GB each in one SQLite file, fill the GPU
+machine's disk.)
     python bench/reuse.py --cpu            # CPU engine: 2,000 tasks
 
 The last line is one JSON object.
@@ -90,7 +93,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="CPU engine on a small corpus")
     parser.add_argument("--model", help="yardstick size (default bert_base; --cpu minilm_l6)")
-    parser.add_argument("--tasks", type=int, help="corpus size (default 1,000,000; --cpu 2,000)")
+    parser.add_argument("--tasks", type=int, help="corpus size (default 500,000; --cpu 2,000)")
     parser.add_argument("--edit", type=float, default=0.10, help="share of tasks edited")
     parser.add_argument("--new", type=float, default=0.05, help="share of tasks added")
     parser.add_argument("--reference", default=str(DEFAULT))
@@ -105,7 +108,7 @@ def main() -> None:
     from fabric_gpu.model import DEFAULT_MODEL_ID, resolve_model_dir
     from fabric_gpu.profile import ConsumerProfile
 
-    n = args.tasks or (2000 if args.cpu else 1_000_000)
+    n = args.tasks or (2000 if args.cpu else 500_000)
     size = args.model or ("minilm_l6" if args.cpu else "bert_base")
     reference = load_reference(args.reference)
     tokenizer_from = Path(args.tokenizer) if args.tokenizer else resolve_model_dir(DEFAULT_MODEL_ID)
