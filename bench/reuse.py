@@ -13,10 +13,10 @@ the engine's own row counts. Inputs are token ids as in bench/e2e.py, the model 
 random encoder with all-MiniLM's tokenizer.
 
     python bench/reuse.py                  # GPU: BERT-base, 500,000 tasks
+    python bench/reuse.py --cpu            # CPU engine: 2,000 tasks
 
 (At 1,000,000 tasks the four sets' 768-d rows, 3 GB each in one SQLite file, fill the GPU
 machine's disk.)
-    python bench/reuse.py --cpu            # CPU engine: 2,000 tasks
 
 The last line is one JSON object.
 """

@@ -12,10 +12,7 @@ import json
 from pathlib import Path
 
 import numpy as np
-import pytest
-import torch
 
-from fabric_gpu import probe_gpu
 from fabric_gpu.engines import create_engine
 from fabric_gpu.manifest import EngineManifest, HookSpec, manifest_for_model
 from fabric_gpu.profile import ConsumerProfile
@@ -23,16 +20,10 @@ from fabric_pipelines.lib.broker.ledger import accounting
 from fabric_pipelines.lib.settings import FabricPaths
 from fabric_pipelines.lib.store.db import create_schema, make_engine
 from fabric_pipelines.lib.tasks.windows import LongInputs
+from tests.gpu_marks import TORCH_GPU
 from tests.pipeline_helpers import run_stages, stored_embeddings
 
-STATUS = probe_gpu()
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not (STATUS.available and torch.cuda.is_available()),
-        reason="no GPU: " + (STATUS.reason or "torch sees no CUDA device"),
-    ),
-]
+pytestmark = TORCH_GPU
 
 WORDS = [
     "pinned",

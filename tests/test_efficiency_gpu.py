@@ -13,10 +13,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
-import pytest
-import torch
 
-from fabric_gpu import probe_gpu
 from fabric_gpu.engines import input_layout
 from fabric_gpu.manifest import HookSpec, manifest_for_model
 from fabric_gpu.profile import ConsumerProfile
@@ -27,15 +24,9 @@ from fabric_pipelines.lib.settings import FabricPaths
 from fabric_pipelines.lib.store.db import create_schema, make_engine
 from fabric_pipelines.lib.tasks.catalog import ingest_task_set
 from fabric_pipelines.lib.tasks.inbox import submit
+from tests.gpu_marks import TORCH_GPU
 
-STATUS = probe_gpu()
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not (STATUS.available and torch.cuda.is_available()),
-        reason="no GPU: " + (STATUS.reason or "torch sees no CUDA device"),
-    ),
-]
+pytestmark = TORCH_GPU
 
 WORDS = ["pinned", "memory", "ring", "doorbell", "stream", "kernel", "batch", "vector"]
 

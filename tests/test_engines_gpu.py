@@ -17,18 +17,11 @@ import numpy as np
 import pytest
 import torch
 
-from fabric_gpu import probe_gpu
 from fabric_gpu.manifest import EngineManifest, HookSpec
 from fabric_gpu.profile import ConsumerProfile
+from tests.gpu_marks import TORCH_GPU
 
-STATUS = probe_gpu()
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not (STATUS.available and torch.cuda.is_available()),
-        reason="no GPU: " + (STATUS.reason or "torch sees no CUDA device"),
-    ),
-]
+pytestmark = TORCH_GPU
 
 PROFILE = ConsumerProfile(4096, 64, 256, 8)
 HOOKS = (2, -1)

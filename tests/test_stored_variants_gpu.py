@@ -15,11 +15,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-import pytest
-import torch
 from sqlalchemy import Engine, select
 
-from fabric_gpu import probe_gpu
 from fabric_gpu.engines import create_engine
 from fabric_gpu.manifest import EngineManifest, HookSpec, manifest_for_model
 from fabric_gpu.profile import ConsumerProfile
@@ -28,16 +25,10 @@ from fabric_pipelines.lib.settings import FabricPaths
 from fabric_pipelines.lib.store.db import create_schema, make_engine
 from fabric_pipelines.lib.store.models import Embedding, Model
 from fabric_pipelines.lib.tasks.windows import LongInputs
+from tests.gpu_marks import TORCH_GPU
 from tests.pipeline_helpers import run_stages
 
-STATUS = probe_gpu()
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not (STATUS.available and torch.cuda.is_available()),
-        reason="no GPU: " + (STATUS.reason or "torch sees no CUDA device"),
-    ),
-]
+pytestmark = TORCH_GPU
 
 VARIANTS = ("float16", "int8", "binary", "binary:32", "int8:48", "float32:32")
 WORDS = ["pinned", "memory", "ring", "doorbell", "stream", "kernel", "batch", "vector"]

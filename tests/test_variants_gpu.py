@@ -4,20 +4,12 @@ within 1e-3 for float16). Marked `gpu`; skipped with the reason where no GPU is 
 from __future__ import annotations
 
 import pytest
-import torch
 
-from fabric_gpu import probe_gpu
 from fabric_gpu.variants import Variant
+from tests.gpu_marks import TORCH_GPU
 from tests.test_variants import VARIANTS, assert_twins_agree, vectors
 
-STATUS = probe_gpu()
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not (STATUS.available and torch.cuda.is_available()),
-        reason="no GPU: " + (STATUS.reason or "torch sees no CUDA device"),
-    ),
-]
+pytestmark = TORCH_GPU
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.label)
