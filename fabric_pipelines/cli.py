@@ -365,6 +365,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if all(passed for _, passed in summary["checks"]) else 1
 
 
+def _reused_rows(reused: int) -> list[tuple[str, str]]:
+    """Tasks given a copy of a stored result instead of being computed (lib/reuse.py)."""
+    if not reused:
+        return []
+    return [("reused", f"{reused:,} tasks (a stored result of the same content copied)")]
+
+
 def _print_summary(summary: dict[str, Any]) -> None:
     tasks = summary["extract"].get("tokenised_tasks", {})
     extraction = summary["extract"].get("extraction_outputs", {})
@@ -372,6 +379,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
     rows = [
         ("tasks submitted", f"{tasks.get('records', 0):,}"),
         ("completed", f"{extraction.get('completed', 0):,} tasks"),
+        *_reused_rows(extraction.get("reused", 0)),
         *_document_rows(extraction.get("documents")),
         (
             "failed",

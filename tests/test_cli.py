@@ -176,6 +176,10 @@ def test_submit_and_run_then_status(tmp_path: Path) -> None:
         "--max-seq-len", "128", "--max-batch-tokens", "2048", "--hook-layers", "",
     )  # fmt: skip
     assert again.returncode == 0 and "accounting passed" in again.stdout, again.stdout
+    # The summary says so (the first run, with nothing to reuse, has no such line).
+    reused = [ln.split() for ln in again.stdout.splitlines() if ln.strip().startswith("reused")]
+    assert [r[:3] for r in reused] == [["reused", "40", "tasks"]], again.stdout
+    assert not any(ln.strip().startswith("reused") for ln in run.stdout.splitlines())
     machine = json.loads(_fabric(home, "status", "again", "--json").stdout)["task_sets"][0]
     assert (machine["tasks"], machine["completed"], machine["reused"]) == (41, 0, 40), machine
     assert machine["last_extraction"]["engine_items"] == 0, machine
