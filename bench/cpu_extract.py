@@ -27,7 +27,7 @@ from fabric_gpu.engines.base import gather_padded
 from fabric_gpu.manifest import HookSpec, manifest_for_model
 from fabric_gpu.model import DEFAULT_MODEL_ID, load_tokenizer, resolve_model_dir
 from fabric_gpu.profile import ConsumerProfile
-from fabric_pipelines.lib.demo_corpus import stdlib_docstrings
+from fabric_pipelines.cli.demo_corpus import stdlib_docstrings
 
 MAX_SEQ_LEN = 512
 

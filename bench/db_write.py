@@ -27,12 +27,11 @@ from sqlalchemy.orm import Session
 
 from fabric_gpu.batching import BatchPlan
 from fabric_pipelines.lib.broker.ledger import claim_many, register_plan
-from fabric_pipelines.lib.result_writer import BatchRows, WriteBehind
+from fabric_pipelines.lib.results.writer import BatchRows, WriteBehind
 from fabric_pipelines.lib.store.db import create_schema, make_engine
 from fabric_pipelines.lib.store.keys import model_id
-from fabric_pipelines.lib.store.models import BatchPlan as BatchPlanRow
-from fabric_pipelines.lib.store.models import Embedding, TaskSet
-from fabric_pipelines.lib.store.scratch import scratch_database
+from fabric_pipelines.lib.store.models import BatchPlanRow, Embedding, TaskSet
+from fabric_testing.scratch_db import scratch_database
 
 BATCH_ROWS = 512  # items per batch: a 32K-token batch at ~64 tokens per item
 

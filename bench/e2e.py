@@ -207,7 +207,7 @@ def database_for(db: str, root: Path, pg_server: str | None) -> Iterator[str]:
     if db == "sqlite":
         yield f"sqlite:///{root}/fabric.db"
         return
-    from fabric_pipelines.lib.store.scratch import scratch_database
+    from fabric_testing.scratch_db import scratch_database
 
     assert pg_server is not None
     with scratch_database(pg_server, "fabric_e2e") as url:
@@ -245,7 +245,7 @@ def run_product(
     launched_at, start = time.time(), time.perf_counter()
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
-    from fabric_pipelines.lib.engine_pool import stop_pool
+    from fabric_pipelines.lib.worker.pool.client import stop_pool
 
     stop_pool(root)  # the run's pool workers, idle now: their GPUs free for the next run
     if done.returncode != 0 or not report_file.is_file():
@@ -330,9 +330,9 @@ def exactly_once(db_url: str, manifest_file: Path, task_set: str = TASK_SET) -> 
             .where(TaskSet.name == task_set)
         ).scalar_one()
     db.dispose()
-    stored = counts.completed + counts.reused  # reused: copies of stored rows (lib/reuse.py)
+    stored = counts.completed + counts.reused  # reused: copies of stored rows (lib/broker/reuse.py)
     balanced = counts.finished and counts.tasks == stored + counts.failed
-    # A chunked document's own row comes beside its windows' (lib/documents.py).
+    # A chunked document's own row comes beside its windows' (lib/results/documents.py).
     documents = counts.documents
     combined = 0 if documents is None else documents.stored - (stored - documents.windows_stored)
     return {

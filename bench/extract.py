@@ -120,7 +120,7 @@ def real_text_comparison(model_dir: Path, n_texts: int) -> dict[str, Any]:
     from sentence_transformers import SentenceTransformer
 
     from fabric_gpu.model import load_tokenizer
-    from fabric_pipelines.lib.demo_corpus import stdlib_docstrings
+    from fabric_pipelines.cli.demo_corpus import stdlib_docstrings
 
     tokenizer = load_tokenizer(model_dir)
     texts = [t for _, t in stdlib_docstrings(n_texts * 2)]

@@ -45,14 +45,14 @@ from sqlalchemy import Engine
 from tqdm import tqdm
 
 from fabric_gpu.model import DEFAULT_MODEL_ID
-from fabric_pipelines.lib import faults
-from fabric_pipelines.lib.files import CorruptFileError, write_bytes
+from fabric_pipelines.lib.core.files import CorruptFileError, write_bytes
+from fabric_pipelines.lib.core.settings import FabricPaths
 from fabric_pipelines.lib.index.build import IndexSpec
 from fabric_pipelines.lib.index.publish import build_and_publish
 from fabric_pipelines.lib.index.staleness import latest_receipt
-from fabric_pipelines.lib.settings import FabricPaths
 from fabric_pipelines.lib.store.db import create_schema, make_engine
-from fabric_pipelines.lib.store.scratch import scratch_database
+from fabric_testing import fault_drill as faults
+from fabric_testing.scratch_db import scratch_database
 
 LEASE_S = 2.0
 HEARTBEAT_S = 0.5

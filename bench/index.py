@@ -2,7 +2,7 @@
 
 Data: a clustered float32 set (1,000 centres + noise), 1,000,000 x 384 rows, 10,000 queries
 drawn from it, k = 10, L2. The same host arrays feed every side.
-  - GPU: metrics.knn on CuPy (GEMM per tile + fused top-k kernel), timed with CUDA events after
+  - GPU: fabric_testing.gpu_topk.knn on CuPy (GEMM per tile + fused top-k kernel), timed with CUDA events after
     one warm-up; the GEMM floor is the same FLOPs at the matrix rate measured in this run on a
     product of the tile's shape (q_tile x 384 @ 384 x N, float32).
   - NumPy twin (float64, tiled, argpartition) and faiss-cpu (IndexFlatL2, float32) search a
@@ -31,6 +31,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fabric_pipelines.lib.index import metrics
+from fabric_testing import gpu_topk
 
 
 def clustered(rows: int, dim: int, seed: int = 0) -> np.ndarray:
@@ -139,9 +140,7 @@ def main() -> None:
         name = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
         d_base = cp.asarray(base)
         d_queries = cp.asarray(queries)
-        t_knn, (_, gpu_ids) = gpu_timed(
-            cp, lambda: metrics.knn(d_queries, d_base, args.k, "l2", cp)
-        )
+        t_knn, (_, gpu_ids) = gpu_timed(cp, lambda: gpu_topk.knn(d_queries, d_base, args.k, "l2"))
         gpu_ids = cp.asnumpy(gpu_ids)
         # The matrix rate: one product of the shape knn tiles with, timed alone.
         budget = 4 << 30

@@ -3,7 +3,7 @@ against one worker on one GPU, same data, same run.
 
 The product's path end to end below Dagster: a task set of token ids (lengths from the
 yardstick's `reference_lengths`) is ingested, planned and extracted by `extract_task_set` with
-worker processes (`python -m fabric_pipelines.lib.workers`), each owning one GPU through
+worker processes (`python -m fabric_pipelines.lib.worker.launch`), each owning one GPU through
 CUDA_VISIBLE_DEVICES, writing pooled embeddings to the database (SQLite here) with their acks.
 The model is the yardstick's `random_encoder` of the chosen size (random fp16 weights; saved with
 all-MiniLM's tokenizer: the same vocabulary), so each GPU has real work per token and the database is not the limit.
@@ -45,8 +45,8 @@ def run(
 
     from fabric_gpu.engines import input_layout
     from fabric_pipelines.lib.broker.plans import plan_task_set
-    from fabric_pipelines.lib.run_extraction import extract_task_set
-    from fabric_pipelines.lib.settings import FabricPaths
+    from fabric_pipelines.lib.core.settings import FabricPaths
+    from fabric_pipelines.lib.steps.run_extraction import extract_task_set
     from fabric_pipelines.lib.store.db import create_schema, make_engine
     from fabric_pipelines.lib.store.models import Batch, Embedding, TaskSet
     from fabric_pipelines.lib.tasks.catalog import ingest_task_set

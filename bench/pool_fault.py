@@ -72,9 +72,9 @@ def main() -> None:
     from fabric_gpu.manifest import HookSpec, manifest_for_model
     from fabric_gpu.model import DEFAULT_MODEL_ID, resolve_model_dir
     from fabric_gpu.profile import ConsumerProfile
-    from fabric_pipelines.lib.engine_pool import pool_states, stop_pool
-    from fabric_pipelines.lib.settings import FabricPaths, database_url
-    from fabric_pipelines.lib.warm_runner import stop_runners
+    from fabric_pipelines.cli.warm_client import stop_runners
+    from fabric_pipelines.lib.core.settings import FabricPaths, database_url
+    from fabric_pipelines.lib.worker.pool.client import pool_states, stop_pool
 
     n = args.tasks or (3000 if args.cpu else 300_000)
     reference = load_reference(args.reference)

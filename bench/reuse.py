@@ -1,4 +1,4 @@
-"""What reuse by content (fabric_pipelines/lib/reuse.py) saves and what it costs, end to end.
+"""What reuse by content (fabric_pipelines/lib/broker/reuse.py) saves and what it costs, end to end.
 
 In one fresh data root and database, four product runs (`fabric submit FILE --run`, each in its
 own process, submit to published index), all on the same engine:

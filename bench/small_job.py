@@ -73,7 +73,7 @@ def write_texts(path: Path, n: int) -> list[str]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from fabric_pipelines.lib.demo_corpus import stdlib_docstrings
+    from fabric_pipelines.cli.demo_corpus import stdlib_docstrings
 
     texts = [text for _, text in stdlib_docstrings(n)]
     if len(texts) < n:
@@ -158,7 +158,7 @@ def stored_vectors(
 
     from fabric_gpu.manifest import EngineManifest
     from fabric_pipelines.lib.broker.ledger import accounting
-    from fabric_pipelines.lib.settings import FabricPaths, database_url
+    from fabric_pipelines.lib.core.settings import FabricPaths, database_url
     from fabric_pipelines.lib.store.db import make_engine
     from fabric_pipelines.lib.store.models import Embedding, Task, TaskSet
 
@@ -252,8 +252,8 @@ def main() -> None:
     manifest_file = work / "engine.json"
     write_manifest(manifest_file, model_dir, gpu)
     root = work / f"fabric-{int(time.time())}"
-    from fabric_pipelines.lib.engine_pool import pool_states, stop_pool
-    from fabric_pipelines.lib.warm_runner import runner_states, stop_runners
+    from fabric_pipelines.cli.warm_client import runner_states, stop_runners
+    from fabric_pipelines.lib.worker.pool.client import pool_states, stop_pool
 
     try:
         cold = run_fabric(root, texts_file, manifest_file, TASK_SET)

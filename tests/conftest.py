@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from sqlalchemy import Engine
 
     from fabric_gpu.manifest import EngineManifest
-    from fabric_pipelines.lib.settings import FabricPaths
+    from fabric_pipelines.lib.core.settings import FabricPaths
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -39,7 +39,7 @@ IN_CI = os.environ.get("CI", "").lower() == "true"
 
 @pytest.fixture
 def paths(tmp_path: Path) -> FabricPaths:
-    from fabric_pipelines.lib.settings import FabricPaths
+    from fabric_pipelines.lib.core.settings import FabricPaths
 
     return FabricPaths(tmp_path / "fabric").ensure()
 
@@ -59,7 +59,7 @@ def postgres_server_url() -> Iterator[str]:
         pytest.skip(f"PostgreSQL not reachable at {POSTGRES_ADMIN_URL}: {exc}")
     finally:
         admin.dispose()
-    from fabric_pipelines.lib.store.scratch import scratch_database
+    from fabric_testing.scratch_db import scratch_database
 
     with scratch_database(POSTGRES_ADMIN_URL, "fabric_test") as url:
         yield url
@@ -92,7 +92,7 @@ def pgvector_server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[st
 def own_postgres_database(postgres_server_url: str) -> Iterator[str]:
     """URL of a database of its own, for a test whose tenant (e.g. Dagster's instance storage)
     keeps its own Alembic history and must not meet the product's tables."""
-    from fabric_pipelines.lib.store.scratch import scratch_database
+    from fabric_testing.scratch_db import scratch_database
 
     with scratch_database(POSTGRES_ADMIN_URL, "fabric_own") as url:
         yield url
@@ -102,7 +102,7 @@ def own_postgres_database(postgres_server_url: str) -> Iterator[str]:
 def db_url(request: pytest.FixtureRequest, paths: FabricPaths) -> Iterator[str]:
     """Each test using this runs twice: on a fresh SQLite file and on a fresh PostgreSQL schema."""
     from fabric_pipelines.lib.store.db import make_engine
-    from fabric_pipelines.lib.store.scratch import empty_public_schema
+    from fabric_testing.scratch_db import empty_public_schema
 
     if request.param == "sqlite":
         yield f"sqlite:///{paths.sqlite_path}"

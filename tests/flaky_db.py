@@ -1,5 +1,5 @@
 """A real database engine that fails on purpose: transient (or other) errors injected where the
-code opens a transaction or a connection, to show each call site rides them out (lib/retry.py)."""
+code opens a transaction or a connection, to show each call site rides them out (lib/core/retry.py)."""
 
 from __future__ import annotations
 

@@ -15,8 +15,7 @@ from fabric_pipelines.lib.broker.ledger import (
     stale_reason,
 )
 from fabric_pipelines.lib.store.keys import model_id
-from fabric_pipelines.lib.store.models import BatchPlan as BatchPlanRow
-from fabric_pipelines.lib.store.models import TaskSet
+from fabric_pipelines.lib.store.models import BatchPlanRow, TaskSet
 
 
 def claim(

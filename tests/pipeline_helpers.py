@@ -14,14 +14,14 @@ from fabric_gpu.engines import Engine as ExtractionEngine
 from fabric_gpu.engines import input_layout
 from fabric_gpu.manifest import EngineManifest
 from fabric_pipelines.lib.broker.plans import load_plan_order, plan_task_set
-from fabric_pipelines.lib.extraction import ExtractionJob, ExtractionReport, run_worker
-from fabric_pipelines.lib.run_extraction import finish_task_set
-from fabric_pipelines.lib.settings import FabricPaths
+from fabric_pipelines.lib.core.settings import FabricPaths
+from fabric_pipelines.lib.steps.run_extraction import finish_task_set
 from fabric_pipelines.lib.store.models import Embedding, Model, Task, TaskSet
+from fabric_pipelines.lib.tasks.arrow_files import read_table
 from fabric_pipelines.lib.tasks.catalog import IngestSummary, ingest_task_set
 from fabric_pipelines.lib.tasks.inbox import submit
-from fabric_pipelines.lib.tasks.store import read_table
 from fabric_pipelines.lib.tasks.windows import LongInputs
+from fabric_pipelines.lib.worker.loop import ExtractionJob, ExtractionReport, run_worker
 
 REPO = Path(__file__).resolve().parents[1]
 

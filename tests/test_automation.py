@@ -11,13 +11,14 @@ import pytest
 
 from fabric_pipelines.definitions import defs
 from fabric_pipelines.defs.extraction import inbox_sensor
+from fabric_pipelines.defs.gpu_pool import GPU_POOL, gpu_slots, sync_gpu_pool
 from fabric_pipelines.defs.operations import run_failure_alerts
 from fabric_pipelines.defs.resources import ArtifactStore, Database
 from fabric_pipelines.defs.schedules import index_refresh, weekly_verify
 from fabric_pipelines.defs.verify import verify_job
-from fabric_pipelines.lib.alerts import read_run_failures
-from fabric_pipelines.lib.gpu_pool import GPU_POOL, gpu_slots, sync_gpu_pool, visible_gpus
-from fabric_pipelines.lib.settings import FabricPaths
+from fabric_pipelines.lib.core.alerts import read_run_failures
+from fabric_pipelines.lib.core.settings import FabricPaths
+from fabric_pipelines.lib.worker.devices import visible_gpus
 
 
 def test_every_sensor_and_schedule_starts_running() -> None:

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fabric_pipelines.lib.charts import bar, bar_table, length_histogram, power_of_two_bins
-from fabric_pipelines.lib.plots import BAR_COLOUR, MARGIN, ROW, TRACK_COLOUR, bar_chart_png
+from fabric_pipelines.lib.core.charts import bar, bar_table, length_histogram, power_of_two_bins
+from fabric_pipelines.lib.core.plots import BAR_COLOUR, MARGIN, ROW, TRACK_COLOUR, bar_chart_png
 
 
 def test_bars_scale_to_the_largest_value_in_eighths() -> None:
@@ -60,7 +60,7 @@ def _filled(image: Image.Image) -> list[float]:
 
 
 def test_recall_plots_are_drawn_on_a_zero_to_one_scale_beside_their_numbers() -> None:
-    from fabric_pipelines.lib.index.publish import recall_curve_chart
+    from fabric_pipelines.lib.index.report import recall_curve_chart
 
     chart = recall_curve_chart(
         {

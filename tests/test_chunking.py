@@ -23,13 +23,13 @@ from fabric_gpu.engines import create_engine
 from fabric_gpu.manifest import EngineManifest, HookSpec, manifest_for_model
 from fabric_gpu.model import DEFAULT_MODEL_ID, load_tokenizer, resolve_model_dir
 from fabric_pipelines.lib.broker.ledger import accounting
-from fabric_pipelines.lib.documents import combine_documents, recombine_documents
-from fabric_pipelines.lib.settings import FabricPaths
+from fabric_pipelines.lib.core.settings import FabricPaths
+from fabric_pipelines.lib.maintenance.verify import verify
+from fabric_pipelines.lib.results.documents import combine_documents, recombine_documents
 from fabric_pipelines.lib.store.keys import model_id
 from fabric_pipelines.lib.store.models import WINDOW_BASE, DocumentWindow, Embedding, TaskSet
 from fabric_pipelines.lib.tasks.ingest import ingest
 from fabric_pipelines.lib.tasks.windows import LongInputs, split, window_starts
-from fabric_pipelines.lib.verify import verify
 from tests.conftest import TEST_PROFILE
 from tests.pipeline_helpers import run_stages, stored_embeddings
 
@@ -379,7 +379,7 @@ def test_a_lost_chunked_task_file_is_rebuilt_to_the_same_bytes_with_the_sets_own
 ) -> None:
     """The set records how it took its long records (chunk:8 here): a lost stored file is cut
     into the same windows again, whatever the run asking now would choose."""
-    from fabric_pipelines.lib.files import sha256_file
+    from fabric_pipelines.lib.core.files import sha256_file
     from fabric_pipelines.lib.tasks.catalog import IngestSummary, get_task_set, ingest_task_set
     from fabric_pipelines.lib.tasks.inbox import submit
 
@@ -404,7 +404,7 @@ def test_export_with_windows_adds_each_window_beside_its_document(
 ) -> None:
     import pyarrow.parquet as pq
 
-    from fabric_pipelines.lib.export import export_task_set
+    from fabric_pipelines.lib.results.export import export_task_set
     from fabric_pipelines.lib.tasks.catalog import attach_task_ids, write_task_ids
     from tests.ledger_helpers import store_set
 

@@ -17,7 +17,7 @@ from fabric_gpu.engines import create_engine
 from fabric_gpu.manifest import EngineManifest, HookSpec, manifest_for_model
 from fabric_gpu.profile import ConsumerProfile
 from fabric_pipelines.lib.broker.ledger import accounting
-from fabric_pipelines.lib.settings import FabricPaths
+from fabric_pipelines.lib.core.settings import FabricPaths
 from fabric_pipelines.lib.store.db import create_schema, make_engine
 from fabric_pipelines.lib.tasks.windows import LongInputs
 from tests.gpu_marks import TORCH_GPU

@@ -13,9 +13,9 @@ import pyarrow.parquet as pq
 import pytest
 from sqlalchemy.exc import IntegrityError
 
-from fabric_pipelines.cli import _failure_text
-from fabric_pipelines.lib.demo_corpus import BAD_RECORDS, write_demo_set
-from fabric_pipelines.lib.files import CorruptFileError
+from fabric_pipelines.cli.demo_corpus import BAD_RECORDS, write_demo_set
+from fabric_pipelines.defs.failures import failure_text
+from fabric_pipelines.lib.core.files import CorruptFileError
 
 FABRIC = str(Path(sys.executable).parent / "fabric")
 
@@ -74,7 +74,7 @@ def test_status_failures_prints_each_reason_in_full(
     from sqlalchemy import insert
 
     from fabric_pipelines.cli import main
-    from fabric_pipelines.lib.settings import FabricPaths, database_url
+    from fabric_pipelines.lib.core.settings import FabricPaths, database_url
     from fabric_pipelines.lib.store.db import create_schema, make_engine
     from fabric_pipelines.lib.store.keys import set_id_of
     from fabric_pipelines.lib.store.models import TaskFailure, TaskSet
@@ -110,7 +110,8 @@ def test_status_failures_prints_each_reason_in_full(
 
 
 def test_engine_options_reach_the_engine_resource() -> None:
-    from fabric_pipelines.cli import _run_config, build_parser
+    from fabric_pipelines.cli.parser import build_parser
+    from fabric_pipelines.cli.pipeline import _run_config
     from fabric_pipelines.defs.resources import EngineConfig
     from fabric_pipelines.lib.tasks.windows import LongInputs
 
@@ -255,7 +256,7 @@ def checked() -> dg.MaterializeResult:
 def test_a_failed_run_reports_the_steps_own_error_and_remedy() -> None:
     def text(asset: dg.AssetsDefinition) -> str:
         result = dg.materialize([asset], raise_on_error=False)
-        return _failure_text(result, "extraction", "s")
+        return failure_text(result, "extraction", "s")
 
     assert text(reads_a_stored_file) == (
         "extraction failed in reads_a_stored_file: stored file /d/s.arrow is corrupt: sha256 aa "

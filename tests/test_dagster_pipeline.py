@@ -14,9 +14,9 @@ from sqlalchemy.orm import Session
 from fabric_pipelines.defs.extraction import extraction_outputs, shape_batches, tokenised_tasks
 from fabric_pipelines.defs.index import vector_index
 from fabric_pipelines.defs.resources import ArtifactStore, Database, EngineConfig
-from fabric_pipelines.lib.index.lineage import find_receipt, render, trace
+from fabric_pipelines.lib.core.settings import FabricPaths
+from fabric_pipelines.lib.index.lineage import find_receipt, render_lineage, trace
 from fabric_pipelines.lib.index.receipt import canonical_json, receipt_sha256
-from fabric_pipelines.lib.settings import FabricPaths
 from fabric_pipelines.lib.store.db import create_schema, make_engine
 from fabric_pipelines.lib.store.keys import model_id
 from fabric_pipelines.lib.store.models import Embedding, IndexReceipt
@@ -147,7 +147,7 @@ def test_materialize_the_chain_then_again(paths: FabricPaths, db_url: str, tmp_p
     assert plan.current and plan.states == {"completed": plan.batches}
     assert lineage.code["extraction_outputs"].startswith("extract-")
     assert lineage.model["weights_sha256"] == receipt["model"]["weights_sha256"]
-    assert f"plan {plan.plan_id[:16]} (current)" in render(lineage)
+    assert f"plan {plan.plan_id[:16]} (current)" in render_lineage(lineage)
     engine.dispose()
 
     # The same set again: nothing is extracted twice, no row is duplicated.

@@ -10,7 +10,7 @@ import dagster as dg
 from fabric_pipelines.definitions import defs
 from fabric_pipelines.defs.extraction import inbox_sensor
 from fabric_pipelines.defs.resources import ArtifactStore
-from fabric_pipelines.lib.settings import FabricPaths
+from fabric_pipelines.lib.core.settings import FabricPaths
 from tests.pipeline_helpers import validate_workspace
 
 # One group: the UI collapses each group of a graph of several, hiding a lone asset's name.
@@ -70,7 +70,7 @@ def test_inbox_sensor_registers_new_sets_once(tmp_path: Path) -> None:
 
 
 def test_a_refused_inbox_file_is_alerted_once_per_version(tmp_path: Path) -> None:
-    from fabric_pipelines.lib.alerts import rejections_file
+    from fabric_pipelines.lib.core.alerts import rejections_file
 
     store = ArtifactStore(root=str(tmp_path / "root"))
     inbox = store.paths().inbox

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fabric_pipelines.lib.device_lease import lease_devices
+from fabric_pipelines.lib.worker.devices import lease_devices
 
 
 def test_concurrent_leases_get_disjoint_devices(tmp_path: Path) -> None:
@@ -51,7 +51,7 @@ def test_a_dead_holder_gives_its_device_back(tmp_path: Path) -> None:
         [
             sys.executable, "-c",
             "import sys, pathlib\n"
-            "from fabric_pipelines.lib.device_lease import lease_devices\n"
+            "from fabric_pipelines.lib.worker.devices import lease_devices\n"
             f"with lease_devices(pathlib.Path({str(tmp_path)!r}), 1, 1) as d:\n"
             "    print(d, flush=True); sys.stdin.read()\n",
         ],

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from fabric_pipelines.lib.efficiency import extraction_efficiency
+from fabric_pipelines.lib.records.efficiency import extraction_efficiency
 
 
 def test_the_step_splits_into_before_engine_after_and_the_steps_own_work() -> None:

@@ -18,9 +18,9 @@ from fabric_gpu.engines import input_layout
 from fabric_gpu.manifest import HookSpec, manifest_for_model
 from fabric_gpu.profile import ConsumerProfile
 from fabric_pipelines.lib.broker.plans import plan_task_set
-from fabric_pipelines.lib.efficiency import latest_runs
-from fabric_pipelines.lib.extraction_step import WorkerOptions, run_extraction_step
-from fabric_pipelines.lib.settings import FabricPaths
+from fabric_pipelines.lib.core.settings import FabricPaths
+from fabric_pipelines.lib.records.efficiency import latest_runs
+from fabric_pipelines.lib.steps.extraction import WorkerOptions, run_extraction_step
 from fabric_pipelines.lib.store.db import create_schema, make_engine
 from fabric_pipelines.lib.tasks.catalog import ingest_task_set
 from fabric_pipelines.lib.tasks.inbox import submit

@@ -13,8 +13,8 @@ from sqlalchemy import Engine, select
 import fabric_gpu
 from fabric_gpu.encoding import EncodeError, encode
 from fabric_gpu.manifest import EngineManifest
-from fabric_pipelines.lib.hidden_states import read_shard
-from fabric_pipelines.lib.settings import FabricPaths
+from fabric_pipelines.lib.core.settings import FabricPaths
+from fabric_pipelines.lib.results.hidden_states import read_shard
 from fabric_pipelines.lib.store.models import HiddenStateShard
 from tests.pipeline_helpers import run_stages, stored_embeddings
 

@@ -2,7 +2,7 @@
 loses nothing and is replaced; two runs at once share one slot safely; an idle worker exits; a
 bad job gets an error naming its field; `fabric workers start|status|stop`.
 
-The pool workers are real `python -m fabric_pipelines.lib.pool_worker` processes running
+The pool workers are real `python -m fabric_pipelines.lib.worker.pool.server` processes running
 the CPU engine on a tiny random BERT with the real tokenizer.
 """
 
@@ -26,21 +26,21 @@ from fabric_gpu.manifest import EngineManifest, HookSpec, manifest_for_model
 from fabric_gpu.profile import ConsumerProfile
 from fabric_pipelines.lib.broker.ledger import accounting
 from fabric_pipelines.lib.broker.plans import plan_task_set
-from fabric_pipelines.lib.engine_pool import (
+from fabric_pipelines.lib.core.settings import FabricPaths
+from fabric_pipelines.lib.steps.run_extraction import extract_task_set
+from fabric_pipelines.lib.store.db import create_schema, make_engine
+from fabric_pipelines.lib.tasks.catalog import ingest_task_set
+from fabric_pipelines.lib.tasks.inbox import submit
+from fabric_pipelines.lib.worker.pool.client import (
     idle_seconds_setting,
     manifest_sha256,
-    pid_alive,
     pool_states,
-    socket_address,
+    slot_address,
     start_pool_worker,
     stop_pool,
     wait_until_serving,
 )
-from fabric_pipelines.lib.run_extraction import extract_task_set
-from fabric_pipelines.lib.settings import FabricPaths
-from fabric_pipelines.lib.store.db import create_schema, make_engine
-from fabric_pipelines.lib.tasks.catalog import ingest_task_set
-from fabric_pipelines.lib.tasks.inbox import submit
+from fabric_pipelines.lib.worker.procs import pid_alive
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -198,13 +198,13 @@ def test_a_run_started_before_its_plan_hands_the_pool_its_job_with_a_go(
 ) -> None:
     """`fabric submit --run`'s path: the job goes to the pool (whose worker loads meanwhile)
     before ingest; the extraction step lets it go; a pool that is not taken gives the job up."""
-    from fabric_pipelines.lib.warm_workers import warm_workers
+    from fabric_pipelines.lib.worker.prestart import prestart_workers
 
     db, url = sqlite_db
     manifest = _manifest(tiny_model_dir)
 
     def warm(name: str):  # type: ignore[no-untyped-def]
-        return warm_workers(
+        return prestart_workers(
             paths, name, manifest, database_url=url, count=1, visible_gpus=0,
             lease_seconds=30, pool_idle_seconds=60,
         )  # fmt: skip
@@ -243,7 +243,7 @@ def test_a_bad_job_gets_an_error_naming_its_field_and_the_worker_serves_on(
     process = _worker(paths, _manifest(tiny_model_dir), idle=60)
     for job, field in (({"task_set": 5}, "task_set"), ("not an object", "job")):
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-            conn.connect(socket_address(paths.root, "cpu0"))
+            conn.connect(slot_address(paths.root, "cpu0"))
             conn.settimeout(10)
             reader = conn.makefile("rb")
             assert "hello" in json.loads(reader.readline())
@@ -264,7 +264,7 @@ def test_a_run_knocking_right_after_a_status_probe_is_served_not_told_busy(
         probe = wait_until_serving(paths.root, "cpu0", process, 10)
         assert probe is not None and probe["busy"] == ""
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-            conn.connect(socket_address(paths.root, "cpu0"))
+            conn.connect(slot_address(paths.root, "cpu0"))
             conn.settimeout(10)
             hello = json.loads(conn.makefile("rb").readline())["hello"]
         assert hello["busy"] == "", hello
@@ -336,7 +336,12 @@ def test_the_dagster_sensor_shows_the_pool_state(paths: FabricPaths) -> None:
     (paths.root / "pool").mkdir()
     # A process whose command line names the pool module stands in for a pool worker.
     stand_in = subprocess.Popen(
-        [sys.executable, "-c", "import time; time.sleep(120)", "fabric_pipelines.lib.pool_worker"]
+        [
+            sys.executable,
+            "-c",
+            "import time; time.sleep(120)",
+            "fabric_pipelines.lib.worker.pool.server",
+        ]
     )
     state = {
         "slot": "gpu0", "pid": stand_in.pid, "manifest_sha256": "ab" * 32,
@@ -377,7 +382,7 @@ def test_a_busy_worker_says_so_at_once_however_many_runs_knock(
 ) -> None:
     """A worker holding a job (waiting for its go) answers every other connection with a busy
     hello straight away: twenty runs knocking neither wait nor fill the listen backlog."""
-    from fabric_pipelines.lib.engine_pool import PoolJob
+    from fabric_pipelines.lib.worker.pool.client import PoolJob
 
     _, url = sqlite_db
     manifest = _manifest(tiny_model_dir)
@@ -415,14 +420,14 @@ def test_a_worker_whose_run_goes_away_mid_job_stops_and_nothing_is_lost(
 ) -> None:
     """The run is cancelled while its pool worker extracts: the worker ends (it never goes on
     for a run that is gone), and the set's next run completes it exactly once."""
-    from fabric_pipelines.lib.pool_run import open_pool_run
-    from fabric_pipelines.lib.workers import worker_settings
+    from fabric_pipelines.lib.worker.launch import launch_settings
+    from fabric_pipelines.lib.worker.pool.run import open_pool_run
 
     db, url = sqlite_db
     manifest = _manifest(tiny_model_dir, batch_tokens=64)
     n = 1500
     _ingest_and_plan(db, paths, manifest, "cancelled", n)
-    settings = worker_settings(paths, "cancelled", manifest, url, lease_seconds=4)
+    settings = launch_settings(paths, "cancelled", manifest, url, lease_seconds=4)
     run = open_pool_run(settings, manifest, 1, None, idle_seconds=60)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

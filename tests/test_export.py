@@ -12,10 +12,10 @@ import pytest
 from sqlalchemy import Engine
 
 from fabric_gpu.manifest import EngineManifest
-from fabric_pipelines.lib import export
-from fabric_pipelines.lib.export import ExportError, export_task_set
-from fabric_pipelines.lib.files import sha256_file
-from fabric_pipelines.lib.settings import FabricPaths
+from fabric_pipelines.lib.core.files import sha256_file
+from fabric_pipelines.lib.core.settings import FabricPaths
+from fabric_pipelines.lib.results import export
+from fabric_pipelines.lib.results.export import ExportError, export_task_set
 from tests.pipeline_helpers import run_stages, stored_embeddings
 
 

@@ -15,18 +15,18 @@ from transformers import AutoModel
 from fabric_gpu.engines.base import gather_padded
 from fabric_gpu.manifest import EngineManifest
 from fabric_gpu.model import resolve_model_dir
-from fabric_pipelines.lib import extraction
 from fabric_pipelines.lib.broker.ledger import accounting
 from fabric_pipelines.lib.broker.plans import load_plan_order, plan_task_set
-from fabric_pipelines.lib.extraction import ExtractionJob, LeaseHeartbeat, run_worker
-from fabric_pipelines.lib.files import CorruptFileError
-from fabric_pipelines.lib.hidden_states import read_shard
-from fabric_pipelines.lib.settings import FabricPaths
+from fabric_pipelines.lib.core.files import CorruptFileError
+from fabric_pipelines.lib.core.settings import FabricPaths
+from fabric_pipelines.lib.results.hidden_states import read_shard
 from fabric_pipelines.lib.store.keys import set_id_of
 from fabric_pipelines.lib.store.models import Batch, HiddenStateShard
+from fabric_pipelines.lib.tasks.arrow_files import read_table
 from fabric_pipelines.lib.tasks.catalog import ingest_task_set
 from fabric_pipelines.lib.tasks.inbox import submit
-from fabric_pipelines.lib.tasks.store import read_table
+from fabric_pipelines.lib.worker import loop as extraction
+from fabric_pipelines.lib.worker.loop import ExtractionJob, LeaseHeartbeat, run_worker
 from tests.flaky_db import FlakyDatabase, lost_connection, undefined_table
 from tests.ledger_helpers import claim
 from tests.pipeline_helpers import embedding_counts, run_stages, stored_embeddings
@@ -164,7 +164,7 @@ def cpu_engine_tokens(text: str) -> list[int]:
 
 
 def test_a_corrupted_shard_is_detected_naming_the_file(tmp_path: Path) -> None:
-    from fabric_pipelines.lib.hidden_states import write_shard
+    from fabric_pipelines.lib.results.hidden_states import write_shard
 
     shard = write_shard(
         tmp_path, ["a", "b"], np.array([2, 1]), {-1: np.ones((3, 4), np.float16)}, hidden_size=4
@@ -328,7 +328,7 @@ def test_by_default_no_hook_layers_no_shard_files_and_the_set_completes(
     db: Engine, db_url: str, paths: FabricPaths, tmp_path: Path
 ) -> None:
     from fabric_pipelines.defs.resources import EngineConfig
-    from fabric_pipelines.lib.run_extraction import extract_task_set
+    from fabric_pipelines.lib.steps.run_extraction import extract_task_set
 
     manifest = EngineConfig(max_batch_tokens=4096, max_batch_items=64, max_seq_len=128).manifest()
     assert manifest.hooks.layers == ()

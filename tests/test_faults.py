@@ -1,6 +1,6 @@
-"""Short runs with faults at random points (RELIABILITY.md items 1-7, 10-12), on both databases.
+"""Short runs with faults at random points (the faults of docs/guarantees.md), on both databases.
 
-The runs hit are real ones (lib/faults.py's run process: plan, then `extract_task_set` with two
+The runs hit are real ones (fabric_testing/fault_drill.py's run process: plan, then `extract_task_set` with two
 worker processes running the CPU engine on a small random BERT), over a few hundred token-id tasks
 in batches of two, so a run has hundreds of batches to be hit in the middle of. The recovery run
 after a fault runs in the test's process (`extract_task_set` with workers=0: no start-up to wait
@@ -28,16 +28,16 @@ import numpy as np
 import pytest
 from sqlalchemy import Engine, select
 
-from fabric_pipelines.lib import faults
 from fabric_pipelines.lib.broker.ledger import accounting
-from fabric_pipelines.lib.files import CorruptFileError
-from fabric_pipelines.lib.settings import FabricPaths
+from fabric_pipelines.lib.core.files import CorruptFileError
+from fabric_pipelines.lib.core.settings import FabricPaths
 from fabric_pipelines.lib.store.db import create_schema, make_engine
 from fabric_pipelines.lib.store.models import Batch
-from fabric_pipelines.lib.store.scratch import empty_public_schema
 from fabric_pipelines.lib.tasks.catalog import ImmutableTaskSetError, get_task_set, ingest_task_set
 from fabric_pipelines.lib.tasks.inbox import set_aside_path, submit
 from fabric_pipelines.lib.tasks.ingest import SubmissionError
+from fabric_testing import fault_drill as faults
+from fabric_testing.scratch_db import empty_public_schema
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -115,7 +115,7 @@ class Harness:
         (as `fabric run` does with workers=0; no worker start-up to wait for). Returns the plan
         and the extraction summaries."""
         from fabric_pipelines.lib.broker.plans import plan_task_set
-        from fabric_pipelines.lib.run_extraction import extract_task_set
+        from fabric_pipelines.lib.steps.run_extraction import extract_task_set
 
         plan = plan_task_set(self.db, self.paths, "set", self.manifest)
         summary = extract_task_set(
@@ -185,7 +185,7 @@ def test_killing_the_whole_run_leaves_no_worker_and_the_next_run_redoes_only_una
 
     plan, summary = h.run_again()
     outstanding = before.tasks - before.completed - before.failed
-    # Random token tasks repeat now and then: a repeat waits for its first copy (lib/reuse.py),
+    # Random token tasks repeat now and then: a repeat waits for its first copy (lib/broker/reuse.py),
     # and one whose first copy was stored before the kill is copied when the rerun plans.
     assert plan.outstanding + plan.deferred + plan.reused == outstanding, (
         f"only unacknowledged work runs again {seeded}"

@@ -12,7 +12,7 @@ import faiss
 import numpy as np
 import pytest
 
-from fabric_pipelines.lib.files import (
+from fabric_pipelines.lib.core.files import (
     CorruptFileError,
     HashingWriter,
     copy_file,
@@ -24,9 +24,9 @@ from fabric_pipelines.lib.files import (
     write_content_addressed,
     write_file,
 )
-from fabric_pipelines.lib.hidden_states import read_shard, write_shard
 from fabric_pipelines.lib.index.build import index_sha256, serialize
 from fabric_pipelines.lib.index.publish import store_index
+from fabric_pipelines.lib.results.hidden_states import read_shard, write_shard
 
 CALLS_PER_THREAD = 150
 HIDDEN = 8

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from fabric_pipelines.lib.names import PATTERN, InvalidNameError, validate_task_set_name
-from fabric_pipelines.lib.settings import FabricPaths, redact_url
+from fabric_pipelines.lib.core.names import PATTERN, InvalidNameError, validate_task_set_name
+from fabric_pipelines.lib.core.settings import FabricPaths, redact_url
 from fabric_pipelines.lib.tasks.inbox import (
     record_first_seen,
     scan,
@@ -112,7 +112,7 @@ def test_a_dropped_file_is_recorded_once_when_first_seen(paths: FabricPaths) -> 
 def test_a_scan_hashes_only_files_that_changed_since_the_last(
     paths: FabricPaths, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from fabric_pipelines.lib.files import sha256_file
+    from fabric_pipelines.lib.core.files import sha256_file
     from fabric_pipelines.lib.tasks import inbox
 
     hashed: list[str] = []

@@ -12,7 +12,8 @@ import pytest
 import torch
 from sqlalchemy import Engine, insert
 
-from fabric_pipelines.lib.files import sha256_file
+from fabric_pipelines.lib.core.files import sha256_file
+from fabric_pipelines.lib.core.settings import FabricPaths
 from fabric_pipelines.lib.index import kmeans, quality, torch_search
 from fabric_pipelines.lib.index.build import (
     IndexSpec,
@@ -22,11 +23,12 @@ from fabric_pipelines.lib.index.build import (
     serialize,
     set_nprobe,
 )
+from fabric_pipelines.lib.index.list_recall import ListRecall
+from fabric_pipelines.lib.index.probe import RecallProbe
 from fabric_pipelines.lib.index.publish import build_and_publish
-from fabric_pipelines.lib.index.recall import RecallProbe, doublings, recall_at_k
+from fabric_pipelines.lib.index.recall import doublings, recall_at_k
 from fabric_pipelines.lib.index.receipt import canonical_json, receipt_sha256
 from fabric_pipelines.lib.index.vectors import BadVectorsError, check_vectors
-from fabric_pipelines.lib.settings import FabricPaths
 from fabric_pipelines.lib.store.keys import model_id
 from fabric_pipelines.lib.store.models import Embedding
 
@@ -203,7 +205,7 @@ def test_the_lists_curve_equals_searching_the_index(metric: str) -> None:
     built = build_index(x, ids, spec)
     probe = RecallProbe.of_vectors(x, ids, spec, max_k=100)
     steps = doublings(1, 64)
-    worked_out = probe.lists_curve(built.index, steps, 10)
+    worked_out = ListRecall(probe, built.index).curve(steps, 10)
     searched = {}
     for nprobe in steps:
         set_nprobe(built.index, nprobe)

@@ -15,12 +15,12 @@ import pytest
 import torch
 from sqlalchemy import Engine, insert
 
+from fabric_pipelines.lib.core.settings import FabricPaths
 from fabric_pipelines.lib.index import build, torch_search
 from fabric_pipelines.lib.index.build import IndexSpec, build_index, serialize
 from fabric_pipelines.lib.index.publish import build_and_publish
 from fabric_pipelines.lib.index.rebuild import check_files, rebuild_from_receipt
 from fabric_pipelines.lib.index.recall import recall_at_k
-from fabric_pipelines.lib.settings import FabricPaths
 from fabric_pipelines.lib.store.db import create_schema, make_engine
 from fabric_pipelines.lib.store.keys import model_id
 from fabric_pipelines.lib.store.models import Embedding

@@ -17,6 +17,7 @@ from sqlalchemy import Engine, delete, func, insert, select, update
 
 from fabric_pipelines.defs.index import index_staleness_sensor
 from fabric_pipelines.defs.resources import ArtifactStore, Database
+from fabric_pipelines.lib.core.settings import FabricPaths
 from fabric_pipelines.lib.index import publish
 from fabric_pipelines.lib.index.build import (
     IndexSpec,
@@ -26,10 +27,10 @@ from fabric_pipelines.lib.index.build import (
     serialize,
     tolerance,
 )
+from fabric_pipelines.lib.index.paths import model_index_folder
 from fabric_pipelines.lib.index.publish import (
     PublishedIndex,
     build_and_publish,
-    model_folder,
     split_shards,
     unchanged_index,
 )
@@ -39,8 +40,7 @@ from fabric_pipelines.lib.index.receipt import ReceiptError
 from fabric_pipelines.lib.index.shards import shard_of
 from fabric_pipelines.lib.index.staleness import staleness
 from fabric_pipelines.lib.index.vectors import ID_STRIDE, load_vectors
-from fabric_pipelines.lib.result_writer import BatchRows, insert_rows
-from fabric_pipelines.lib.settings import FabricPaths
+from fabric_pipelines.lib.results.writer import BatchRows, insert_rows
 from fabric_pipelines.lib.store.keys import model_id
 from fabric_pipelines.lib.store.models import Embedding, IndexReceipt
 
@@ -119,7 +119,7 @@ def test_rebuild_from_receipt_is_bitwise_and_repairs_lost_files(
     assert len(receipt["shards"]) == SHARDS and sum(s["rows"] for s in receipt["shards"]) == 3000
     assert check_files(receipt, paths.indexes) == []
 
-    folder = model_folder(paths.indexes, "m")
+    folder = model_index_folder(paths.indexes, "m")
     (folder / receipt["index_file"]).unlink()  # the served index, lost
     shard_file = folder / receipt["shards"][5]["index_file"]
     shard_file.write_bytes(shard_file.read_bytes()[:-7] + b"garbage")  # a shard, corrupted
@@ -176,7 +176,7 @@ def test_a_torch_build_rebuilds_bitwise_and_partly(db: Engine, paths: FabricPath
     assert first.receipt["training"]["iterations"] == 10
     report = rebuild_from_receipt(db, first.receipt, paths.indexes)
     assert report.matches and report.detail == "bitwise identical"
-    (model_folder(paths.indexes, "m") / first.receipt["shards"][6]["index_file"]).unlink()
+    (model_index_folder(paths.indexes, "m") / first.receipt["shards"][6]["index_file"]).unlink()
     second = _publish(db, paths, spec=spec, previous=first.receipt)
     assert second.rebuilt_shards == [6]
     assert second.receipt["index_sha256"] == first.receipt["index_sha256"]
@@ -231,7 +231,7 @@ def test_only_the_changed_shard_is_rebuilt_and_search_equals_a_full_rebuild(
         assert staleness(conn, "m", paths.indexes).stale_shards == []  # type: ignore[union-attr]
 
     # A full rebuild from the same quantizer over today's rows: same bytes, same answers.
-    folder = model_folder(paths.indexes, "m")
+    folder = model_index_folder(paths.indexes, "m")
     quantizer = deserialize((folder / first.receipt["training"]["quantizer_file"]).read_bytes())
     with db.connect() as conn:
         source = load_vectors(conn, "m")
@@ -266,7 +266,7 @@ def test_shards_filled_beside_the_served_index_make_the_files_of_a_serial_build(
     monkeypatch.setattr(publish, "add_rows", delayed(publish.add_rows))
     monkeypatch.setattr(publish, "fill_assigned", delayed(publish.fill_assigned))
     published = _publish(db, paths)
-    folder = model_folder(paths.indexes, "m")
+    folder = model_index_folder(paths.indexes, "m")
     quantizer = deserialize((folder / published.receipt["training"]["quantizer_file"]).read_bytes())
     with db.connect() as conn:
         source = load_vectors(conn, "m")
@@ -302,7 +302,7 @@ def test_after_an_in_place_update_the_receipt_rebuilds_from_its_stored_quantizer
 def test_a_missing_shard_file_is_rebuilt_on_the_next_build(db: Engine, paths: FabricPaths) -> None:
     _seed_rows(db)
     first = _publish(db, paths)
-    (model_folder(paths.indexes, "m") / first.receipt["shards"][2]["index_file"]).unlink()
+    (model_index_folder(paths.indexes, "m") / first.receipt["shards"][2]["index_file"]).unlink()
     second = _publish(db, paths, previous=first.receipt)
     assert second.rebuilt_shards == [2]
     assert second.receipt["index_sha256"] == first.receipt["index_sha256"]
@@ -334,7 +334,7 @@ def test_nprobe_is_raised_until_recall_meets_the_target(db: Engine, paths: Fabri
     assert published.recall_at_k == tried[chosen]
     served = faiss.extract_index_ivf(deserialize(published.index_path.read_bytes()))
     assert served.nprobe == chosen
-    folder = model_folder(paths.indexes, "m")
+    folder = model_index_folder(paths.indexes, "m")
     for entry in published.receipt["shards"]:  # shards keep what was asked, whatever was chosen
         shard = deserialize((folder / entry["index_file"]).read_bytes())
         assert faiss.extract_index_ivf(shard).nprobe == 1

@@ -127,7 +127,7 @@ def test_gpu_knn_equals_the_numpy_twin(metric: str, k: int) -> None:
 @gpu
 def test_gpu_topk_handles_short_rows_ties_and_nan() -> None:
     cp = _cupy()
-    from fabric_pipelines.lib.index.gpu_topk import topk_of_products
+    from fabric_testing.gpu_topk import topk_of_products
 
     dots = cp.asarray([[3.0, 1.0, 2.0, cp.nan, 2.0]], dtype=cp.float32)
     d, i = topk_of_products(dots, cp.zeros(5, dtype=cp.float32), 1.0, 6, col_offset=100)
@@ -138,7 +138,7 @@ def test_gpu_topk_handles_short_rows_ties_and_nan() -> None:
 @gpu
 def test_gpu_tiles_merge_like_one_tile() -> None:
     cp = _cupy()
-    from fabric_pipelines.lib.index import gpu_topk
+    from fabric_testing import gpu_topk
 
     x = cp.asarray(metrics.prepare(_data(9000), "l2", np, np.float32))
     whole = gpu_topk.knn(x[:300], x, 10, "l2")

@@ -10,12 +10,8 @@ import pytest
 from fabric_pipelines.lib.index import quality
 from fabric_pipelines.lib.index.build import IndexSpec, build_index, prepare_rows, set_nprobe
 from fabric_pipelines.lib.index.list_recall import ListRecall
-from fabric_pipelines.lib.index.recall import (
-    NprobeChoice,
-    RecallProbe,
-    choose_nprobe,
-    doublings,
-)
+from fabric_pipelines.lib.index.probe import RecallProbe
+from fabric_pipelines.lib.index.recall import NprobeChoice, choose_nprobe, doublings
 from fabric_pipelines.lib.index.vectors import check_vectors
 
 

@@ -23,7 +23,7 @@ from fabric_pipelines.lib.store.db import make_engine
 from fabric_pipelines.lib.store.keys import model_id
 from fabric_pipelines.lib.store.models import Embedding, TaskSet
 from fabric_pipelines.lib.store.schema import stores_pgvector, upgrade
-from fabric_pipelines.lib.store.scratch import empty_public_schema
+from fabric_testing.scratch_db import empty_public_schema
 
 # The `db` fixture runs a test on both databases; these run it on one.
 SQLITE_ONLY = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)

@@ -16,11 +16,12 @@ from sqlalchemy.orm import Session
 
 from fabric_gpu.model import DEFAULT_MODEL_ID, load_tokenizer, resolve_model_dir
 from fabric_pipelines.lib.broker.ledger import accounting
-from fabric_pipelines.lib.files import sha256_file
-from fabric_pipelines.lib.settings import FabricPaths
+from fabric_pipelines.lib.core.files import sha256_file
+from fabric_pipelines.lib.core.settings import FabricPaths
 from fabric_pipelines.lib.store.keys import set_id_of
 from fabric_pipelines.lib.store.models import Task, TaskFailure, TaskSet
 from fabric_pipelines.lib.tasks import catalog
+from fabric_pipelines.lib.tasks.arrow_files import read_table
 from fabric_pipelines.lib.tasks.catalog import (
     ImmutableTaskSetError,
     IngestSummary,
@@ -38,7 +39,6 @@ from fabric_pipelines.lib.tasks.inbox import (
     submitted_sha256,
 )
 from fabric_pipelines.lib.tasks.ingest import SubmissionError, TokenisedTasks, ingest
-from fabric_pipelines.lib.tasks.store import read_table
 
 MAX = 16
 

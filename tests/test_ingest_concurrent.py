@@ -21,11 +21,12 @@ from sqlalchemy import Engine, func, select, text
 from sqlalchemy.orm import Session
 
 from fabric_gpu.model import DEFAULT_MODEL_ID, load_tokenizer, resolve_model_dir
-from fabric_pipelines.lib.files import sha256_file
-from fabric_pipelines.lib.settings import FabricPaths
+from fabric_pipelines.lib.core.files import sha256_file
+from fabric_pipelines.lib.core.settings import FabricPaths
 from fabric_pipelines.lib.store.keys import set_id_of
 from fabric_pipelines.lib.store.models import Task, TaskFailure, TaskSet
 from fabric_pipelines.lib.tasks import catalog, source_read
+from fabric_pipelines.lib.tasks.arrow_files import read_table, to_table
 from fabric_pipelines.lib.tasks.catalog import (
     IngestSummary,
     attach_task_ids,
@@ -34,7 +35,6 @@ from fabric_pipelines.lib.tasks.catalog import (
 )
 from fabric_pipelines.lib.tasks.inbox import submit
 from fabric_pipelines.lib.tasks.ingest import TokenisedTasks, ingest
-from fabric_pipelines.lib.tasks.store import read_table, to_table
 
 MAX = 16
 VOCAB = 30522

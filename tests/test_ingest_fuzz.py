@@ -20,7 +20,7 @@ from sqlalchemy import Engine, func, select
 from sqlalchemy.orm import Session
 
 from fabric_gpu.model import DEFAULT_MODEL_ID
-from fabric_pipelines.lib.settings import FabricPaths
+from fabric_pipelines.lib.core.settings import FabricPaths
 from fabric_pipelines.lib.store.keys import set_id_of
 from fabric_pipelines.lib.store.models import TaskFailure, TaskSet
 from fabric_pipelines.lib.tasks.catalog import ingest_task_set

@@ -27,7 +27,7 @@ from fabric_pipelines.lib.broker.ledger import (
     superseded_by,
 )
 from fabric_pipelines.lib.store.keys import model_id, set_id_of
-from fabric_pipelines.lib.store.models import Batch, BatchPlan, TaskFailure, TaskSet
+from fabric_pipelines.lib.store.models import Batch, BatchPlanRow, TaskFailure, TaskSet
 from tests.ledger_helpers import ack, claim
 
 PROFILE = ConsumerProfile(256, 8, 64, 8)
@@ -47,7 +47,7 @@ def _setup(db: Engine, n_items: int = 40, name: str = "set") -> tuple[str, int]:
             },
         )  # fmt: skip
         conn.execute(
-            insert(BatchPlan).values(
+            insert(BatchPlanRow).values(
                 task_set_id=set_id_of(name), model_id=model_id(conn, "m")
             ),
             {
@@ -241,7 +241,7 @@ def test_a_replanned_set_names_the_plan_that_superseded_the_old_one(db: Engine) 
     assert lease is not None
     with db.begin() as conn:
         conn.execute(
-            insert(BatchPlan).values(
+            insert(BatchPlanRow).values(
                 task_set_id=set_id_of("set"), model_id=model_id(conn, "m")
             ),
             {
@@ -270,7 +270,7 @@ def test_a_plan_registered_again_queues_the_batches_a_later_plan_superseded(db: 
     assert old_lease is not None
     with db.begin() as conn:  # another engine's plan for the same items supersedes plan-1
         conn.execute(
-            insert(BatchPlan).values(
+            insert(BatchPlanRow).values(
                 task_set_id=set_id_of("set"), model_id=model_id(conn, "m2")
             ),
             {

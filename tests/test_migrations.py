@@ -235,7 +235,7 @@ def test_0010_upgrades_a_filled_database_in_place_to_ids_under_foreign_keys(
 
     from fabric_pipelines.lib.store.models import (
         Batch,
-        BatchPlan,
+        BatchPlanRow,
         EngineSpeed,
         HiddenStateShard,
         IndexReceipt,
@@ -254,7 +254,7 @@ def test_0010_upgrades_a_filled_database_in_place_to_ids_under_foreign_keys(
         ]
         plans = [
             (p.plan_id, p.task_set_id, p.task_set, p.model_key)
-            for p in session.scalars(select(BatchPlan).order_by(BatchPlan.plan_id))
+            for p in session.scalars(select(BatchPlanRow).order_by(BatchPlanRow.plan_id))
         ]
         batches = [
             (b.plan_id, b.batch_no, b.task_set_id, b.state)
@@ -342,7 +342,7 @@ def test_watermarks_move_by_the_rows_changed_on_both_databases(db_url: str) -> N
     counts its old and new row): on PostgreSQL by statement triggers (0005), on SQLite by the
     writer and row triggers (0006). A row inserted by hand moves it on PostgreSQL only."""
     from fabric_pipelines.lib.index import shards
-    from fabric_pipelines.lib.result_writer import BatchRows, insert_rows
+    from fabric_pipelines.lib.results.writer import BatchRows, insert_rows
 
     engine = make_engine(db_url)
     upgrade(engine)
@@ -451,7 +451,7 @@ def test_0007_moves_earlier_sets_task_ids_into_one_partition_and_back(
     # Forgetting an earlier set deletes its rows from the shared partition, the others stay
     # (forgetting is today's code: the schema goes to head first).
     upgrade(engine)
-    from fabric_pipelines.lib.settings import FabricPaths
+    from fabric_pipelines.lib.core.settings import FabricPaths
     from fabric_pipelines.lib.tasks.catalog import forget_task_set
 
     with engine.begin() as conn:

@@ -20,8 +20,8 @@ from fabric_gpu.engines import create_engine
 from fabric_gpu.manifest import HookSpec, manifest_for_model
 from fabric_gpu.model import DEFAULT_MODEL_ID, MPNET_MODEL_ID, resolve_model_dir
 from fabric_gpu.profile import ConsumerProfile
-from fabric_pipelines.lib.demo_corpus import stdlib_docstrings
-from fabric_pipelines.lib.settings import FabricPaths
+from fabric_pipelines.cli.demo_corpus import stdlib_docstrings
+from fabric_pipelines.lib.core.settings import FabricPaths
 from fabric_pipelines.lib.store.db import create_schema, make_engine
 from tests.pipeline_helpers import run_stages, stored_embeddings
 from tests.test_chunking import _windows_by_hand
@@ -114,7 +114,7 @@ def check_encode_parity(
     from sentence_transformers import SentenceTransformer
 
     from fabric_pipelines.defs.resources import EngineConfig
-    from fabric_pipelines.lib.export import export_task_set
+    from fabric_pipelines.lib.results.export import export_task_set
 
     engine_config = EngineConfig(
         model_id=model_id, long_inputs=long_inputs, backend=backend, dtype=dtype

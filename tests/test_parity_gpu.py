@@ -16,7 +16,7 @@ import torch
 
 from fabric_gpu import probe_gpu
 from fabric_gpu.model import ModelNotFoundError, resolve_model_dir
-from fabric_pipelines.lib.settings import FabricPaths
+from fabric_pipelines.lib.core.settings import FabricPaths
 from tests.test_parity import LONG_INPUTS, MODELS, check_encode_parity
 
 STATUS = probe_gpu()

@@ -11,7 +11,7 @@ from sqlalchemy import Engine, text
 from fabric_pipelines.lib.index.vectors import load_vectors
 from fabric_pipelines.lib.store.db import make_engine
 from fabric_pipelines.lib.store.schema import current_revision, downgrade, stores_pgvector, upgrade
-from fabric_pipelines.lib.store.scratch import empty_public_schema
+from fabric_testing.scratch_db import empty_public_schema
 from tests.test_migrations import HEAD
 from tests.test_writer import ITEMS, _assert_exactly_once, _ledger, _write_all
 

@@ -19,20 +19,19 @@ from fabric_gpu import batching as planner
 from fabric_gpu.batching import plan_batches, prefix_keys
 from fabric_gpu.manifest import EngineManifest
 from fabric_pipelines.lib.broker.plans import load_plan_order, plan_task_set
-from fabric_pipelines.lib.files import CorruptFileError
-from fabric_pipelines.lib.settings import FabricPaths
-from fabric_pipelines.lib.store.models import Batch
-from fabric_pipelines.lib.store.models import BatchPlan as BatchPlanRow
-from fabric_pipelines.lib.tasks.catalog import get_task_set, ingest_task_set, task_lengths
-from fabric_pipelines.lib.tasks.inbox import submit
-from fabric_pipelines.lib.tasks.ingest import TokenisedTasks
-from fabric_pipelines.lib.tasks.store import (
+from fabric_pipelines.lib.core.files import CorruptFileError
+from fabric_pipelines.lib.core.settings import FabricPaths
+from fabric_pipelines.lib.store.models import Batch, BatchPlanRow
+from fabric_pipelines.lib.tasks.arrow_files import (
     checked_meanwhile,
     flat_tokens,
     read_table,
     to_table,
     write_table,
 )
+from fabric_pipelines.lib.tasks.catalog import get_task_set, ingest_task_set, task_lengths
+from fabric_pipelines.lib.tasks.inbox import submit
+from fabric_pipelines.lib.tasks.ingest import TokenisedTasks
 
 
 def _defined_keys(

@@ -14,8 +14,8 @@ from fabric_gpu.batching import plan_batches, prefix_keys
 from fabric_gpu.engines import input_layout
 from fabric_gpu.manifest import EngineManifest
 from fabric_gpu.model import load_tokenizer, resolve_model_dir
-from fabric_pipelines.lib.engine_speeds import record_speed
-from fabric_pipelines.lib.plan_preview import preview_plan, render
+from fabric_pipelines.lib.broker.preview import preview_plan, render_preview
+from fabric_pipelines.lib.records.engine_speeds import record_speed
 from fabric_pipelines.lib.store.db import create_schema
 from fabric_pipelines.lib.tasks.ingest import ingest
 
@@ -52,7 +52,7 @@ def test_the_preview_is_what_ingest_and_the_planner_make_and_predicts_only_from_
         int(plan.padded_tokens.sum()),
     )
     assert preview.prediction is None
-    assert "no measurement yet" in render(preview)
+    assert "no measurement yet" in render_preview(preview)
     assert json.loads(json.dumps(preview.to_mapping()))["predicted_seconds"] is None
 
     # A run records 1,000,000 padded tokens in 4 s: the prediction is this job's at that rate.
@@ -63,7 +63,7 @@ def test_the_preview_is_what_ingest_and_the_planner_make_and_predicts_only_from_
     measured = preview_plan(db, path, manifest, truncate=False)
     assert measured.prediction is not None
     assert measured.prediction.seconds == pytest.approx(preview.padded_tokens / 250_000)
-    text = render(measured)
+    text = render_preview(measured)
     assert "250,000 padded tokens/s" in text and "extraction of task set earlier" in text
     # Truncating long inputs changes the tasks, not the engine: still predicted.
     other = preview_plan(db, path, manifest, truncate=True)

@@ -17,12 +17,11 @@ from fabric_gpu.manifest import EngineManifest
 from fabric_gpu.profile import ConsumerProfile
 from fabric_pipelines.lib.broker.ledger import accounting, report_failure
 from fabric_pipelines.lib.broker.plans import current_plan, load_plan_order, plan_id, plan_task_set
-from fabric_pipelines.lib.settings import FabricPaths
-from fabric_pipelines.lib.store.models import Batch
-from fabric_pipelines.lib.store.models import BatchPlan as BatchPlanRow
+from fabric_pipelines.lib.core.settings import FabricPaths
+from fabric_pipelines.lib.store.models import Batch, BatchPlanRow
+from fabric_pipelines.lib.tasks.arrow_files import read_table
 from fabric_pipelines.lib.tasks.catalog import get_task_set, ingest_task_set
 from fabric_pipelines.lib.tasks.inbox import submit
-from fabric_pipelines.lib.tasks.store import read_table
 from tests.ledger_helpers import claim
 
 

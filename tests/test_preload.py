@@ -7,15 +7,16 @@ import subprocess
 import sys
 import threading
 
-from fabric_pipelines.lib.preload import pipeline_modules, preload
+from fabric_pipelines.cli.prepare import pipeline_modules
+from fabric_pipelines.lib.core.preload import preload
 
 
 def test_preload_imports_the_modules_on_a_thread() -> None:
-    sys.modules.pop("fabric_pipelines.lib.charts", None)
-    thread = preload(("fabric_pipelines.lib.charts",))
+    sys.modules.pop("fabric_pipelines.lib.core.charts", None)
+    thread = preload(("fabric_pipelines.lib.core.charts",))
     thread.join(timeout=60)
     assert not thread.is_alive()
-    assert "fabric_pipelines.lib.charts" in sys.modules
+    assert "fabric_pipelines.lib.core.charts" in sys.modules
 
 
 def test_a_module_that_cannot_load_stops_the_preload_quietly() -> None:
@@ -23,7 +24,7 @@ def test_a_module_that_cannot_load_stops_the_preload_quietly() -> None:
     previous = threading.excepthook
     threading.excepthook = lambda args: errors.append(args.exc_value)
     try:
-        thread = preload(("fabric_pipelines.no_such_module", "fabric_pipelines.lib.names"))
+        thread = preload(("fabric_pipelines.no_such_module", "fabric_pipelines.lib.core.names"))
         thread.join(timeout=60)
     finally:
         threading.excepthook = previous

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 
 from fabric_pipelines.lib.broker.ledger import Accounting
-from fabric_pipelines.lib.progress import TaskProgress, current_run_progress, run_progress, stage
+from fabric_pipelines.lib.steps.progress import (
+    TaskProgress,
+    current_run_progress,
+    run_progress,
+    stage,
+)
 
 
 def test_the_bar_counts_completed_and_failed_tasks(capsys: pytest.CaptureFixture[str]) -> None:

@@ -12,7 +12,7 @@ from sqlalchemy import Engine
 
 from fabric_gpu.encoding import encode
 from fabric_gpu.manifest import EngineManifest
-from fabric_pipelines.lib.settings import FabricPaths
+from fabric_pipelines.lib.core.settings import FabricPaths
 from fabric_pipelines.lib.tasks.catalog import ImmutableTaskSetError, get_task_set, ingest_task_set
 from fabric_pipelines.lib.tasks.prompts import (
     PromptError,

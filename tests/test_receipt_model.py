@@ -10,6 +10,7 @@ import json
 import pytest
 from sqlalchemy import Engine
 
+from fabric_pipelines.lib.core.settings import FabricPaths
 from fabric_pipelines.lib.index.rebuild import rebuild_from_receipt
 from fabric_pipelines.lib.index.receipt import (
     SHARD_RULE,
@@ -18,7 +19,6 @@ from fabric_pipelines.lib.index.receipt import (
     canonical_json,
     receipt_sha256,
 )
-from fabric_pipelines.lib.settings import FabricPaths
 from tests.test_index_lifecycle import SHARDS, _publish, _seed_rows
 
 

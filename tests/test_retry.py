@@ -7,7 +7,7 @@ import sqlite3
 import pytest
 from sqlalchemy import exc
 
-from fabric_pipelines.lib.retry import GaveUpRetrying, is_transient, retry
+from fabric_pipelines.lib.core.retry import GaveUpRetrying, is_transient, retry
 from tests.flaky_db import database_locked, lost_connection, undefined_table
 
 

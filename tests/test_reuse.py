@@ -1,4 +1,4 @@
-"""Results reused by content key (lib/reuse.py), on both databases: a second set that edits 10 %
+"""Results reused by content key (lib/broker/reuse.py), on both databases: a second set that edits 10 %
 of a first set's texts and adds 5 % sends only those to the engine (the engine's own count),
 the rest get the first set's rows byte for byte, duplicates inside a set run once, both sets
 balance and verify clean; with reuse off everything runs; a changed copy is named by verify."""
@@ -19,13 +19,13 @@ from fabric_gpu.model import DEFAULT_MODEL_ID
 from fabric_gpu.profile import ConsumerProfile
 from fabric_pipelines.lib.broker.ledger import accounting
 from fabric_pipelines.lib.broker.plans import plan_task_set
-from fabric_pipelines.lib.reuse import content_keys, reuse_enabled
-from fabric_pipelines.lib.run_extraction import extract_task_set
-from fabric_pipelines.lib.settings import FabricPaths
+from fabric_pipelines.lib.broker.reuse import content_keys, reuse_enabled
+from fabric_pipelines.lib.core.settings import FabricPaths
+from fabric_pipelines.lib.maintenance.verify import verify
+from fabric_pipelines.lib.steps.run_extraction import extract_task_set
 from fabric_pipelines.lib.store.models import ContentKey, Embedding, ReusedResult
 from fabric_pipelines.lib.tasks.catalog import forget_task_set, ingest_task_set
 from fabric_pipelines.lib.tasks.inbox import submit
-from fabric_pipelines.lib.verify import verify
 from tests.pipeline_helpers import stored_embeddings
 
 N_FIRST = 20_000
@@ -187,7 +187,7 @@ def test_reuse_off_computes_everything_and_a_changed_copy_is_named(
 
 
 def _fault_run(paths: FabricPaths, db_url: str, name: str, manifest_path: Path) -> Any:
-    from fabric_pipelines.lib import faults
+    from fabric_testing import fault_drill as faults
 
     settings = faults.RunSettings(name, manifest_path, 2, 2.0, 0.5)
     return faults.Run(paths, db_url, settings, paths.root / f"run-{name}.log")
@@ -201,8 +201,8 @@ def _submitted(db: Engine, paths: FabricPaths, manifest: EngineManifest, source:
 
 def _fault_manifest(paths: FabricPaths, model: Path) -> tuple[EngineManifest, Path]:
     """Two items a batch (many batches, so a kill lands mid-set), pooled vectors only."""
-    from fabric_pipelines.lib import faults
-    from fabric_pipelines.lib.files import write_bytes
+    from fabric_pipelines.lib.core.files import write_bytes
+    from fabric_testing import fault_drill as faults
 
     manifest = faults.fault_manifest(str(model), 2, ())
     path = paths.root / "engine.json"
@@ -215,7 +215,7 @@ def _short(i: int) -> str:
 
 
 def _exactly_once(db: Engine, paths: FabricPaths, name: str, manifest: EngineManifest) -> Any:
-    from fabric_pipelines.lib import faults
+    from fabric_testing import fault_drill as faults
 
     result = faults.outcome(db, name)
     assert result.clean and result.open_batches == 0, result
@@ -232,7 +232,7 @@ def _exactly_once(db: Engine, paths: FabricPaths, name: str, manifest: EngineMan
 def test_a_run_killed_mid_set_with_reuse_in_play_still_does_each_task_once(
     db: Engine, db_url: str, paths: FabricPaths, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    from fabric_pipelines.lib import faults
+    from fabric_testing import fault_drill as faults
 
     manifest, manifest_path = _fault_manifest(paths, tiny_model_dir)
     base = [(f"t{i}", _short(i)) for i in range(1500)]
@@ -276,7 +276,7 @@ def test_two_sets_sharing_content_extracted_at_once_store_each_task_once(
 ) -> None:
     """The second set is planned while the first is mid-run: it links what the first has
     stored and computes the rest while the first still writes (some keys both compute)."""
-    from fabric_pipelines.lib import faults
+    from fabric_testing import fault_drill as faults
 
     manifest, manifest_path = _fault_manifest(paths, tiny_model_dir)
     shared = [_short(i) for i in range(800)]
@@ -325,7 +325,7 @@ def test_two_sets_sharing_content_extracted_at_once_store_each_task_once(
 def test_fabric_plan_counts_reused_tasks_and_repeats_and_plans_only_the_rest(
     db: Engine, db_url: str, paths: FabricPaths, tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    from fabric_pipelines.lib.plan_preview import preview_plan, render
+    from fabric_pipelines.lib.broker.preview import preview_plan, render_preview
 
     manifest = _manifest(str(tiny_model_dir))
     records = [(f"t{i}", _text(i)) for i in range(300)]
@@ -336,7 +336,7 @@ def test_fabric_plan_counts_reused_tasks_and_repeats_and_plans_only_the_rest(
     preview = preview_plan(db, job, manifest)
     assert (preview.tasks, preview.reused, preview.repeats) == (325, 300, 5), preview
     assert preview.to_mapping()["to_compute"] == 20
-    assert "300 tasks already have a stored result" in render(preview)
+    assert "300 tasks already have a stored result" in render_preview(preview)
     only_new = preview_plan(db, _write(tmp_path / "new.jsonl", new), manifest)
     assert (preview.batches, preview.padded_tokens, preview.real_tokens) == (
         only_new.batches, only_new.padded_tokens, only_new.real_tokens,
@@ -352,7 +352,7 @@ def test_fabric_plan_counts_reused_tasks_and_repeats_and_plans_only_the_rest(
 
 
 def test_keys_ending_in_zero_bytes_keep_all_32_bytes() -> None:
-    from fabric_pipelines.lib.reuse import key_bytes
+    from fabric_pipelines.lib.broker.reuse import key_bytes
 
     tokens = np.arange(4000, dtype=np.int32)
     keys = content_keys(tokens, np.arange(4001), "m")
@@ -371,10 +371,10 @@ def test_planning_one_set_from_several_threads_at_once_stores_its_keys_and_links
     stored (or wait for them), never store them twice; every link is made once."""
     import threading
 
-    from fabric_pipelines.lib.reuse import link_before_planning
+    from fabric_pipelines.lib.broker.reuse import link_before_planning
     from fabric_pipelines.lib.store.keys import model_id
+    from fabric_pipelines.lib.tasks.arrow_files import flat_tokens, read_table
     from fabric_pipelines.lib.tasks.catalog import get_task_set
-    from fabric_pipelines.lib.tasks.store import flat_tokens, read_table
 
     manifest = _manifest(str(tiny_model_dir))
     shared = [(f"t{i}", _text(i)) for i in range(200)]

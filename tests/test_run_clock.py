@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from fabric_pipelines.lib import run_clock
+from fabric_pipelines.cli import run_clock
 
 
 def test_a_mark_keeps_its_first_time_and_a_new_command_forgets_the_last() -> None:

@@ -16,16 +16,15 @@ from fabric_gpu.manifest import EngineManifest, HookSpec, manifest_for_model
 from fabric_gpu.profile import ConsumerProfile
 from fabric_pipelines.lib.broker.ledger import COMPLETED, claim_many, register_plan
 from fabric_pipelines.lib.broker.plans import plan_task_set
-from fabric_pipelines.lib.files import StoredFile
-from fabric_pipelines.lib.result_writer import BatchRows, write_group
-from fabric_pipelines.lib.run_extraction import extract_task_set
-from fabric_pipelines.lib.settings import FabricPaths
+from fabric_pipelines.lib.core.files import StoredFile
+from fabric_pipelines.lib.core.settings import FabricPaths
+from fabric_pipelines.lib.maintenance.verify import verify
+from fabric_pipelines.lib.results.writer import BatchRows, write_group
+from fabric_pipelines.lib.steps.run_extraction import extract_task_set
 from fabric_pipelines.lib.store.keys import model_id, set_id_of
-from fabric_pipelines.lib.store.models import Batch, HiddenStateShard, TaskSet
-from fabric_pipelines.lib.store.models import BatchPlan as BatchPlanRow
+from fabric_pipelines.lib.store.models import Batch, BatchPlanRow, HiddenStateShard, TaskSet
 from fabric_pipelines.lib.tasks.catalog import forget_task_set, ingest_task_set
 from fabric_pipelines.lib.tasks.inbox import submit
-from fabric_pipelines.lib.verify import verify
 
 SETS = ("first", "second")
 

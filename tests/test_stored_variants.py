@@ -21,21 +21,21 @@ from fabric_gpu.engines.base import EngineError
 from fabric_gpu.manifest import EngineManifest, HookSpec, ManifestError
 from fabric_gpu.runtime import BatchResult, EngineRunner
 from fabric_gpu.variants import Int8Calibration, Variant, stored_rows
-from fabric_pipelines.lib.calibration import (
+from fabric_pipelines.lib.core.settings import FabricPaths
+from fabric_pipelines.lib.index.build import IndexSpec
+from fabric_pipelines.lib.index.publish import build_and_publish
+from fabric_pipelines.lib.index.vectors import load_vectors
+from fabric_pipelines.lib.records.calibration import (
     calibrate_engine,
     calibration_sha256,
     recorded_calibration,
 )
-from fabric_pipelines.lib.export import ExportError, export_task_set
-from fabric_pipelines.lib.index.build import IndexSpec
-from fabric_pipelines.lib.index.publish import build_and_publish
-from fabric_pipelines.lib.index.vectors import load_vectors
-from fabric_pipelines.lib.settings import FabricPaths
+from fabric_pipelines.lib.results.export import ExportError, export_task_set
 from fabric_pipelines.lib.store.db import make_engine
 from fabric_pipelines.lib.store.models import WINDOW_BASE, DocumentWindow, Embedding, Model
 from fabric_pipelines.lib.store.schema import stores_pgvector, upgrade
-from fabric_pipelines.lib.store.scratch import empty_public_schema
 from fabric_pipelines.lib.tasks.windows import LongInputs
+from fabric_testing.scratch_db import empty_public_schema
 from tests.conftest import IN_CI
 from tests.pipeline_helpers import run_stages
 

@@ -20,8 +20,8 @@ from sqlalchemy import Engine, select
 from fabric_gpu.engines import create_engine
 from fabric_gpu.manifest import EngineManifest, HookSpec, manifest_for_model
 from fabric_gpu.profile import ConsumerProfile
-from fabric_pipelines.lib.calibration import recorded_calibration
-from fabric_pipelines.lib.settings import FabricPaths
+from fabric_pipelines.lib.core.settings import FabricPaths
+from fabric_pipelines.lib.records.calibration import recorded_calibration
 from fabric_pipelines.lib.store.db import create_schema, make_engine
 from fabric_pipelines.lib.store.models import Embedding, Model
 from fabric_pipelines.lib.tasks.windows import LongInputs

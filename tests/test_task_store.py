@@ -9,14 +9,14 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from fabric_pipelines.lib.files import CorruptFileError, write_file
-from fabric_pipelines.lib.tasks.ingest import TokenisedTasks
-from fabric_pipelines.lib.tasks.store import (
+from fabric_pipelines.lib.core.files import CorruptFileError, write_file
+from fabric_pipelines.lib.tasks.arrow_files import (
     flat_tokens,
     read_table,
     to_table,
     write_table,
 )
+from fabric_pipelines.lib.tasks.ingest import TokenisedTasks
 
 
 def _tasks() -> TokenisedTasks:

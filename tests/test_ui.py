@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from fabric_pipelines.lib.demo_corpus import write_demo_set
+from fabric_pipelines.cli.demo_corpus import write_demo_set
 from fabric_pipelines.lib.tasks.inbox import submit
 
 REPO = Path(__file__).resolve().parents[1]

@@ -16,16 +16,16 @@ from sqlalchemy import Engine, insert, text
 
 from fabric_gpu.manifest import EngineManifest
 from fabric_pipelines.lib.broker.plans import load_plan_order, plan_task_set
-from fabric_pipelines.lib.extraction import ExtractionJob, run_worker
+from fabric_pipelines.lib.core.settings import FabricPaths
 from fabric_pipelines.lib.index import vector_tail
 from fabric_pipelines.lib.index.vectors import ID_STRIDE, VectorSet, load_vectors
-from fabric_pipelines.lib.result_writer import BatchRows, insert_rows
-from fabric_pipelines.lib.settings import FabricPaths
+from fabric_pipelines.lib.results.writer import BatchRows, insert_rows
 from fabric_pipelines.lib.store.keys import model_id
 from fabric_pipelines.lib.store.models import Embedding, Task, TaskSet
+from fabric_pipelines.lib.tasks.arrow_files import read_table
 from fabric_pipelines.lib.tasks.catalog import ingest_task_set
 from fabric_pipelines.lib.tasks.inbox import submit
-from fabric_pipelines.lib.tasks.store import read_table
+from fabric_pipelines.lib.worker.loop import ExtractionJob, run_worker
 
 SQLITE_ONLY = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 POSTGRES_ONLY = pytest.mark.parametrize(

@@ -15,28 +15,30 @@ from sqlalchemy import Engine, delete, select, update
 
 from fabric_gpu.engines import Engine as ExtractionEngine
 from fabric_gpu.manifest import EngineManifest
-from fabric_pipelines.cli import _failure_text, main
+from fabric_pipelines.cli import main
 from fabric_pipelines.defs.extraction import extraction_outputs, shape_batches, tokenised_tasks
+from fabric_pipelines.defs.failures import failure_text
 from fabric_pipelines.defs.index import vector_index
 from fabric_pipelines.defs.resources import ArtifactStore, Database, EngineConfig
 from fabric_pipelines.lib.broker.ledger import accounting, report_failure
 from fabric_pipelines.lib.broker.plans import load_plan_order, plan_task_set
-from fabric_pipelines.lib.extraction import ExtractionJob, run_worker
+from fabric_pipelines.lib.core.settings import FabricPaths
 from fabric_pipelines.lib.index.build import IndexSpec
-from fabric_pipelines.lib.index.publish import PublishedIndex, build_and_publish, model_folder
-from fabric_pipelines.lib.repair import RepairError, requeue_batches
-from fabric_pipelines.lib.settings import FabricPaths
+from fabric_pipelines.lib.index.paths import model_index_folder
+from fabric_pipelines.lib.index.publish import PublishedIndex, build_and_publish
+from fabric_pipelines.lib.maintenance.repair import RepairError, requeue_batches
+from fabric_pipelines.lib.maintenance.verify import Finding, VerifyReport, verify, verify_extraction
 from fabric_pipelines.lib.store.models import (
     Batch,
-    BatchPlan,
+    BatchPlanRow,
     Embedding,
     HiddenStateShard,
     TaskFailure,
     TaskSet,
 )
+from fabric_pipelines.lib.tasks.arrow_files import read_table
 from fabric_pipelines.lib.tasks.catalog import get_task_set
-from fabric_pipelines.lib.tasks.store import read_table
-from fabric_pipelines.lib.verify import Finding, VerifyReport, verify, verify_extraction
+from fabric_pipelines.lib.worker.loop import ExtractionJob, run_worker
 from tests.ledger_helpers import claim
 from tests.pipeline_helpers import run_stages
 
@@ -296,7 +298,7 @@ def test_index_and_receipt_files_are_checked_against_receipt_and_name(
     monkeypatch: pytest.MonkeyPatch, capsys: Any,
 ) -> None:  # fmt: skip
     receipt = done.receipt
-    folder = model_folder(paths.indexes, receipt["model"]["model_key"])
+    folder = model_index_folder(paths.indexes, receipt["model"]["model_key"])
     (folder / receipt["shards"][1]["index_file"]).unlink()
     edited = json.loads(done.receipt_path.read_text())
     edited["source"]["rows"] += 1  # a receipt edited after it was written
@@ -387,7 +389,7 @@ def test_requeue_refuses_what_it_cannot_requeue_and_retries_failed_batches(
 
 def _plan(db: Engine, plan_id: str | None) -> Any:
     with db.connect() as conn:
-        return conn.execute(select(BatchPlan).where(BatchPlan.plan_id == plan_id)).one()
+        return conn.execute(select(BatchPlanRow).where(BatchPlanRow.plan_id == plan_id)).one()
 
 
 # ---- acceptance 2: a real run, damaged files, the printed repairs ------------------------------
@@ -450,7 +452,7 @@ def test_acceptance_a_real_run_verifies_and_each_damaged_shard_is_repaired(
             [check] = rerun.get_asset_check_evaluations()
             assert check.check_name == "accounting" and not check.passed
             assert f"shard_file {shard.path}: truncated" in str(check.metadata["problems"].value)
-            assert f"shard_file {shard.path}: truncated" in _failure_text(rerun, "extraction")
+            assert f"shard_file {shard.path}: truncated" in failure_text(rerun, "extraction")
         assert finding.repair.startswith(f"fabric requeue {SET} --plan {shard.plan_id} ")
         _run_repair(finding.repair, db_url, paths, monkeypatch)
         after = verify(db, paths)

@@ -24,9 +24,9 @@ import pytest
 from dagster._core.instance.ref import InstanceRef
 from sqlalchemy import func, select
 
-from fabric_pipelines.lib import warm_runner
+from fabric_pipelines.cli import warm_client
 from fabric_pipelines.lib.broker.ledger import accounting
-from fabric_pipelines.lib.settings import FabricPaths, database_url
+from fabric_pipelines.lib.core.settings import FabricPaths, database_url
 from fabric_pipelines.lib.store.db import make_engine
 from fabric_pipelines.lib.store.models import Embedding
 
@@ -48,7 +48,7 @@ def _write_set(path: Path, name: str, n: int) -> Path:
 def home(tmp_path: Path) -> Iterator[Path]:
     root = tmp_path / "home"
     yield root
-    warm_runner.stop_runners(root)
+    warm_client.stop_runners(root)
     subprocess.run([sys.executable, "-m", "fabric_pipelines.cli", "workers", "stop"],
                    env=_env(root), capture_output=True, timeout=60)  # fmt: skip
 
@@ -77,7 +77,7 @@ def _finish(command: subprocess.Popen[str]) -> tuple[int, str, str]:
 def _serving_runner(root: Path, timeout: float = 120) -> int:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        serving = [state for state in warm_runner.runner_states(root) if state["serving"]]
+        serving = [state for state in warm_client.runner_states(root) if state["serving"]]
         if serving:
             return int(serving[0]["pid"])
         time.sleep(0.5)
@@ -157,9 +157,9 @@ def test_runs_after_the_first_are_served_by_a_warm_runner(home: Path, tmp_path: 
                              env=_env(home), capture_output=True, text=True, timeout=60)  # fmt: skip
     assert "and 1 warm runner(s)" in stopped.stdout
     deadline = time.monotonic() + 30
-    while warm_runner.runner_states(home) and time.monotonic() < deadline:
+    while warm_client.runner_states(home) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert warm_runner.runner_states(home) == []
+    assert warm_client.runner_states(home) == []
 
 
 def test_a_command_killed_mid_run_takes_its_run_with_it(home: Path, tmp_path: Path) -> None:
@@ -203,14 +203,14 @@ def test_the_key_follows_the_settings_and_the_code(
 ) -> None:
     module = tmp_path / "module.py"
     module.write_text("x = 1\n")
-    monkeypatch.setattr(warm_runner, "_code_files", lambda: [module])
+    monkeypatch.setattr(warm_client, "_code_files", lambda: [module])
     env = {"FABRIC_HOME": "/data", "PATH": "/bin", "TERM": "xterm"}
-    key = warm_runner.runner_key(tmp_path, env)
-    assert warm_runner.runner_key(tmp_path, {**env, "TERM": "screen"}) == key  # not a setting
-    assert warm_runner.runner_key(tmp_path, {**env, "HF_HUB_OFFLINE": "0"}) != key
-    assert warm_runner.runner_key(tmp_path / "other", env) != key
+    key = warm_client.runner_key(tmp_path, env)
+    assert warm_client.runner_key(tmp_path, {**env, "TERM": "screen"}) == key  # not a setting
+    assert warm_client.runner_key(tmp_path, {**env, "HF_HUB_OFFLINE": "0"}) != key
+    assert warm_client.runner_key(tmp_path / "other", env) != key
     module.write_text("x = 22\n")  # the code changed: a runner of the old code is not used
-    assert warm_runner.runner_key(tmp_path, env) != key
+    assert warm_client.runner_key(tmp_path, env) != key
 
 
 @pytest.mark.gpu
@@ -250,14 +250,14 @@ def test_on_a_gpu_runs_served_by_the_runner_use_the_torch_engine(
 def test_a_runner_still_loading_is_stopped_too(tmp_path: Path) -> None:
     root = tmp_path / "home"
     root.mkdir()
-    process = warm_runner.start_in_background(root, 60, _env(root))
+    process = warm_client.start_in_background(root, 60, _env(root))
     assert process is not None
     deadline = time.monotonic() + 30
-    while not warm_runner.runner_states(root) and time.monotonic() < deadline:
+    while not warm_client.runner_states(root) and time.monotonic() < deadline:
         time.sleep(0.05)
-    (state,) = warm_runner.runner_states(root)
+    (state,) = warm_client.runner_states(root)
     assert state["pid"] == process.pid and state["serving"] is False  # still importing
-    assert warm_runner.stop_runners(root) == [process.pid]
+    assert warm_client.stop_runners(root) == [process.pid]
     assert process.wait(timeout=30) == 0
-    assert warm_runner.runner_states(root) == []
+    assert warm_client.runner_states(root) == []
     assert not list((root / "pool" / "runners").glob("*.json"))  # its state went with it

@@ -1,7 +1,7 @@
 """Workers started before their plan: taken over by the extraction of the same settings, let go
 by a go file, stopped when nobody takes them; GPU pools hold their devices' leases meanwhile.
 
-The workers are real `python -m fabric_pipelines.lib.workers` processes running the CPU engine on
+The workers are real `python -m fabric_pipelines.lib.worker.launch` processes running the CPU engine on
 a tiny random BERT with the real tokenizer.
 """
 
@@ -19,16 +19,16 @@ from fabric_gpu.manifest import EngineManifest, HookSpec, manifest_for_model
 from fabric_gpu.profile import ConsumerProfile
 from fabric_pipelines.lib.broker.ledger import accounting
 from fabric_pipelines.lib.broker.plans import plan_task_set
-from fabric_pipelines.lib.device_lease import DevicesBusy, lease_devices
-from fabric_pipelines.lib.run_extraction import extract_task_set
-from fabric_pipelines.lib.settings import FabricPaths
+from fabric_pipelines.lib.core.settings import FabricPaths
+from fabric_pipelines.lib.steps.run_extraction import extract_task_set
 from fabric_pipelines.lib.tasks.catalog import ingest_task_set
 from fabric_pipelines.lib.tasks.inbox import submit
-from fabric_pipelines.lib.warm_workers import (
-    WarmPool,
-    take_warm_pool,
-    warm_devices,
-    warm_workers,
+from fabric_pipelines.lib.worker.devices import DevicesBusy, lease_devices
+from fabric_pipelines.lib.worker.prestart import (
+    PrestartedWorkers,
+    prestart_workers,
+    prestarted_devices,
+    take_prestarted,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -48,9 +48,9 @@ def _warm(
     task_set: str = "set",
     count: int = 1,
     visible_gpus: int = 0,
-) -> AbstractContextManager[WarmPool | None]:
+) -> AbstractContextManager[PrestartedWorkers | None]:
     """A warm pool with a 30 s lease, the settings the steps below run with unless they say."""
-    return warm_workers(
+    return prestart_workers(
         paths, task_set, manifest, database_url=db_url, count=count,
         visible_gpus=visible_gpus, lease_seconds=30,
     )  # fmt: skip
@@ -116,7 +116,7 @@ def test_a_pool_nobody_takes_is_stopped_when_its_block_ends(
         assert pool is not None
         workers = list(pool.workers)
     assert all(w.process.returncode is not None for w in workers)
-    assert take_warm_pool(
+    assert take_prestarted(
         "set", manifest, 1, database_url=db_url, lease_seconds=30, heartbeat_seconds=None
     ) is None  # fmt: skip
 
@@ -126,13 +126,13 @@ def test_a_gpu_pool_holds_its_devices_until_its_block_ends(
 ) -> None:
     manifest = _manifest(tiny_model_dir, backend="torch")  # its workers fail here: no CUDA
     with _warm(paths, db_url, manifest, visible_gpus=1) as pool:
-        assert pool is not None and pool.devices == [0] and warm_devices("set") == [0]
+        assert pool is not None and pool.devices == [0] and prestarted_devices("set") == [0]
         with pytest.raises(DevicesBusy), lease_devices(paths.device_leases, 1, 1, wait=False):
             pass
         # A second run's pool finds the device taken: it starts nothing (its step waits).
         with _warm(paths, db_url, manifest, "set2", visible_gpus=1) as second:
             assert second is None
-    assert warm_devices("set") is None
+    assert prestarted_devices("set") is None
     with lease_devices(paths.device_leases, 1, 1, wait=False) as devices:
         assert devices == [0]
 
@@ -147,7 +147,7 @@ def test_two_threads_taking_one_pool_get_it_once(
 
         def take() -> None:
             barrier.wait()
-            pool = take_warm_pool(
+            pool = take_prestarted(
                 "set", manifest, 1, database_url=db_url, lease_seconds=30, heartbeat_seconds=None
             )
             if pool is not None:
@@ -166,9 +166,9 @@ def test_a_waiting_worker_reads_its_task_set_once_ingested_before_the_go(
 ) -> None:
     """The ingest commits on another thread while the worker waits: the worker reads the stored
     table before any go, and the job made after the go uses that table."""
-    from fabric_pipelines.lib.tasks import store
+    from fabric_pipelines.lib.tasks import arrow_files as store
     from fabric_pipelines.lib.tasks.catalog import get_task_set
-    from fabric_pipelines.lib.workers import load_job, read_task_set_before_go
+    from fabric_pipelines.lib.worker.main import load_job, read_task_set_before_go
 
     read_before_go = threading.Event()
     read_table = store.read_table
@@ -202,10 +202,10 @@ def test_a_waiting_worker_reads_its_task_set_once_ingested_before_the_go(
 def test_a_damaged_task_set_is_left_to_the_job_which_says_so(
     db: Engine, paths: FabricPaths, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from fabric_pipelines.lib.files import CorruptFileError
-    from fabric_pipelines.lib.tasks import store
+    from fabric_pipelines.lib.core.files import CorruptFileError
+    from fabric_pipelines.lib.tasks import arrow_files as store
     from fabric_pipelines.lib.tasks.catalog import get_task_set
-    from fabric_pipelines.lib.workers import load_job, read_task_set_before_go
+    from fabric_pipelines.lib.worker.main import load_job, read_task_set_before_go
 
     manifest = _manifest(tiny_model_dir)
     _ingest_and_plan(db, paths, manifest, 20)
@@ -231,7 +231,7 @@ def test_a_damaged_task_set_is_left_to_the_job_which_says_so(
 def test_a_go_that_is_there_already_returns_at_once_without_reading(
     db: Engine, paths: FabricPaths
 ) -> None:
-    from fabric_pipelines.lib.workers import read_task_set_before_go
+    from fabric_pipelines.lib.worker.main import read_task_set_before_go
 
     go = paths.root / "go"
     go.write_bytes(b"go\n")

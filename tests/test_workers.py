@@ -1,7 +1,7 @@
-"""Faults with real worker processes, on both databases (RELIABILITY.md items 1, 2, 3, 9), and
+"""Faults with real worker processes, on both databases (the worker faults of docs/guarantees.md), and
 several workers sharing one plan. After each: no lost task, no duplicate row, accounting balances.
 
-Workers are `python -m fabric_pipelines.lib.workers` processes running the real engine code (the
+Workers are `python -m fabric_pipelines.lib.worker.launch` processes running the real engine code (the
 CPU engine) on a small random BERT with the real tokenizer, so forwards are quick. A worker is
 caught holding a lease deterministically: it is stopped (SIGSTOP), the ledger is read, and if it
 holds no lease it is let go (SIGCONT) and tried again a moment later.
@@ -29,19 +29,19 @@ from sqlalchemy import Engine, select, text
 from fabric_gpu.engines import create_engine
 from fabric_gpu.manifest import EngineManifest, HookSpec, manifest_for_model
 from fabric_gpu.profile import ConsumerProfile
-from fabric_pipelines.lib import extraction
 from fabric_pipelines.lib.broker.ledger import Accounting, accounting
 from fabric_pipelines.lib.broker.plans import current_plan, load_plan_order, plan_task_set
-from fabric_pipelines.lib.extraction import ExtractionJob, ExtractionReport, run_worker
-from fabric_pipelines.lib.run_extraction import extract_task_set
-from fabric_pipelines.lib.settings import FabricPaths
+from fabric_pipelines.lib.core.settings import FabricPaths
+from fabric_pipelines.lib.steps.run_extraction import extract_task_set
 from fabric_pipelines.lib.store.db import create_schema, make_engine
 from fabric_pipelines.lib.store.models import Batch
-from fabric_pipelines.lib.store.scratch import empty_public_schema
+from fabric_pipelines.lib.tasks.arrow_files import read_table
 from fabric_pipelines.lib.tasks.catalog import get_task_set, ingest_task_set
 from fabric_pipelines.lib.tasks.inbox import submit
-from fabric_pipelines.lib.tasks.store import read_table
-from fabric_pipelines.lib.workers import PARENT_GONE_EXIT
+from fabric_pipelines.lib.worker import loop as extraction
+from fabric_pipelines.lib.worker.loop import ExtractionJob, ExtractionReport, run_worker
+from fabric_pipelines.lib.worker.main import PARENT_GONE_EXIT
+from fabric_testing.scratch_db import empty_public_schema
 from tests.pipeline_helpers import embedding_counts
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -97,7 +97,7 @@ class Worker:
         self.log = tmp / f"{owner}.log"
         env = {**os.environ, "FABRIC_DATABASE_URL": db_url, "FABRIC_HOME": str(paths.root)}
         command = [
-            sys.executable, "-m", "fabric_pipelines.lib.workers", "set", "--manifest", str(manifest),
+            sys.executable, "-m", "fabric_pipelines.lib.worker.main", "set", "--manifest", str(manifest),
             "--owner", owner, "--lease-seconds", str(lease), "--report", str(self.report),
             "--threads", "1",
         ]  # fmt: skip
@@ -323,7 +323,7 @@ def _worker_pids(root: Path) -> list[int]:
             command = (entry / "cmdline").read_bytes() if entry.name.isdigit() else b""
         except OSError:
             continue
-        ours = b"fabric_pipelines.lib.workers" in command and str(root).encode() in command
+        ours = b"fabric_pipelines.lib.worker.main" in command and str(root).encode() in command
         if ours and _alive(int(entry.name)):
             pids.append(int(entry.name))
     return pids
@@ -365,10 +365,10 @@ SUPERVISOR = """
 import json, sys
 from pathlib import Path
 from fabric_pipelines.lib.store.db import make_engine
-from fabric_pipelines.lib.workers import WorkerSettings, launch_workers, supervise
+from fabric_pipelines.lib.worker.launch import LaunchSettings, launch_workers, supervise
 
 task_set, manifest, root, url, out = sys.argv[1:]
-settings = WorkerSettings(task_set, Path(manifest), Path(root), url)
+settings = LaunchSettings(task_set, Path(manifest), Path(root), url)
 workers = launch_workers(settings, 2, Path(out).parent / "supervised")
 Path(out).write_text(json.dumps([w.process.pid for w in workers]))
 supervise(workers, make_engine(url), task_set)
@@ -404,7 +404,7 @@ def test_workers_die_with_their_supervisor_when_it_is_killed(
 def test_a_worker_whose_supervisor_is_already_gone_exits_at_once(tmp_path: Path) -> None:
     """Its supervisor died before the worker could ask to die with it: it notices, and goes."""
     result = subprocess.run(
-        [sys.executable, "-m", "fabric_pipelines.lib.workers", "set", "--manifest",
+        [sys.executable, "-m", "fabric_pipelines.lib.worker.main", "set", "--manifest",
          str(tmp_path / "never-read.json"), "--parent-pid", str(os.getpid() + 1_000_000)],
         capture_output=True, timeout=120,
     )  # fmt: skip

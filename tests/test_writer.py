@@ -16,7 +16,7 @@ from sqlalchemy import Engine, exc, insert, select, text
 
 from fabric_gpu.batching import BatchPlan
 from fabric_pipelines.lib.broker.ledger import accounting, claim_many, register_plan
-from fabric_pipelines.lib.result_writer import (
+from fabric_pipelines.lib.results.writer import (
     BatchRows,
     GroupOutcome,
     RejectBatch,
@@ -25,9 +25,8 @@ from fabric_pipelines.lib.result_writer import (
 )
 from fabric_pipelines.lib.store.db import make_engine
 from fabric_pipelines.lib.store.keys import model_id, set_id_of
-from fabric_pipelines.lib.store.models import Batch, TaskSet
-from fabric_pipelines.lib.store.models import BatchPlan as BatchPlanRow
-from fabric_pipelines.lib.store.scratch import empty_public_schema
+from fabric_pipelines.lib.store.models import Batch, BatchPlanRow, TaskSet
+from fabric_testing.scratch_db import empty_public_schema
 from tests.flaky_db import FlakyDatabase, database_locked, lost_connection, undefined_table
 from tests.pipeline_helpers import embedding_counts
 
@@ -315,7 +314,7 @@ def test_every_row_is_stored_as_given(
 ) -> None:
     """Record numbers out of order, token counts, and every vector's bytes come back as written;
     a token count too large for SQLite's one-step insert takes the row-by-row path."""
-    from fabric_pipelines.lib import result_writer as writer_module
+    from fabric_pipelines.lib.results import writer as writer_module
 
     one_step = writer_module._insert_sqlite_in_one_step
     one_step_rows: list[int] = []
@@ -382,7 +381,7 @@ def test_the_one_step_insert_fills_the_watermarks_and_ignores_rows_already_there
 
 def test_a_group_of_several_task_sets_and_models_is_stored_as_given(tmp_path: Path) -> None:
     """SQLite's one-step insert runs once per (task set, model) of a group, batches interleaved."""
-    from fabric_pipelines.lib.result_writer import insert_rows
+    from fabric_pipelines.lib.results.writer import insert_rows
     from fabric_pipelines.lib.store.db import create_schema
 
     db = make_engine(f"sqlite:///{tmp_path / 'mixed.db'}")

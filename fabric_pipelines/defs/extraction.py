@@ -14,20 +14,20 @@ from typing import Any
 import dagster as dg
 
 from fabric_gpu.engines import input_layout
+from fabric_pipelines.defs.gpu_pool import GPU_POOL, sync_gpu_pool
 from fabric_pipelines.defs.metadata import dagster_metadata
 from fabric_pipelines.defs.partitions import TASK_SET_PARTITIONS, task_sets
 from fabric_pipelines.defs.pipeline import CODE_VERSIONS, PIPELINE_GROUP
 from fabric_pipelines.defs.resources import ArtifactStore, Database, EngineConfig
-from fabric_pipelines.lib.alerts import (
+from fabric_pipelines.lib.broker.ledger import Accounting
+from fabric_pipelines.lib.broker.plans import plan_task_set
+from fabric_pipelines.lib.core.alerts import (
     InboxRejection,
     record_inbox_rejection,
 )
-from fabric_pipelines.lib.broker.ledger import Accounting
-from fabric_pipelines.lib.broker.plans import plan_task_set
-from fabric_pipelines.lib.extraction_step import run_extraction_step
-from fabric_pipelines.lib.gpu_pool import sync_gpu_pool
-from fabric_pipelines.lib.progress import stage
-from fabric_pipelines.lib.step_metadata import ingest_metadata, plan_metadata
+from fabric_pipelines.lib.steps.extraction import run_extraction_step
+from fabric_pipelines.lib.steps.metadata import ingest_metadata, plan_metadata
+from fabric_pipelines.lib.steps.progress import stage
 from fabric_pipelines.lib.tasks.catalog import ingest_task_set
 from fabric_pipelines.lib.tasks.inbox import record_first_seen, scan
 from fabric_pipelines.lib.tasks.ingest import SubmissionError
@@ -114,7 +114,7 @@ def _partitioned_check_spec(name: str, **kwargs: Any) -> dg.AssetCheckSpec:
     group_name=PIPELINE_GROUP,
     kinds={"pytorch", "sql"},
     code_version=CODE_VERSIONS["extraction_outputs"],
-    pool="gpu",
+    pool=GPU_POOL,
     retry_policy=dg.RetryPolicy(max_retries=2, delay=10),
     check_specs=[
         _partitioned_check_spec(

@@ -7,8 +7,8 @@ import dagster as dg
 
 from fabric_pipelines.defs.partitions import TASK_SET_PARTITIONS
 from fabric_pipelines.defs.resources import ArtifactStore, Database
-from fabric_pipelines.lib.forget import ForgetRefused, forget
-from fabric_pipelines.lib.names import InvalidNameError
+from fabric_pipelines.lib.core.names import InvalidNameError
+from fabric_pipelines.lib.maintenance.forget import ForgetRefused, forget
 
 
 class ForgetConfig(dg.Config):

@@ -13,12 +13,12 @@ from fabric_pipelines.defs.partitions import TASK_SET_PARTITIONS
 from fabric_pipelines.defs.pipeline import CODE_VERSIONS, PIPELINE_GROUP
 from fabric_pipelines.defs.resources import ArtifactStore, Database, EngineConfig
 from fabric_pipelines.lib.index.staleness import indexed_models, latest_receipt, staleness
-from fabric_pipelines.lib.progress import stage
-from fabric_pipelines.lib.step_metadata import (
+from fabric_pipelines.lib.steps.metadata import (
     index_metadata,
     recall_check_metadata,
     refused_index_metadata,
 )
+from fabric_pipelines.lib.steps.progress import stage
 from fabric_pipelines.lib.tasks.catalog import task_set_prompts
 
 if TYPE_CHECKING:  # the index modules load torch and FAISS: imported where a build runs

@@ -1,10 +1,10 @@
-"""The steps' metadata (lib/step_metadata.py) as Dagster shows it."""
+"""The steps' metadata (lib/steps/metadata.py) as Dagster shows it."""
 
 from typing import Any
 
 import dagster as dg
 
-from fabric_pipelines.lib.step_metadata import FilePath, Json, Markdown, Metadata, RunLink
+from fabric_pipelines.lib.steps.metadata import FilePath, Json, Markdown, Metadata, RunLink
 
 
 def dagster_metadata(metadata: Metadata) -> dict[str, Any]:

@@ -6,12 +6,13 @@ from typing import Any
 
 import dagster as dg
 
+from fabric_pipelines.defs.failures import failed_checks_in_run, innermost_error
 from fabric_pipelines.defs.resources import ArtifactStore
-from fabric_pipelines.lib.alerts import (
+from fabric_pipelines.lib.core.alerts import (
     RunFailure,
     record_run_failure,
 )
-from fabric_pipelines.lib.engine_pool import describe, pool_states
+from fabric_pipelines.lib.worker.pool.client import describe, pool_states
 
 
 @dg.run_failure_sensor(
@@ -24,11 +25,11 @@ def run_failure_alerts(context: dg.RunFailureSensorContext, store: ArtifactStore
     run = context.dagster_run
     # The run's own message names the failed steps; the steps' errors say why.
     causes = [
-        f"{e.step_key}: {_root_cause(e.step_failure_data.error)}"
+        f"{e.step_key}: {innermost_error(e.step_failure_data.error)}"
         for e in context.get_step_failure_events()
         if e.step_failure_data.error is not None
     ]
-    checks = _failed_checks(context.instance, run.run_id)
+    checks = failed_checks_in_run(context.instance, run.run_id)
     parts = [context.failure_event.message or "run failed", *checks, *causes]
     # Each part without its own closing stop: "failed.; step: error." reads as noise.
     message = "; ".join(part.strip().rstrip(".") for part in parts if part.strip()) + "."
@@ -65,41 +66,11 @@ def _job_label(instance: Any, run: Any) -> str:
     return f"materialise {', '.join(sorted(keys))}" if keys else "materialise assets"
 
 
-def _failed_checks(instance: Any, run_id: str) -> list[str]:
-    """Each asset check that failed in the run, with the numbers its metadata gives (a recall
-    and its floor, what to change)."""
-    records = instance.get_records_for_run(
-        run_id, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION
-    ).records
-    found = []
-    for record in records:
-        event = record.event_log_entry.dagster_event
-        evaluation = event.event_specific_data if event is not None else None
-        if evaluation is None or evaluation.passed:
-            continue
-        numbers = ", ".join(
-            f"{name} {getattr(value, 'value', value)}"
-            for name, value in evaluation.metadata.items()
-        )
-        found.append(
-            f"check {evaluation.check_name} of {evaluation.asset_key.to_user_string()} failed"
-            + (f" ({numbers})" if numbers else "")
-        )
-    return found
-
-
-def _root_cause(error: Any) -> str:
-    """The innermost error of Dagster's wrapped error chain: the user's own exception."""
-    while error.cause is not None:
-        error = error.cause
-    return str(error.message).strip()
-
-
 @dg.sensor(
     minimum_interval_seconds=30,
     default_status=dg.DefaultSensorStatus.RUNNING,
     description=(
-        "Shows the warm engine pool (lib/engine_pool.py) in its ticks: each worker's slot, "
+        "Shows the warm engine pool (lib/worker/pool/client.py) in its ticks: each worker's slot, "
         "model, and whether it runs a task set or idles until it exits. Starts no runs."
     ),
 )

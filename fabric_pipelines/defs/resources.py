@@ -17,14 +17,13 @@ from fabric_gpu.model import DEFAULT_MODEL_ID, resolve_model_dir
 from fabric_gpu.model_defaults import model_defaults
 from fabric_gpu.profile import ConsumerProfile
 from fabric_pipelines.lib.broker.ledger import DEFAULT_LEASE_SECONDS
-from fabric_pipelines.lib.device_lease import lease_devices
-from fabric_pipelines.lib.engine_pool import idle_seconds_setting
-from fabric_pipelines.lib.extraction_step import WorkerOptions
-from fabric_pipelines.lib.gpu_pool import visible_gpus
-from fabric_pipelines.lib.settings import FabricPaths, database_url, default_root, redact_url
+from fabric_pipelines.lib.core.settings import FabricPaths, database_url, default_root, redact_url
+from fabric_pipelines.lib.steps.extraction import WorkerOptions
 from fabric_pipelines.lib.store.db import create_schema, make_engine
 from fabric_pipelines.lib.tasks.windows import DEFAULT_OVERLAP, LongInputs
-from fabric_pipelines.lib.warm_workers import warm_devices
+from fabric_pipelines.lib.worker.devices import lease_devices, visible_gpus
+from fabric_pipelines.lib.worker.pool.client import idle_seconds_setting
+from fabric_pipelines.lib.worker.prestart import prestarted_devices
 
 
 class ArtifactStore(dg.ConfigurableResource):
@@ -81,7 +80,7 @@ class EngineConfig(dg.ConfigurableResource):
     # key: each variant's results are kept apart.
     variant: str = "float32"
     # Tasks whose content key (token ids, model key, hook layers) already has a stored result,
-    # in any task set, get a copy of it instead of a place in a batch (lib/reuse.py). None:
+    # in any task set, get a copy of it instead of a place in a batch (lib/broker/reuse.py). None:
     # FABRIC_REUSE (on unless "off"); False: every task is computed.
     reuse_results: bool | None = None
     # Items longer than max_seq_len (lib/tasks/windows.py): "chunk" into windows of the model's
@@ -105,7 +104,7 @@ class EngineConfig(dg.ConfigurableResource):
     # most one lease, however long live workers' batches take.
     lease_seconds: float = DEFAULT_LEASE_SECONDS
     heartbeat_seconds: float | None = None
-    # The warm engine pool (lib/engine_pool.py): worker processes that keep the model loaded
+    # The warm engine pool (lib/worker/pool/client.py): worker processes that keep the model loaded
     # for this long after their last job, for the next run. None: FABRIC_POOL_IDLE_SECONDS,
     # else 300 s; 0: no pool (each run starts its own workers).
     pool_idle_seconds: float | None = None
@@ -128,11 +127,11 @@ class EngineConfig(dg.ConfigurableResource):
     ) -> Iterator[list[int] | None]:
         """GPU per worker for GPU backends (worker i -> the i-th leased device), held for the
         block so concurrent steps never share a GPU; None for the CPU engine and in-process runs.
-        Workers started early for `task_set` (warm_workers.py) hold theirs already."""
+        Workers started early for `task_set` (lib/worker/prestart.py) hold theirs already."""
         if self.manifest().backend == "cpu" or self.workers == 0:
             yield None
             return
-        held = warm_devices(task_set)
+        held = prestarted_devices(task_set)
         if held is not None:
             yield held
             return

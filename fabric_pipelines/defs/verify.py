@@ -8,7 +8,7 @@ the failed run with the same text.
 import dagster as dg
 
 from fabric_pipelines.defs.resources import ArtifactStore, Database
-from fabric_pipelines.lib.verify import verify
+from fabric_pipelines.lib.maintenance.verify import verify
 
 MAX_LISTED = 50  # findings spelled out in the failure; the rest are counted
 

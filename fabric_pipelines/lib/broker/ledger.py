@@ -25,6 +25,7 @@ from fabric_pipelines.lib.store.keys import set_id_of, task_set_id
 from fabric_pipelines.lib.store.models import (
     WINDOW_BASE,
     Batch,
+    BatchPlanRow,
     DocumentWindow,
     Embedding,
     Model,
@@ -32,7 +33,6 @@ from fabric_pipelines.lib.store.models import (
     TaskFailure,
     TaskSet,
 )
-from fabric_pipelines.lib.store.models import BatchPlan as BatchPlanRow
 
 QUEUED, LEASED, COMPLETED, FAILED, SUPERSEDED = (
     "queued",
@@ -107,7 +107,7 @@ class DocumentAccounting:
 @dataclass(frozen=True)
 class Accounting:
     """tasks = completed + reused + failed + in_flight + queued. `completed`: results the engine
-    computed; `reused`: copies of stored results of the same content key (lib/reuse.py); a task
+    computed; `reused`: copies of stored results of the same content key (lib/broker/reuse.py); a task
     waiting for such a copy is `queued`. A chunked document's tasks are its windows: `tasks`
     counts them in its place, and `completed` counts windows, not the document row combined
     from them; `documents` then counts by document."""

@@ -23,24 +23,23 @@ from fabric_pipelines.lib.broker.ledger import (
     register_plan,
     supersede_open_batches,
 )
-from fabric_pipelines.lib.reuse import (
+from fabric_pipelines.lib.broker.reuse import (
     content_keys,
     link_before_planning,
     pending_record_nos,
     reuse_enabled,
 )
-from fabric_pipelines.lib.settings import FabricPaths
+from fabric_pipelines.lib.core.settings import FabricPaths
 from fabric_pipelines.lib.store.db import insert_ignoring_duplicates
 from fabric_pipelines.lib.store.keys import model_id
-from fabric_pipelines.lib.store.models import Batch, Model, TaskSet
-from fabric_pipelines.lib.store.models import BatchPlan as BatchPlanRow
-from fabric_pipelines.lib.tasks.catalog import get_task_set
-from fabric_pipelines.lib.tasks.store import (
+from fabric_pipelines.lib.store.models import Batch, BatchPlanRow, Model, TaskSet
+from fabric_pipelines.lib.tasks.arrow_files import (
     checked_meanwhile,
     flat_tokens,
     read_table,
     write_table,
 )
+from fabric_pipelines.lib.tasks.catalog import get_task_set
 
 
 class PlanMismatchError(ValueError):
@@ -57,7 +56,7 @@ class PlanSummary:
     outstanding: int
     new_batches: int
     # Tasks given a copy of a stored result of the same content key instead of planned
-    # (lib/reuse.py), and duplicates inside the set waiting for their first copy, by this planning.
+    # (lib/broker/reuse.py), and duplicates inside the set waiting for their first copy, by this planning.
     reused: int = 0
     deferred: int = 0
 
@@ -101,7 +100,7 @@ def plan_task_set(
     reuse: bool | None = None,
 ) -> PlanSummary:
     """Plan the set's outstanding items for the manifest's engine, which takes `layout` input.
-    Items whose content key has a stored result get a copy of it instead (lib/reuse.py; `reuse`
+    Items whose content key has a stored result get a copy of it instead (lib/broker/reuse.py; `reuse`
     None: FABRIC_REUSE decides, on by default)."""
     ts = get_task_set(db, task_set)
     tok_sha = tokenizer_sha256(resolve_model_dir(manifest.model_id))

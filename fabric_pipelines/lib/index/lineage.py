@@ -16,7 +16,7 @@ from fabric_pipelines.lib.index.receipt import Receipt
 from fabric_pipelines.lib.store.keys import model_id_of, set_id_of
 from fabric_pipelines.lib.store.models import (
     Batch,
-    BatchPlan,
+    BatchPlanRow,
     Embedding,
     IndexReceipt,
     Model,
@@ -132,12 +132,12 @@ def trace(conn: Connection, receipt_sha256: str, recorded: dict[str, Any]) -> Li
             data_version=run.get("data_version"),
         )
         plans = conn.execute(
-            select(BatchPlan)
+            select(BatchPlanRow)
             .where(
-                BatchPlan.task_set_id == set_id_of(name),
-                BatchPlan.model_id == model_id_of(model_key),
+                BatchPlanRow.task_set_id == set_id_of(name),
+                BatchPlanRow.model_id == model_id_of(model_key),
             )
-            .order_by(BatchPlan.created_at)
+            .order_by(BatchPlanRow.created_at)
         ).all()
         for plan in plans:
             states = Counter(
@@ -177,7 +177,7 @@ def trace(conn: Connection, receipt_sha256: str, recorded: dict[str, Any]) -> Li
     return Lineage(receipt_sha256, index, model, receipt.code, sets)
 
 
-def render(lineage: Lineage) -> str:
+def render_lineage(lineage: Lineage) -> str:
     """The lineage as an indented tree for a terminal."""
     i, m = lineage.index, lineage.model
     lines = [

@@ -22,7 +22,7 @@ import numpy as np
 from fabric_pipelines.lib.index.build import list_ids, set_nprobe
 
 if TYPE_CHECKING:
-    from fabric_pipelines.lib.index.recall import RecallProbe
+    from fabric_pipelines.lib.index.probe import RecallProbe
 
 CHECK_QUERIES = 50  # queries searched in FAISS to confirm the lists' answer
 CHECK_SLACK = 0.01  # share of the checked hits the answers may differ by: float rounding

@@ -23,7 +23,6 @@ Files are streamed from FAISS and hashed on the way, never read back (files.py),
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,8 +36,7 @@ import numpy as np
 import torch
 from sqlalchemy import Engine
 
-from fabric_pipelines.lib.calibration import calibration_sha256
-from fabric_pipelines.lib.files import (
+from fabric_pipelines.lib.core.files import (
     CHUNK_BYTES,
     CorruptFileError,
     HashingWriter,
@@ -65,6 +63,7 @@ from fabric_pipelines.lib.index.build import (
     tolerance,
     train_rows,
 )
+from fabric_pipelines.lib.index.paths import model_index_folder
 from fabric_pipelines.lib.index.quality import measure, shortfall
 from fabric_pipelines.lib.index.recall import NprobeChoice
 from fabric_pipelines.lib.index.receipt import (
@@ -77,11 +76,11 @@ from fabric_pipelines.lib.index.receipt import (
 )
 from fabric_pipelines.lib.index.staleness import staleness
 from fabric_pipelines.lib.index.vectors import VectorSet, check_vectors, load_vectors
-from fabric_pipelines.lib.plots import chart_and_table
+from fabric_pipelines.lib.records.calibration import calibration_sha256
+from fabric_pipelines.lib.records.vector_codec import StoredCodec
 from fabric_pipelines.lib.store.db import insert_ignoring_duplicates
 from fabric_pipelines.lib.store.keys import model_id
 from fabric_pipelines.lib.store.models import IndexReceipt
-from fabric_pipelines.lib.stored_vectors import StoredCodec
 
 WORKERS = 8  # threads for hashing, reading and writing files beside the build
 SERVED_BEHIND = 2  # shards gathered and assigned at most ahead of the served index's appends
@@ -142,10 +141,6 @@ def stored_encoding(codec: StoredCodec) -> dict[str, Any]:
     return fields
 
 
-def model_folder(index_folder: Path, model_key: str) -> Path:
-    return index_folder / re.sub(r"[^A-Za-z0-9._-]", "_", model_key)
-
-
 def store_index(folder: Path, index: faiss.Index) -> tuple[str, Path]:
     """Store `index` as <folder>/<sha256>.faiss, streamed by FAISS into the file in large chunks
     and hashed on the way (no copy of its bytes in memory, no reading the file back); returns
@@ -200,11 +195,11 @@ def unchanged_index(
     )
     if not same:
         return None
-    vector_tail.drop(db, model_key)  # followed for a build that is not needed
+    vector_tail.drop_tail(db, model_key)  # followed for a build that is not needed
     return PublishedIndex(
         receipt,
         current.receipt_sha256,
-        model_folder(index_folder, model_key) / receipt["index_file"],
+        model_index_folder(index_folder, model_key) / receipt["index_file"],
         receipt_path,
         unchanged=True,
     )
@@ -263,7 +258,7 @@ def build_and_publish(
     with ThreadPoolExecutor(WORKERS, thread_name_prefix="index") as pool:
         ids_sha256 = pool.submit(array_sha256, source.ids)
         vectors_sha256 = pool.submit(array_sha256, source.vectors)
-        folder = model_folder(index_folder, model_key)
+        folder = model_index_folder(index_folder, model_key)
         with clock.phase("prepare"):
             reuse = _reusable(previous, spec, model, folder, source.dim)
             builder = (
@@ -578,83 +573,3 @@ def _reusable(
     except (FileNotFoundError, CorruptFileError):
         return None
     return quantizer, training
-
-
-def recall_curve_chart(quality: dict[str, Any]) -> str:
-    """recall@1/10/100 and recall@k per nprobe (IVF), as plots on a 0-1 scale beside tables."""
-    curve = quality.get("nprobe_curve", {})
-    at = {k: quality[f"recall_at_{k}"] for k in (1, 10, 100) if f"recall_at_{k}" in quality}
-    parts = [
-        chart_and_table(
-            [f"recall@{k}" for k in at],
-            list(at.values()),
-            ("", "recall"),
-            title="recall against exact search",
-            fmt="{:.4f}",
-            full=1.0,
-        )
-    ]
-    if curve:
-        parts.append(
-            chart_and_table(
-                [f"nprobe {n}" for n in curve],
-                list(curve.values()),
-                ("", f"recall@{quality['k']}"),
-                title=f"recall@{quality['k']} per nprobe",
-                fmt="{:.4f}",
-                full=1.0,
-            )
-        )
-    return "\n\n".join(parts)
-
-
-def receipt_summary(receipt: dict[str, Any], receipt_sha: str) -> str:
-    """The receipt's essentials as a Markdown table (hashes in full, in code spans so they wrap
-    as a unit); the whole receipt is the file it names."""
-    quality, index, model = receipt["quality"], receipt["index"], receipt["model"]
-    rows = [
-        ("receipt sha256", f"`{receipt_sha}`"),
-        ("index sha256", f"`{receipt['index_sha256']}`"),
-        ("vectors", f"{receipt['source']['rows']:,}"),
-        ("task sets", f"{len(receipt['source']['task_sets']):,}"),
-        ("model", f"{model.get('model_id', '')} (`{model['model_key']}`), dim {model['dim']}"),
-        ("weights sha256", f"`{model.get('weights_sha256', '')}`"),
-        ("index", f"{index['factory']}, {index['metric']}, {index['shards']} shards"),
-        ("nprobe", str(index["params"].get("nprobe", 0))),
-        (f"recall@{quality['k']}", f"{quality['recall_at_k']:.4f}"),
-        ("built on", f"{receipt['build_device']} ({receipt['training'].get('builder', '')})"),
-        ("inputs", f"{len(receipt['inputs'])} extraction run(s), linked below"),
-    ]
-    return "| | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
-
-
-def cluster_sizes_chart(quality: dict[str, Any]) -> str:
-    """Inverted lists per size range (IVF indexes), or a note where there are none."""
-    ranges = quality.get("lists", {}).get("size_ranges")
-    if not ranges:
-        return "not an IVF index: no lists"
-    return chart_and_table(
-        [f"{r} vectors" for r in ranges],
-        list(ranges.values()),
-        ("list size", "lists"),
-        title="inverted lists per size",
-    )
-
-
-def cluster_health_table(quality: dict[str, Any]) -> str:
-    """The cluster-health summary and vector counts as a Markdown table."""
-    rows = {
-        **quality.get("cluster_health", {}),
-        **{f"vectors_{k}": v for k, v in quality["vectors"].items()},
-    }
-    for key in ("lists", "knn_density_10", "near_duplicates"):
-        if key in quality:
-            value = quality[key]
-            rows.update(
-                {f"lists_{k}": v for k, v in value.items() if k != "size_ranges"}
-                if isinstance(value, dict)
-                else {key: value}
-            )
-    return "| measure | value |\n|---|---:|\n" + "\n".join(
-        f"| {k} | {v} |" for k, v in rows.items()
-    )

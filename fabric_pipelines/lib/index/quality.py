@@ -15,7 +15,7 @@ from typing import Any
 import faiss
 import numpy as np
 
-from fabric_pipelines.lib.charts import power_of_two_bins
+from fabric_pipelines.lib.core.charts import power_of_two_bins
 from fabric_pipelines.lib.index import metrics
 from fabric_pipelines.lib.index.build import (
     IndexSpec,
@@ -26,12 +26,12 @@ from fabric_pipelines.lib.index.build import (
     list_sizes,
 )
 from fabric_pipelines.lib.index.list_recall import ListRecall
+from fabric_pipelines.lib.index.probe import RecallProbe
 from fabric_pipelines.lib.index.recall import (
     CURVE_RULE_LISTS,
     CURVE_RULE_SEARCH,
     RULE,
     NprobeChoice,
-    RecallProbe,
     choose_nprobe,
     nprobe_curve,
 )

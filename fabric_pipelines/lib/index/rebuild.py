@@ -20,7 +20,7 @@ from typing import Any
 import faiss
 from sqlalchemy import Engine
 
-from fabric_pipelines.lib.files import CorruptFileError, sha256_file
+from fabric_pipelines.lib.core.files import CorruptFileError, sha256_file
 from fabric_pipelines.lib.index.build import (
     IndexSpec,
     add_rows,
@@ -34,13 +34,9 @@ from fabric_pipelines.lib.index.build import (
     set_nprobe,
     train_rows,
 )
-from fabric_pipelines.lib.index.publish import (
-    model_folder,
-    read_verified,
-    shard_rows,
-    store_index,
-)
-from fabric_pipelines.lib.index.recall import RecallProbe
+from fabric_pipelines.lib.index.paths import model_index_folder
+from fabric_pipelines.lib.index.probe import RecallProbe
+from fabric_pipelines.lib.index.publish import read_verified, shard_rows, store_index
 from fabric_pipelines.lib.index.receipt import Receipt, ReceiptError, array_sha256, receipt_sha256
 from fabric_pipelines.lib.index.vectors import VectorSet, load_vectors
 
@@ -65,7 +61,7 @@ class RebuildReport:
 def check_files(receipt: Receipt | dict[str, Any], index_folder: Path) -> list[FileProblem]:
     """Every file the receipt names (served index, quantizer, shards), hashed against it."""
     typed = receipt if isinstance(receipt, Receipt) else Receipt.parse(receipt)
-    folder = model_folder(index_folder, typed.model_key)
+    folder = model_index_folder(index_folder, typed.model_key)
     problems = []
     for name, sha in typed.files():
         path = folder / name
@@ -154,7 +150,7 @@ def rebuild_from_receipt(
         source = load_vectors(conn, receipt.source.predicate["model_key"])
     _check_source(receipt, source)
     spec = spec_from_receipt(receipt)
-    folder = model_folder(index_folder, model_key)
+    folder = model_index_folder(index_folder, model_key)
     training = receipt.training
     recorded_by = recorded_builder(training.as_dict())
     outputs: dict[str, faiss.Index] = {}  # file -> what the rebuild made for it

@@ -66,7 +66,7 @@ def staleness(conn: Connection, model_key: str, index_folder: Path) -> Staleness
     stale = [s for s, (then, current) in enumerate(zip(watermark["versions"], now, strict=True))
              if then != current]  # fmt: skip
     # Here, not at the top: publish loads torch and FAISS, which a staleness check never needs.
-    from fabric_pipelines.lib.index.publish import model_folder
+    from fabric_pipelines.lib.index.paths import model_index_folder
 
-    missing = not (model_folder(index_folder, model_key) / receipt["index_file"]).is_file()
+    missing = not (model_index_folder(index_folder, model_key) / receipt["index_file"]).is_file()
     return Staleness(model_key, sha, stale, missing, receipt)

@@ -56,11 +56,11 @@ from fabric_pipelines.lib.index.vectors import (
     read_only_connection,
     vector_set,
 )
+from fabric_pipelines.lib.records.vector_codec import StoredCodec
 from fabric_pipelines.lib.store.keys import model_id, task_set_id
 from fabric_pipelines.lib.store.schema import has_pgvector_column
-from fabric_pipelines.lib.stored_vectors import StoredCodec
+from fabric_pipelines.lib.tasks.arrow_files import read_table
 from fabric_pipelines.lib.tasks.catalog import get_task_set
-from fabric_pipelines.lib.tasks.store import read_table
 
 log = logging.getLogger(__name__)
 
@@ -492,7 +492,7 @@ _KINDS: dict[str, type[VectorTail]] = {"sqlite": _SqliteTail, "postgresql": _Pos
 @contextmanager
 def following(db: Engine, model_key: str, task_set: str) -> Iterator[VectorTail | None]:
     """Follow `model_key`'s vectors while the block extracts `task_set`, and keep them for the
-    index step when the block succeeds; drop them when it raises. A tail replaces an unclaimed
+    index step when the block succeeds; drop_tail them when it raises. A tail replaces an unclaimed
     one of the same database and model. Yields the tail (None where there is none)."""
     kind = _KINDS.get(db.dialect.name) if _in_this_process else None
     if db.dialect.name == "sqlite" and db.url.database in (None, "", ":memory:"):
@@ -522,7 +522,7 @@ def following(db: Engine, model_key: str, task_set: str) -> Iterator[VectorTail 
             before.close()
 
 
-def drop(db: Engine, model_key: str) -> None:
+def drop_tail(db: Engine, model_key: str) -> None:
     """Let go of the tail of this database and model, unclaimed (no build needs its vectors)."""
     with _tails_lock:
         tail = _tails.pop(_key(db, model_key), None)

@@ -29,10 +29,10 @@ from sqlalchemy import Connection, Engine, select, text
 from fabric_pipelines.lib.index import parallel_read
 from fabric_pipelines.lib.index.copy_rows import RowLayoutError, vector_rows
 from fabric_pipelines.lib.index.parallel_read import KeyRange, ReadStopped
+from fabric_pipelines.lib.records.vector_codec import StoredCodec
 from fabric_pipelines.lib.store.models import WINDOW_BASE, Model, TaskSet
 from fabric_pipelines.lib.store.schema import has_pgvector_column
 from fabric_pipelines.lib.store.vector_columns import VectorColumns
-from fabric_pipelines.lib.stored_vectors import StoredCodec
 
 # An index holds documents: the rows of submitted records, never the windows of a chunked one
 # (tasks/windows.py), whose document has a row of its own.

@@ -174,7 +174,7 @@ class TaskFailure(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
-class BatchPlan(Base):
+class BatchPlanRow(Base):
     """A plan of shape-pure batches for one task set and one consumer profile."""
 
     __tablename__ = "batch_plans"
@@ -314,7 +314,7 @@ class EngineSpeed(Base):
     measured_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
-class Int8Calibration(Base):
+class CalibrationRow(Base):
     """The per-dimension range a model key's int8 vectors were quantised over (migration 0012)."""
 
     __tablename__ = "int8_calibrations"
@@ -331,7 +331,7 @@ class Int8Calibration(Base):
 
 
 class ContentKey(Base):
-    """The content key of each task of a set planned for a model (migration 0014, lib/reuse.py):
+    """The content key of each task of a set planned for a model (migration 0014, lib/broker/reuse.py):
     sha256 of the model key, the hook layers and the task's final token ids. A stored result
     of one key is the result of every task with that key, in any set.
 
@@ -348,7 +348,7 @@ class ContentKey(Base):
 
 
 class ReusedResult(Base):
-    """A task whose result is another task's, of the same content key (lib/reuse.py): its
+    """A task whose result is another task's, of the same content key (lib/broker/reuse.py): its
     embedding row is a copy of the source's, made when the source's row is stored. Until then
     (a duplicate inside the set whose first copy is still queued) the task counts as queued."""
 
@@ -368,7 +368,7 @@ class ReusedResult(Base):
 
 
 class ExtractionRun(Base):
-    """One extraction step's efficiency record (lib/efficiency.py), as JSON: what `fabric
+    """One extraction step's efficiency record (lib/records/efficiency.py), as JSON: what `fabric
     status` shows of a set's last run."""
 
     __tablename__ = "extraction_runs"

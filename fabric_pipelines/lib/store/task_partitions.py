@@ -69,7 +69,7 @@ def has_own(conn: Connection, set_id: int) -> bool:
     return found.scalar() is not None
 
 
-def drop(db: Engine, set_id: int) -> None:
+def drop_partition(db: Engine, set_id: int) -> None:
     """Drop `set_id`'s own partition, if it has one, once the forgetting of the set has
     committed. Detached CONCURRENTLY first: a plain DROP would take the parent's ACCESS
     EXCLUSIVE lock, waiting for every reader of `tasks` and holding up every new one; this way

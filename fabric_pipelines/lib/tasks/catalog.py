@@ -25,13 +25,13 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from fabric_gpu.model import load_tokenizer, resolve_model_dir, tokenizer_sha256
-from fabric_pipelines.lib.files import (
+from fabric_pipelines.lib.core.files import (
     CorruptFileError,
     StoredFile,
     sha256_file,
     stream_content_addressed,
 )
-from fabric_pipelines.lib.settings import FabricPaths
+from fabric_pipelines.lib.core.settings import FabricPaths
 from fabric_pipelines.lib.store import task_partitions
 from fabric_pipelines.lib.store.db import sqlite_has_json
 from fabric_pipelines.lib.store.keys import set_id_of
@@ -43,6 +43,7 @@ from fabric_pipelines.lib.store.models import (
     TaskFailure,
     TaskSet,
 )
+from fabric_pipelines.lib.tasks.arrow_files import read_table, single_chunk, to_table, write_ipc
 from fabric_pipelines.lib.tasks.inbox import (
     forget_submitted,
     record_submitted,
@@ -60,7 +61,6 @@ from fabric_pipelines.lib.tasks.ingest import (
 )
 from fabric_pipelines.lib.tasks.prompts import forget_prompt
 from fabric_pipelines.lib.tasks.source_read import SourceRead, done, read_source, take_read_ahead
-from fabric_pipelines.lib.tasks.store import read_table, single_chunk, to_table, write_ipc
 from fabric_pipelines.lib.tasks.windows import WINDOW_BASE, LongInputs
 
 # SQLite page cache while task ids are inserted, in KiB (the default is 2 MiB).
@@ -653,7 +653,7 @@ def forget_task_set(db: Engine, paths: FabricPaths, task_set: str) -> None:
         # Its failures, plans, ledger rows and shard rows go with it (foreign keys, cascading).
         conn.execute(delete(TaskSet).where(TaskSet.name == task_set))
     if set_id is not None and db.dialect.name == "postgresql":
-        task_partitions.drop(db, set_id)
+        task_partitions.drop_partition(db, set_id)
     if stored is not None:
         Path(stored.path).unlink(missing_ok=True)
     (paths.task_sets / f"{task_set}.arrow").unlink(missing_ok=True)  # stored before hash names

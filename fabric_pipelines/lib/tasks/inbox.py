@@ -25,8 +25,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from fabric_pipelines.lib.files import copy_file, fsync_folder, sha256_file, write_bytes
-from fabric_pipelines.lib.names import InvalidNameError, validate_task_set_name
+from fabric_pipelines.lib.core.files import copy_file, fsync_folder, sha256_file, write_bytes
+from fabric_pipelines.lib.core.names import InvalidNameError, validate_task_set_name
 from fabric_pipelines.lib.tasks.ingest import SUPPORTED_SUFFIXES, SubmissionError
 
 SUBMITTED = ".submitted"

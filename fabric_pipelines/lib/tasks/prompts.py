@@ -13,8 +13,8 @@ from pathlib import Path
 
 from fabric_gpu.model import resolve_model_dir
 from fabric_gpu.model_defaults import model_defaults
-from fabric_pipelines.lib.files import write_bytes
-from fabric_pipelines.lib.names import validate_task_set_name
+from fabric_pipelines.lib.core.files import write_bytes
+from fabric_pipelines.lib.core.names import validate_task_set_name
 from fabric_pipelines.lib.tasks.inbox import SUBMITTED
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from fabric_pipelines.lib.files import sha256_file
+from fabric_pipelines.lib.core.files import sha256_file
 from fabric_pipelines.lib.tasks.ingest import plain_parquet
 
 

@@ -6,7 +6,7 @@ Three policies, chosen per task set (`--long-inputs`, the manifest's `long_input
   `encode()` does (counted as truncated);
 - `chunk` (the default): the record is split into windows of the model's length that overlap by
   `overlap` tokens; each window is a task the broker packs like any other, and once all of a
-  document's windows are stored its vector is their token-weighted mean (lib/documents.py).
+  document's windows are stored its vector is their token-weighted mean (lib/results/documents.py).
 
 A window is `[first token] + a run of the document's inner tokens + [last token]`: the first and
 last tokens of a tokenised record are the model's special tokens ([CLS]/[SEP], <s>/</s>), so

@@ -5,7 +5,7 @@
 which it was (truncated > 0: truncate, else fail). `n_chunked` counts the documents split into
 windows and `n_windows` the windows, which are tasks of their own. `document_windows` names each
 chunked document's windows (a run of record numbers from WINDOW_BASE up) and its own length, for
-combining its vector (lib/documents.py); its rows go with their set.
+combining its vector (lib/results/documents.py); its rows go with their set.
 
 Downgrade: the columns and the table go.
 

@@ -1,10 +1,10 @@
-"""Content keys and reused results (lib/reuse.py): a task whose token ids, model key and hook
+"""Content keys and reused results (lib/broker/reuse.py): a task whose token ids, model key and hook
 layers match a stored result's is linked to it instead of being computed again.
 
 `content_keys` holds each planned task's key (sha256, 32 bytes), indexed by model and key;
 `reused_results` each task whose embedding row was (or will be, once its source is stored)
 copied from another task's. `extraction_runs` keeps each extraction step's efficiency record
-(lib/efficiency.py) for `fabric status`.
+(lib/records/efficiency.py) for `fabric status`.
 
 Downgrade: the three tables go (copied embedding rows stay, and then count as completed).
 

@@ -1,0 +1,307 @@
+"""Running the Dagster jobs in-process for `fabric run`, `submit --run` and `demo`: run config from the command line, prestarted workers, and the summary printed at the end."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+from fabric_pipelines.cli.environment import open_database, prepare_environment
+
+DEMO_TASK_SET = "demo"
+
+
+def engine_config(args: argparse.Namespace) -> dict[str, Any]:
+    config: dict[str, Any] = {}
+    for name in (
+        "model_id",
+        "max_batch_tokens",
+        "max_batch_items",
+        "max_seq_len",
+        "seq_granularity",
+    ):
+        value = getattr(args, name, None)
+        if value is not None:
+            config[name] = value
+    if getattr(args, "hook_layers", None) is not None:
+        config["hook_layers"] = [int(x) for x in args.hook_layers.split(",") if x.strip()]
+    if getattr(args, "manifest", None):
+        config["manifest_path"] = str(Path(args.manifest).resolve())
+    for name in ("workers", "lease_seconds", "heartbeat_seconds", "pool_idle_seconds"):
+        value = getattr(args, name, None)
+        if value is not None:
+            config[name] = value
+    if getattr(args, "long_inputs", None) is not None:
+        config["long_inputs"] = args.long_inputs
+    if getattr(args, "window_overlap", None) is not None:
+        config["window_overlap"] = args.window_overlap
+    for name in ("pooling", "normalize"):
+        if getattr(args, name, None) is not None:
+            config[name] = getattr(args, name)
+    if getattr(args, "store_variant", None) is not None:
+        config["variant"] = args.store_variant
+    if getattr(args, "reuse_results", None) is not None:
+        config["reuse_results"] = args.reuse_results
+    return config
+
+
+def _run_config(args: argparse.Namespace) -> dict[str, Any]:
+    engine = engine_config(args)
+    return {"resources": {"engine": {"config": engine}}} if engine else {}
+
+
+def quiet_dagster() -> None:
+    logging.getLogger("dagster").setLevel(logging.WARNING)
+
+
+def run_pipeline(
+    task_set: str, args: argparse.Namespace, prepared: Future[tuple[Any, Any]] | None = None
+) -> dict[str, Any]:
+    """Materialise the three partitioned assets for `task_set`, then the index; return a summary.
+
+    `prepared`: the definitions and Dagster instance made meanwhile (prepare.prepare_pipeline).
+    The name is checked before it becomes a partition; a partition this call registered is
+    removed again when the set could not even be ingested, so a typo leaves nothing behind."""
+    import dagster as dg
+
+    from fabric_pipelines.cli.run_clock import mark, marks, steps_of
+    from fabric_pipelines.definitions import defs
+    from fabric_pipelines.defs.failures import failure_text
+    from fabric_pipelines.defs.partitions import TASK_SET_PARTITIONS
+    from fabric_pipelines.lib.core.names import validate_task_set_name
+    from fabric_pipelines.lib.index import vector_tail
+    from fabric_pipelines.lib.steps.progress import run_progress
+
+    validate_task_set_name(task_set)  # InvalidNameError: main() prints it, exit 2
+    vector_tail.follow_in_this_process()  # both jobs run here, the index right after extraction
+    mark("dagster_imported")
+    try:
+        if prepared is None:
+            raise LookupError("nothing prepared")
+        definitions, instance = prepared.result()
+    except Exception:  # not prepared, or it failed there: made here, where a failure is reported
+        definitions, instance = defs(), dg.DagsterInstance.get()
+    mark("definitions_loaded")
+    registered = _register_partition(instance, TASK_SET_PARTITIONS, task_set)
+    run_config = _run_config(args)
+    log_config = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}
+    started = time.perf_counter()
+    with run_progress():  # one bar for the run: stage, tasks done, tokens/s, ETA
+        extract = definitions.resolve_job_def("extract_task_set").execute_in_process(
+            partition_key=task_set,
+            instance=instance,
+            run_config={**run_config, **log_config},
+            raise_on_error=False,
+        )
+        mark("extraction_job_done")
+        if not extract.success:
+            if registered and not _ingested(task_set):
+                instance.delete_dynamic_partition(TASK_SET_PARTITIONS, task_set)
+            raise SystemExit(failure_text(extract, "extraction", task_set))
+        index = definitions.resolve_job_def("build_vector_index").execute_in_process(
+            instance=instance, run_config={**run_config, **log_config}, raise_on_error=False
+        )
+        mark("index_job_done")
+    if not index.success:
+        raise SystemExit(failure_text(index, "index build", task_set))
+    materialized = {**_materializations(extract), **_materializations(index)}
+    return {
+        "extract": _materializations(extract),
+        "index": _materializations(index),
+        "checks": _checks(extract) + _checks(index),
+        "seconds": time.perf_counter() - started,
+        "stage_seconds": {
+            name: meta["seconds"] for name, meta in materialized.items() if "seconds" in meta
+        },
+        "run_ids": (extract.run_id, index.run_id),
+        # Wall-clock marks and every step's start and end, for `--report` readers (bench/e2e.py).
+        "clock": {
+            "marks": marks(),
+            "steps": {
+                **steps_of(instance, extract.run_id),
+                **{f"index:{k}": v for k, v in steps_of(instance, index.run_id).items()},
+            },
+        },
+    }
+
+
+def prestart_for_run(task_set: str, args: argparse.Namespace) -> Any:
+    """Start the run's extraction workers first thing (lib/worker/prestart.py), so that Python,
+    torch, the CUDA context and the weights load while the CLI imports Dagster and the set is
+    submitted, ingested and planned. A no-op when the engine settings cannot be read here (the
+    run's own step reports why); the step takes the workers over only if its settings match."""
+    from fabric_pipelines.cli.run_clock import mark
+    from fabric_pipelines.lib.broker.ledger import DEFAULT_LEASE_SECONDS
+    from fabric_pipelines.lib.core.settings import FabricPaths, database_url
+    from fabric_pipelines.lib.worker.devices import visible_gpus
+    from fabric_pipelines.lib.worker.pool.client import idle_seconds_setting
+    from fabric_pipelines.lib.worker.prestart import prestart_workers
+
+    try:
+        manifest = engine_manifest(args)
+        pool_idle_seconds = idle_seconds_setting(getattr(args, "pool_idle_seconds", None))
+    except Exception:  # the extraction step reports the same error, in the run
+        return contextlib.nullcontext()
+    mark("manifest_read")
+    paths = FabricPaths(prepare_environment()).ensure()
+    gpus = visible_gpus() if manifest.backend != "cpu" else 0
+    mark("gpus_counted")
+    return prestart_workers(
+        paths,
+        task_set,
+        manifest,
+        database_url=database_url(paths),
+        count=1 if args.workers is None else args.workers,  # EngineConfig's default: 1
+        visible_gpus=gpus,
+        lease_seconds=args.lease_seconds or DEFAULT_LEASE_SECONDS,
+        heartbeat_seconds=args.heartbeat_seconds,
+        pool_idle_seconds=pool_idle_seconds,
+    )
+
+
+def engine_manifest(args: argparse.Namespace) -> Any:
+    """The run's engine manifest: a manifest file is read directly (no Dagster import, which
+    takes seconds); the options' defaults come from the engine resource."""
+    from fabric_gpu.manifest import EngineManifest
+
+    path = getattr(args, "manifest", None) or os.environ.get("FABRIC_ENGINE_MANIFEST", "")
+    if path:
+        return EngineManifest.load(Path(path))
+    from fabric_pipelines.defs.resources import EngineConfig
+
+    return EngineConfig(**engine_config(args)).manifest()
+
+
+def write_report(args: argparse.Namespace, summary: dict[str, Any]) -> None:
+    """The run's summary as JSON, for scripts (`--report FILE`)."""
+    if not getattr(args, "report", None):
+        return
+    from fabric_pipelines.cli.run_clock import mark, marks
+    from fabric_pipelines.cli.warm_client import IN_RUNNER
+    from fabric_pipelines.lib.core.files import write_bytes
+
+    mark("report_written")
+    plain = {key: value for key, value in summary.items() if key != "run_ids"}
+    plain.setdefault("clock", {})["marks"] = marks()
+    plain["run_ids"] = list(summary["run_ids"])
+    # Whether a warm runner's child ran it (cli/warm_client.py, cli/warm_server.py), and which process.
+    plain["process"] = {"pid": os.getpid(), "warm_runner": bool(os.environ.get(IN_RUNNER))}
+    write_bytes(Path(args.report), json.dumps(plain, default=str, indent=1).encode())
+
+
+def _register_partition(instance: Any, partitions: str, task_set: str) -> bool:
+    """Add the set's partition; True when this call added it. Two first runs of one set may
+    race to add it: whichever loses finds it there, which is all it needs."""
+    if instance.has_dynamic_partition(partitions, task_set):
+        return False
+    try:
+        instance.add_dynamic_partitions(partitions, [task_set])
+    except Exception:
+        if not instance.has_dynamic_partition(partitions, task_set):
+            raise
+        return False
+    return True
+
+
+def _ingested(task_set: str) -> bool:
+    from sqlalchemy import select
+
+    from fabric_pipelines.lib.store.models import TaskSet
+
+    _, db = open_database()
+    try:
+        with db.connect() as conn:
+            return (
+                conn.execute(select(TaskSet.id).where(TaskSet.name == task_set)).first() is not None
+            )
+    finally:
+        db.dispose()
+
+
+def _materializations(result: Any) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for materialization in result.get_asset_materialization_events():
+        m = materialization.materialization
+        out[m.asset_key.to_user_string()] = {k: v.value for k, v in m.metadata.items()}
+    return out
+
+
+def _checks(result: Any) -> list[tuple[str, bool]]:
+    return [
+        (f"{e.asset_key.to_user_string()}:{e.check_name}", e.passed)
+        for e in result.get_asset_check_evaluations()
+    ]
+
+
+def _reused_rows(reused: int) -> list[tuple[str, str]]:
+    """Tasks given a copy of a stored result instead of being computed (lib/broker/reuse.py)."""
+    if not reused:
+        return []
+    return [("reused", f"{reused:,} tasks (a stored result of the same content copied)")]
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    tasks = summary["extract"].get("tokenised_tasks", {})
+    extraction = summary["extract"].get("extraction_outputs", {})
+    index = summary["index"].get("vector_index", {})
+    rows = [
+        ("tasks submitted", f"{tasks.get('records', 0):,}"),
+        ("completed", f"{extraction.get('completed', 0):,} tasks"),
+        *_reused_rows(extraction.get("reused", 0)),
+        *_document_rows(extraction.get("documents")),
+        (
+            "failed",
+            f"{extraction.get('failed', 0):,} (each with a reason: fabric status --failures)",
+        ),
+        (
+            "real tokens/s",
+            f"{extraction.get('real_tokens_per_s', 0):,.0f} (delivered: written and acked)",
+        ),
+        *([("extraction", str(extraction["efficiency"]))] if extraction.get("efficiency") else []),
+        *_index_rows(index),
+        (
+            "checks",
+            ", ".join(f"{name} {'passed' if ok else 'FAILED'}" for name, ok in summary["checks"]),
+        ),
+        ("wall time", f"{summary['seconds']:.1f} s"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"  {key:<{width}}  {value}")
+
+
+def _document_rows(documents: dict[str, int] | None) -> list[tuple[str, str]]:
+    """A set with chunked documents: its documents stored, and into how many windows (tasks)
+    its long ones were split."""
+    if not documents:
+        return []
+    return [
+        (
+            "documents",
+            f"{documents['stored']:,} stored of {documents['documents']:,}; "
+            f"{documents['chunked']:,} longer than the model's length, split into "
+            f"{documents['windows']:,} windows",
+        )
+    ]
+
+
+def _index_rows(index: dict[str, Any]) -> list[tuple[str, str]]:
+    if not index.get("vectors"):
+        return [("index", f"none: {index.get('note', 'no vectors to index')}")]
+    return [
+        (
+            "index",
+            f"{index.get('index_path', '')}  ({index.get('factory', '')}, "
+            f"{index.get('vectors', 0):,} vectors)",
+        ),
+        ("recall@10", f"{index.get('recall_at_10', 0):.4f}"),
+        ("receipt sha256", f"{index.get('receipt_sha256', '')}"),
+    ]

@@ -1,0 +1,1 @@
+"""Verify, repair and forget: checks over everything stored and the fixes they name; imports index, results and below."""

@@ -1,0 +1,234 @@
+"""One run's extraction stage: the task set's current plan run in this process, by worker
+processes of the run's own, or on the warm engine pool, and the summary over every worker.
+
+Workers and the pool sit below this module (worker/launch.py, worker/pool/run.py, worker/prestart.py); the
+assets, the CLI and the fault drills call `extract_task_set`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fabric_pipelines.lib.broker.ledger import DEFAULT_LEASE_SECONDS, Accounting, heartbeat_interval
+from fabric_pipelines.lib.broker.reuse import copy_pending_of
+from fabric_pipelines.lib.results.documents import combine_task_set
+from fabric_pipelines.lib.worker.launch import (
+    LaunchSettings,
+    WorkerProcess,
+    launch_settings,
+    launch_workers,
+    read_accounting,
+    stop_workers,
+    supervise,
+)
+from fabric_pipelines.lib.worker.main import load_job
+from fabric_pipelines.lib.worker.pool.run import free_devices, open_pool_run, supervise_pool_run
+from fabric_pipelines.lib.worker.prestart import take_prestarted
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
+
+    from fabric_gpu.manifest import EngineManifest
+
+
+@dataclass(frozen=True)
+class ExtractionSummary:
+    """The stage's outcome over every worker; throughput counts delivered work only."""
+
+    workers: int
+    batches_done: int
+    batches_failed: int
+    stale_acks: int
+    rows_inserted: int
+    real_tokens: int
+    seconds: float  # wall time of the stage, worker start-up included
+    padded_tokens: int = 0  # what the engine computed, padding included
+    worker_seconds: tuple[float, ...] = ()  # each worker's run, from its engine's creation
+    # From the first engine ready (graphs captured) to the last batch acknowledged, any worker.
+    pulling_seconds: float = 0.0
+    # Another run re-planned the set meanwhile: the plan that took over ("" if none), and the
+    # sentence that says so; this run's accounting check cannot pass then.
+    superseded_by: str = ""
+    superseded: str = ""
+    # Per worker process, seconds from its start to each point (engine_ready, go, job_loaded,
+    # ready, last_ack, done, closed): where its time went.
+    timelines: tuple[dict[str, float], ...] = ()
+    # Chunked documents whose vectors this run combined from their windows (lib/results/documents.py).
+    documents_combined: int = 0
+    # Rows the engines returned (their own count, retries included), and the tasks given a copy
+    # of the same content's row once it was stored (lib/broker/reuse.py) after the workers.
+    engine_items: int = 0
+    copied_after: int = 0
+    # Summed over the GPU workers (their runtimes' timing marks): seconds the GPU ran batches,
+    # and each GPU's span from its first batch's start to its last batch's end. 0: no GPU.
+    gpu_busy_seconds: float = 0.0
+    gpu_span_seconds: float = 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.real_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def extract_task_set(
+    db: Any,
+    paths: Any,
+    task_set: str,
+    manifest: Any,
+    *,
+    database_url: str,
+    workers: int,
+    lease_seconds: float = DEFAULT_LEASE_SECONDS,
+    heartbeat_seconds: float | None = None,
+    devices: list[int] | None = None,
+    on_progress: Callable[[Accounting], None] | None = None,
+    progress_every_s: float = 5.0,
+    pool_idle_seconds: float = 0.0,
+) -> ExtractionSummary:
+    """Run the task set's current plan: in this process (workers == 0) or in worker processes,
+    on the warm engine pool when `pool_idle_seconds` > 0 (pool_run.py; workers it starts stay
+    that long after their last job).
+
+    With worker processes, none of the run's own is left running when this returns or raises
+    (call it inside the device lease, which must outlive the workers)."""
+    heartbeat_interval(lease_seconds, heartbeat_seconds)  # refuse bad timing before any work
+    started = time.perf_counter()
+    if workers == 0:
+        reports = [
+            _extract_here(
+                db, paths, task_set, manifest, lease_seconds, heartbeat_seconds,
+                on_progress, progress_every_s,
+            )
+        ]  # fmt: skip
+    else:
+        warm = take_prestarted(
+            task_set, manifest, workers, database_url=database_url,
+            lease_seconds=lease_seconds, heartbeat_seconds=heartbeat_seconds,
+        )  # fmt: skip
+        if warm is not None:  # started while the set was ingested and planned: let them go
+            with warm:
+                started_workers = warm.go()
+                if warm.pool_run is not None:
+                    reports = supervise_pool_run(
+                        warm.pool_run, db, task_set, on_progress, progress_every_s
+                    )
+                else:
+                    reports = supervise(
+                        started_workers, db, task_set, on_progress, progress_every_s
+                    )
+        else:
+            settings = launch_settings(
+                paths, task_set, manifest, database_url, lease_seconds, heartbeat_seconds
+            )
+            if pool_idle_seconds > 0:
+                run = open_pool_run(settings, manifest, workers, devices, pool_idle_seconds)
+                reports = supervise_pool_run(run, db, task_set, on_progress, progress_every_s)
+            else:
+                free_devices(paths.root, devices)
+                with _running(settings, workers, settings.folder, devices) as started_workers:
+                    reports = supervise(
+                        started_workers, db, task_set, on_progress, progress_every_s
+                    )
+    superseded = next((r for r in reports if r.get("superseded_by")), None)
+    combined, copied = finish_task_set(db, task_set, manifest)
+    return ExtractionSummary(
+        workers=max(workers, 1),
+        batches_done=sum(r["batches_done"] for r in reports),
+        batches_failed=sum(r["batches_failed"] for r in reports),
+        stale_acks=sum(r["stale_acks"] for r in reports),
+        rows_inserted=sum(r["rows_inserted"] for r in reports),
+        real_tokens=sum(r["real_tokens"] for r in reports),
+        padded_tokens=sum(r.get("padded_tokens", 0) for r in reports),
+        seconds=time.perf_counter() - started,
+        worker_seconds=tuple(float(r["seconds"]) for r in reports),
+        pulling_seconds=_pulling_window(reports),
+        superseded_by=superseded["superseded_by"] if superseded else "",
+        superseded=superseded["superseded"] if superseded else "",
+        timelines=tuple(_timeline(r) for r in reports if r.get("started_at")),
+        documents_combined=combined,
+        engine_items=sum(r.get("engine_items", 0) for r in reports),
+        copied_after=copied,
+        gpu_busy_seconds=sum(r.get("gpu_busy_seconds", 0.0) for r in reports),
+        gpu_span_seconds=sum(r.get("gpu_span_seconds", 0.0) for r in reports),
+    )
+
+
+def finish_task_set(db: Engine, task_set: str, manifest: EngineManifest) -> tuple[int, int]:
+    """What ends every extraction run once its workers are done: chunked documents combined from
+    their windows, then duplicates inside the set given their first copy's row (they waited for
+    it, lib/broker/reuse.py); (documents combined, rows copied)."""
+    combined = combine_task_set(db, task_set, manifest)
+    copied, _ = copy_pending_of(db, task_set, manifest.model_key)
+    return combined, copied
+
+
+def _timeline(report: dict[str, Any]) -> dict[str, float]:
+    start = float(report["started_at"])
+    return {
+        "started_at": start,  # the wall clock, to line workers up with the run's own marks
+        **{
+            name.removesuffix("_at"): round(float(report[name]) - start, 3)
+            for name in TIMELINE_POINTS
+            if report.get(name)
+        },
+    }
+
+
+TIMELINE_POINTS = (
+    "main_at", "engine_created_at", "engine_ready_at", "go_at", "job_loaded_at", "ready_at",
+    "last_ack_at", "done_at", "closed_at",
+)  # fmt: skip
+
+
+@contextlib.contextmanager
+def _running(
+    settings: LaunchSettings, count: int, folder: Path, devices: list[int] | None
+) -> Iterator[list[WorkerProcess]]:
+    workers = launch_workers(settings, count, folder, devices)
+    try:
+        yield workers
+    finally:  # supervise stops them too; this covers an exit between launch and supervise
+        stop_workers(workers)
+
+
+def _extract_here(
+    db: Any,
+    paths: Any,
+    task_set: str,
+    manifest: Any,
+    lease_seconds: float,
+    heartbeat_seconds: float | None,
+    on_progress: Callable[[Accounting], None] | None,
+    progress_every_s: float,
+) -> dict[str, Any]:
+    from fabric_gpu.engines import create_engine
+    from fabric_pipelines.lib.worker.loop import run_worker
+
+    job = load_job(db, paths, task_set, manifest)
+    engine = create_engine(manifest)
+
+    def progress(_report: Any) -> None:
+        if on_progress is not None:
+            on_progress(read_accounting(db, task_set))
+
+    try:
+        report = run_worker(
+            db, engine, job, owner=f"{socket.gethostname()}:{os.getpid()}",
+            lease_seconds=lease_seconds, heartbeat_seconds=heartbeat_seconds,
+            progress=progress, progress_every_s=progress_every_s,
+        )  # fmt: skip
+    finally:
+        engine.close()
+    return asdict(report)
+
+
+def _pulling_window(reports: list[dict[str, Any]]) -> float:
+    ready = [r["ready_at"] for r in reports if r.get("ready_at")]
+    acked = [r["last_ack_at"] for r in reports if r.get("last_ack_at")]
+    return max(acked) - min(ready) if ready and acked else 0.0
