@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,6 +26,7 @@ import numpy as np
 from sqlalchemy import insert
 from sqlalchemy.orm import Session
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # fabric_testing, beside the product
 from fabric_gpu.batching import BatchPlan
 from fabric_pipelines.lib.broker.ledger import claim_many, register_plan
 from fabric_pipelines.lib.results.writer import BatchRows, WriteBehind

@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # fabric_testing, beside the product
 from yardstick import DEFAULT, load_reference, random_model
 
 TASK_SET = "e2e"

@@ -44,6 +44,7 @@ import numpy as np
 from sqlalchemy import Engine
 from tqdm import tqdm
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # fabric_testing, beside the product
 from fabric_gpu.model import DEFAULT_MODEL_ID
 from fabric_pipelines.lib.core.files import CorruptFileError, write_bytes
 from fabric_pipelines.lib.core.settings import FabricPaths

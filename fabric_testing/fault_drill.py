@@ -41,8 +41,10 @@ from fabric_pipelines.lib.store.models import (
     TaskFailure,
     TaskSet,
 )
+from fabric_pipelines.lib.worker import MAIN_MODULE
 
-WORKER_MODULE = "fabric_pipelines.lib.worker.main"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+WORKER_MODULE = MAIN_MODULE  # the worker processes a drill watches and kills
 CORRUPTIONS = ("truncate", "append", "flip", "delete")
 
 
@@ -116,9 +118,13 @@ class Run:
             "FABRIC_DATABASE_URL": db_url,
             "FABRIC_HOME": str(paths.root),
             "HF_HUB_OFFLINE": "1",
+            # fabric_testing is not installed: the run's process finds it beside the product.
+            "PYTHONPATH": os.pathsep.join(
+                [str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+            ),
         }
         command = [
-            sys.executable, "-m", "fabric_testing.fault_drill", "run", settings.task_set,
+            sys.executable, "-m", __spec__.name if __spec__ else "fabric_testing.fault_drill", "run", settings.task_set,
             "--manifest", str(settings.manifest), "--workers", str(settings.workers),
             "--lease-seconds", str(settings.lease_seconds),
             "--heartbeat-seconds", str(settings.heartbeat_seconds),
