@@ -192,7 +192,7 @@ def _waiting(context: dg.AssetExecutionContext, engine: EngineConfig) -> None:
     context.log.info(f"{context.partition_key}: waiting for {engine.workers} free GPU(s)")
 
 
-extract_task_set = dg.define_asset_job(
+extract_job = dg.define_asset_job(
     "extract_task_set",
     selection=dg.AssetSelection.assets(tokenised_tasks, shape_batches, extraction_outputs),
     description="Tokenise, plan and extract one task set (one partition).",
@@ -200,7 +200,7 @@ extract_task_set = dg.define_asset_job(
 
 
 @dg.sensor(
-    job=extract_task_set,
+    job=extract_job,
     minimum_interval_seconds=15,
     default_status=dg.DefaultSensorStatus.RUNNING,
     description=(

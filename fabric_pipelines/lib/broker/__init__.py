@@ -1,1 +1,2 @@
-"""The broker: shape-bucketed batch planning and the batch ledger."""
+"""The broker: shape-bucketed batch plans, the batch ledger (leases, acks, accounting), claims
+ahead, reuse by content and `fabric plan`'s preview. Imports tasks, records, store and core."""

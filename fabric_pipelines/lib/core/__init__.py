@@ -1,1 +1,2 @@
-"""Ground floor: files written through one helper, retries, names, settings, charts and plots; imports nothing else of lib."""
+"""Ground floor: the one file-writing helper, retries of transient database errors, names,
+settings, charts and plots, alerts, preloading. Imports nothing else of lib."""

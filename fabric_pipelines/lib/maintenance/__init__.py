@@ -1,1 +1,2 @@
-"""Verify, repair and forget: checks over everything stored and the fixes they name; imports index, results and below."""
+"""Verify, repair and forget: checks over everything stored and the repairs they name. Imports
+index, results and the floors below them."""

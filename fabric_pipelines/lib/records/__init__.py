@@ -1,1 +1,2 @@
-"""Per-run records kept beside the results: int8 calibrations, engine speeds, the efficiency record, stored-vector codecs; imports core, store."""
+"""Facts measured and recorded beside the results: int8 calibrations, engine speeds, the
+efficiency record, the stored-vector codec. Imports store and core."""

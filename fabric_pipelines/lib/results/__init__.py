@@ -1,1 +1,2 @@
-"""What a worker stores and readers read back: the result writer, hidden-state files, combined long documents, export; imports core, store, tasks, records, broker."""
+"""What extraction stores and readers read back: the write-behind result writer, hidden-state
+files, combined long documents, export. Imports broker, tasks, records, store and core."""

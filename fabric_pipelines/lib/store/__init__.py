@@ -1,1 +1,2 @@
-"""The results data plane: SQLAlchemy models, the database connection, the result writer."""
+"""The results database, ground floor: SQLAlchemy models, Alembic migrations, connections, keys,
+watermarks, write turns and binary COPY payloads. Imports nothing else of lib."""
