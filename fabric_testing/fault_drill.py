@@ -29,6 +29,7 @@ import numpy as np
 from sqlalchemy import Engine, create_engine, func, select, text
 
 from fabric_pipelines.lib.core.settings import FabricPaths
+from fabric_pipelines.lib.core.signals import stop_on_signals
 from fabric_pipelines.lib.store.keys import set_id_of
 from fabric_pipelines.lib.store.models import (
     Batch,
@@ -751,4 +752,5 @@ def _run_main(argv: list[str]) -> int:
 if __name__ == "__main__":
     if sys.argv[1:2] != ["run"]:
         sys.exit("usage: python -m fabric_testing.fault_drill run TASK_SET --manifest M ...")
+    stop_on_signals()
     sys.exit(_run_main(sys.argv[2:]))

@@ -18,6 +18,15 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from fabric_gpu.profile import ConsumerProfile
+from fabric_pipelines.lib.core.signals import stop_on_signals
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The suite does not depend on the signal dispositions it inherited: started in the
+    background with SIGINT ignored (`nohup make test &`), Dagster would copy that onto SIGTERM
+    and every child a test starts would ignore `terminate()`, hanging the test that waits."""
+    stop_on_signals()
+
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine

@@ -19,12 +19,16 @@ from fabric_pipelines.cli.environment import prepare_environment
 from fabric_pipelines.cli.parser import build_parser
 from fabric_pipelines.cli.pipeline import quiet_dagster
 from fabric_pipelines.cli.workers import run_worker_process
+from fabric_pipelines.lib.core.signals import stop_on_signals
 
 
 def main(argv: Sequence[str] | None = None, started_at: float | None = None) -> int:
     """The `fabric` command. `started_at`: when the command started, where a warm runner's child
     runs it for a `fabric` process started earlier (cli/warm_client.py, cli/warm_server.py)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    # SIGTERM interrupts like Ctrl-C (workers stopped, the run's clean-up done), also when the
+    # shell that started us ignores SIGINT (docs/operating.md, "Stopping a run").
+    stop_on_signals(sigterm_interrupts=True)
     if argv[:1] == ["worker"]:  # its own parser (fabric_pipelines.lib.worker.main), options and all
         return run_worker_process(argv[1:])
     from fabric_pipelines.cli.run_clock import begin
@@ -47,6 +51,13 @@ def main(argv: Sequence[str] | None = None, started_at: float | None = None) -> 
     except InvalidNameError as exc:
         print(f"fabric {args.command}: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(
+            f"fabric {args.command}: interrupted; nothing acknowledged is lost, and running the "
+            "same command again does only what is left",
+            file=sys.stderr,
+        )
+        return 130
     if environment is not None:
         _leave_warm_runner(args, root, environment)
     return result

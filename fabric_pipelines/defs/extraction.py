@@ -25,6 +25,7 @@ from fabric_pipelines.lib.core.alerts import (
     InboxRejection,
     record_inbox_rejection,
 )
+from fabric_pipelines.lib.core.signals import StopRequested
 from fabric_pipelines.lib.steps.extraction import run_extraction_step
 from fabric_pipelines.lib.steps.metadata import ingest_metadata, plan_metadata
 from fabric_pipelines.lib.steps.progress import stage
@@ -151,6 +152,12 @@ def extraction_outputs(
         )  # fmt: skip
     except LookupError as exc:  # no plan: shape_batches has not run for this set
         raise dg.Failure(description=str(exc), allow_retries=False) from exc
+    except StopRequested as exc:  # SIGINT/SIGTERM: the user stopped it; a retry would undo that
+        raise dg.Failure(
+            description=f"{exc}: the workers were stopped; what they acknowledged is kept, and "
+            f"`fabric run {task_set}` does what is left",
+            allow_retries=False,
+        ) from exc
     if step.report.superseded:
         context.log.warning(step.report.superseded)
     context.log.info(f"{task_set}: {step.efficiency.sentence()}")

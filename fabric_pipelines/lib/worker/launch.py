@@ -39,6 +39,7 @@ from fabric_pipelines.lib.broker.ledger import (
 )
 from fabric_pipelines.lib.core.files import write_bytes
 from fabric_pipelines.lib.core.retry import retry
+from fabric_pipelines.lib.core.signals import stop_requests
 from fabric_pipelines.lib.worker import MAIN_MODULE
 
 STOP_GRACE_S = 5.0  # SIGTERM to SIGKILL
@@ -151,16 +152,20 @@ def supervise(
 ) -> list[dict[str, Any]]:
     """Wait for every worker; returns their reports. A worker that failed raises, with its log.
 
-    Whatever way this returns or raises, no worker of it is left running (`stop_workers`)."""
+    Whatever way this returns or raises, no worker of it is left running (`stop_workers`); SIGINT
+    or SIGTERM meanwhile raises StopRequested here, after the workers are stopped."""
 
     try:
-        next_report = time.monotonic() + poll_s
-        while any(w.process.poll() is None for w in workers):
-            # Short naps: the stage ends as soon as its last worker does, not at the next report.
-            time.sleep(0.05)
-            if on_progress is not None and time.monotonic() >= next_report:
-                next_report = time.monotonic() + poll_s
-                on_progress(read_accounting(db, task_set))
+        with stop_requests() as check_stop:
+            next_report = time.monotonic() + poll_s
+            while any(w.process.poll() is None for w in workers):
+                # Short naps: the stage ends as soon as its last worker does, not at the next
+                # report.
+                time.sleep(0.05)
+                check_stop()
+                if on_progress is not None and time.monotonic() >= next_report:
+                    next_report = time.monotonic() + poll_s
+                    on_progress(read_accounting(db, task_set))
         reports = []
         for w in workers:
             if w.process.returncode != 0:

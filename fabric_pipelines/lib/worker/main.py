@@ -28,6 +28,7 @@ from typing import Any
 from fabric_pipelines.lib.broker.ledger import DEFAULT_LEASE_SECONDS, heartbeat_interval
 from fabric_pipelines.lib.core.files import write_bytes
 from fabric_pipelines.lib.core.retry import retry
+from fabric_pipelines.lib.core.signals import stop_on_signals
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -92,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     main_at = time.time()
+    stop_on_signals()  # its supervisor's SIGTERM ends it, whatever the shell left ignored
     if args.parent_pid:
         bind_to_parent(args.parent_pid)
     heartbeat_interval(args.lease_seconds, args.heartbeat_seconds)  # refuse bad timing early

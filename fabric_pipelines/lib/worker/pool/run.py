@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from fabric_pipelines.lib.broker.ledger import Accounting
+from fabric_pipelines.lib.core.signals import stop_requests
 from fabric_pipelines.lib.worker.launch import (
     LaunchSettings,
     WorkerProcess,
@@ -142,23 +143,27 @@ def supervise_pool_run(
     raises, as a failed worker does. No worker of the run's own is left running when this
     returns or raises."""
     try:
-        next_report = time.monotonic() + poll_s
-        handled: set[int] = set()
-        while True:
-            for i, job in enumerate(run.jobs):
-                if i in handled or not job.done.is_set():
-                    continue
-                handled.add(i)
-                if job.state == "failed":
-                    raise RuntimeError(job.error)
-                if job.state in ("refused", "lost"):
-                    run.stand_in(job)
-            if len(handled) == len(run.jobs) and all(w.process.poll() is not None for w in run.own):
-                break
-            time.sleep(0.05)  # short naps: the stage ends as soon as its last worker does
-            if on_progress is not None and time.monotonic() >= next_report:
-                next_report = time.monotonic() + poll_s
-                on_progress(read_accounting(db, task_set))
+        with stop_requests() as check_stop:
+            next_report = time.monotonic() + poll_s
+            handled: set[int] = set()
+            while True:
+                for i, job in enumerate(run.jobs):
+                    if i in handled or not job.done.is_set():
+                        continue
+                    handled.add(i)
+                    if job.state == "failed":
+                        raise RuntimeError(job.error)
+                    if job.state in ("refused", "lost"):
+                        run.stand_in(job)
+                if len(handled) == len(run.jobs) and all(
+                    w.process.poll() is not None for w in run.own
+                ):
+                    break
+                time.sleep(0.05)  # short naps: the stage ends as soon as its last worker does
+                check_stop()  # SIGINT/SIGTERM: StopRequested, the jobs given up below
+                if on_progress is not None and time.monotonic() >= next_report:
+                    next_report = time.monotonic() + poll_s
+                    on_progress(read_accounting(db, task_set))
         reports = [job.report for job in run.jobs if job.report is not None]
         return reports + (supervise(run.own, db, task_set) if run.own else [])
     finally:

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from fabric_pipelines.lib.core.files import write_bytes
+from fabric_pipelines.lib.core.signals import stop_on_signals
 from fabric_pipelines.lib.worker.pool.client import (
     DEFAULT_IDLE_SECONDS,
     PoolWorkerState,
@@ -341,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     def stop(*_: object) -> None:
         raise SystemExit(0)
 
+    stop_on_signals()  # SIGINT too, whatever the shell that started the first run ignored
     signal.signal(signal.SIGTERM, stop)  # cleans up (listener, state file, engine) on the way
     from fabric_pipelines.lib.core.settings import default_root
 
