@@ -84,22 +84,21 @@ def export_onnx(
     ids = torch.full((2, 16), 1000, dtype=torch.int64, device=device)
     mask = torch.ones_like(ids)
     outputs = ["pooled"] + [f"hook_{k}" for k in range(len(hook_indices))]
-    axes: dict[str, dict[int, str]] = {
-        "input_ids": {0: "batch", 1: "seq"},
-        "attention_mask": {0: "batch", 1: "seq"},
-        "pooled": {0: "batch"},
-    }
-    axes.update({name: {0: "batch", 1: "seq"} for name in outputs[1:]})
     path.parent.mkdir(parents=True, exist_ok=True)
+    batch, seq = torch.export.Dim("batch", min=1), torch.export.Dim("seq", min=2, max=4096)
     with torch.no_grad():
-        torch.onnx.export(
+        # torch.export's exporter (the TorchScript one is deprecated): batch and sequence length
+        # stay dynamic, as TensorRT's optimisation profiles expect.
+        program = torch.onnx.export(
             module,
             (ids, mask),
-            str(path),
             input_names=["input_ids", "attention_mask"],
             output_names=outputs,
-            dynamic_axes=axes,
+            dynamic_shapes=({0: batch, 1: seq}, {0: batch, 1: seq}),
             opset_version=opset,
-            dynamo=False,
+            dynamo=True,
+            verbose=False,
         )
+    assert program is not None
+    program.save(str(path))
     return path

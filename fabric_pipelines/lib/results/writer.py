@@ -276,13 +276,15 @@ def _insert_sqlite_in_one_step(cursor: Any, columns: dict[str, np.ndarray]) -> N
             "INSERT INTO embeddings (task_set_id, record_no, model_id, n_tokens, vector) "
             f"SELECT ?1, r.value >> {_TOKEN_BITS}, ?2, r.value & {(1 << _TOKEN_BITS) - 1}, "
             "substr(?4, r.key * ?5 + 1, ?5) FROM json_each(?3) AS r",
-            (
-                set_id,
-                model,
-                "[" + ",".join(map(str, packed[rows].tolist())) + "]",
-                np.ascontiguousarray(vectors[rows]).tobytes(),
-                vectors.shape[1] * vectors.itemsize,
-            ),
+            # Numbered parameters (?1 ... ?5) are named ones to sqlite3: bound from a mapping
+            # (a sequence for them is deprecated since Python 3.12, an error from 3.14).
+            {
+                "1": set_id,
+                "2": model,
+                "3": "[" + ",".join(map(str, packed[rows].tolist())) + "]",
+                "4": np.ascontiguousarray(vectors[rows]).tobytes(),
+                "5": vectors.shape[1] * vectors.itemsize,
+            },
         )
 
 
