@@ -291,3 +291,22 @@ def test_a_set_whose_every_record_fails_runs_to_the_end_with_no_index(tmp_path: 
     status = _fabric(home, "status", "allbad")
     line = next(ln for ln in status.stdout.splitlines() if ln.strip().startswith("allbad"))
     assert line.split()[1:8] == ["2", "0", "0", "2", "0", "0", "True"]
+
+
+def test_a_database_that_does_not_answer_is_one_line_with_the_password_masked(
+    tmp_path: Path,
+) -> None:
+    """Port 9 on the loopback: nothing listens, the connection is refused at once."""
+    home = tmp_path / "home"
+    env = {**os.environ, "DAGSTER_HOME": str(home), "HF_HUB_OFFLINE": "1"}
+    env["FABRIC_DATABASE_URL"] = "postgresql://someone:s3cret@127.0.0.1:9/results"
+    env.pop("FABRIC_HOME", None)
+    source = tmp_path / "x.jsonl"
+    source.write_text('{"id": 1, "text": "hi"}\n')
+    for args in (["status"], ["submit", str(source), "--task-set", "x", "--run"]):
+        out = subprocess.run([FABRIC, *args], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 1, out.stderr
+        assert "Traceback" not in out.stderr and "s3cret" not in out.stderr + out.stdout
+        last = out.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"fabric {args[0]}: the results database postgresql://someone:***@")
+        assert "did not answer" in last and "FABRIC_DATABASE_URL" in last

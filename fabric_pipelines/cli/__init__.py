@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fabric_pipelines.cli.environment import prepare_environment
+from fabric_pipelines.cli.errors import environment_error
 from fabric_pipelines.cli.parser import build_parser
 from fabric_pipelines.cli.pipeline import quiet_dagster
 from fabric_pipelines.cli.workers import run_worker_process
@@ -51,6 +52,12 @@ def main(argv: Sequence[str] | None = None, started_at: float | None = None) -> 
     except InvalidNameError as exc:
         print(f"fabric {args.command}: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:
+        message = environment_error(exc)
+        if message is None:
+            raise
+        print(f"fabric {args.command}: {message}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(
             f"fabric {args.command}: interrupted; nothing acknowledged is lost, and running the "
