@@ -382,14 +382,16 @@ def test_a_busy_worker_says_so_at_once_however_many_runs_knock(
 ) -> None:
     """A worker holding a job (waiting for its go) answers every other connection with a busy
     hello straight away: twenty runs knocking neither wait nor fill the listen backlog."""
+    from fabric_pipelines.lib.store.identity import database_identity
     from fabric_pipelines.lib.worker.pool.client import PoolJob
 
-    _, url = sqlite_db
+    db, url = sqlite_db
     manifest = _manifest(tiny_model_dir)
     _worker(paths, manifest, idle=60)
     job = {
         "task_set": "never", "database_url": url, "lease_seconds": 30, "owner": "test",
         "max_attempts": 3, "heartbeat_seconds": None, "go_file": str(paths.root / "no-go"),
+        "identity": {"root": paths.identity(), "database": database_identity(db)},
     }  # fmt: skip
     holder = PoolJob(paths.root, "cpu0", manifest_sha256(manifest), job).start()
     deadline = time.monotonic() + 30

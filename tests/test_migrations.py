@@ -25,7 +25,7 @@ TABLES = {
 }  # fmt: skip
 
 
-HEAD = "0014"
+HEAD = "0015"
 
 
 def test_upgrade_from_empty_then_downgrade_one_step(db_url: str) -> None:
@@ -34,6 +34,11 @@ def test_upgrade_from_empty_then_downgrade_one_step(db_url: str) -> None:
     upgrade(engine)
     assert current_revision(engine) == HEAD
     assert set(inspect(engine).get_table_names()) >= TABLES | {"int8_calibrations"}
+    with engine.connect() as conn:  # 0015: one identity row, made with the schema
+        assert len(conn.execute(text("SELECT id FROM database_identity")).all()) == 1
+    downgrade(engine, "-1")
+    assert current_revision(engine) == "0014"
+    assert "database_identity" not in set(inspect(engine).get_table_names())
     downgrade(engine, "-1")
     assert current_revision(engine) == "0013"
     assert not {"content_keys", "reused_results"} & set(inspect(engine).get_table_names())

@@ -20,10 +20,12 @@ SIGINT.
 
 One runner serves one data root, one interpreter, one build of the code and one environment of
 the settings read at import (the key below); anything else finds no runner and runs in its own
-process, as it always could. A run that ran without a runner starts one for the next (detached,
-with the engine pool's idle time; FABRIC_POOL_IDLE_SECONDS=0 or FABRIC_WARM_RUNNER=0 starts
-none). The runner never touches a GPU and never starts a thread before it forks: a forked child
-inherits only the forking thread.
+process, as it always could. It is bound to the data root it loaded (`FabricPaths.identity`):
+once the root is deleted (a fresh start), the next command's connection is closed before any
+fork, the command runs on its own, and the runner exits. A run that ran without a runner starts
+one for the next (detached, with the engine pool's idle time; FABRIC_POOL_IDLE_SECONDS=0 or
+FABRIC_WARM_RUNNER=0 starts none). The runner never touches a GPU and never starts a thread
+before it forks: a forked child inherits only the forking thread.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from fabric_pipelines.cli.warm_client import (
     state_path,
 )
 from fabric_pipelines.lib.core.files import write_bytes
+from fabric_pipelines.lib.core.settings import FabricPaths
 from fabric_pipelines.lib.index import INDEX_MODULES
 
 
@@ -53,8 +54,10 @@ def _storages(instance: Any) -> list[Any]:
 
 
 def serve(root: Path, key: str, idle_seconds: float) -> int:
-    """Serve forks of this process until idle for `idle_seconds` with no run in progress."""
+    """Serve forks of this process until idle for `idle_seconds` with no run in progress, or
+    until its data root is no longer the one it loaded (deleted, perhaps made again)."""
     state = state_path(root, key, os.getpid())
+    identity = FabricPaths(root).identity()  # the data root this runner is bound to
     # `fabric workers stop`, loading or serving: exit at once. (An exception raised from the
     # handler could land inside an import and come out as another error.)
     signal.signal(signal.SIGTERM, lambda *_: _exit_now(state))
@@ -76,7 +79,7 @@ def serve(root: Path, key: str, idle_seconds: float) -> int:
             _write_state(state, key, serving=True)
             print(f"runner {key}: serving (pid {os.getpid()}, idle exit {idle_seconds:g} s)",
                   flush=True)  # fmt: skip
-            _serve_forks(listener, key, idle_seconds)
+            _serve_forks(listener, key, idle_seconds, FabricPaths(root), identity)
         return 0
     finally:
         with contextlib.suppress(FileNotFoundError):
@@ -88,7 +91,9 @@ def _write_state(path: Path, key: str, *, serving: bool) -> None:
     write_bytes(path, json.dumps(state).encode())
 
 
-def _serve_forks(listener: socket.socket, key: str, idle_seconds: float) -> None:
+def _serve_forks(
+    listener: socket.socket, key: str, idle_seconds: float, paths: FabricPaths, identity: str
+) -> None:
     children: set[int] = set()
     last_active = time.monotonic()
     while True:
@@ -102,6 +107,15 @@ def _serve_forks(listener: socket.socket, key: str, idle_seconds: float) -> None
         if not ready:
             continue
         conn, _ = listener.accept()
+        if paths.existing_identity() != identity:
+            # The root was deleted since this runner loaded (its Dagster instance, the runs'
+            # files): the command runs on its own, nothing having run here, and leaves a new
+            # runner. The listener goes first, so that the new runner can take the name.
+            print(f"runner {key}: its data root {paths.root} is gone or made again; exiting",
+                  flush=True)  # fmt: skip
+            listener.close()
+            conn.close()
+            return
         last_active = time.monotonic()
         pid = _fork_for(conn, listener)
         if pid:

@@ -1,5 +1,5 @@
 """Every file the product stores is written here, one way: a staging name unique to the call,
-its sha256, fsync, rename, fsync of the folder.
+its sha256, fsync, rename (a link for a file made only once, `write_once`), fsync of the folder.
 
 A crash leaves the old file or the new one, never half of one; two threads or processes writing at
 once never share a staging file (its name carries the process, the thread and a random part).
@@ -20,6 +20,7 @@ Where the recorded hash comes from depends on how the file is written:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -263,6 +264,22 @@ def stream_file(path: Path, write: Callable[[HashingWriter], object]) -> StoredF
 
 def write_bytes(path: Path, data: bytes) -> StoredFile:
     return stream_file(path, lambda out: out.write(data))
+
+
+def write_once(path: Path, data: bytes) -> bytes:
+    """Store `data` at `path` unless a file is there already; returns the bytes in place.
+
+    Staged and fsynced like every file here, then linked (not renamed) onto its name: a link
+    fails where the name exists, so of callers racing to create it one wins and all of them
+    return the winner's bytes (a data root's identity is made once, whoever uses it first)."""
+    staging, _, _ = _stage(path.parent, path.name, _streamed(lambda out: out.write(data)))
+    try:
+        with contextlib.suppress(FileExistsError):
+            os.link(staging, path)
+    finally:
+        staging.unlink(missing_ok=True)
+    fsync_folder(path.parent)
+    return path.read_bytes()
 
 
 def copy_file(source: Path, path: Path) -> StoredFile:

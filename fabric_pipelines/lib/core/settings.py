@@ -8,6 +8,7 @@ indexes and receipts. FABRIC_DATABASE_URL points results at PostgreSQL instead o
 from __future__ import annotations
 
 import os
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +58,25 @@ class FabricPaths:
     @property
     def sqlite_path(self) -> Path:
         return self.root / "fabric.db"
+
+    @property
+    def identity_path(self) -> Path:
+        return self.root / "identity"
+
+    def identity(self) -> str:
+        """The data root's identity: a random id made at its first use (`identity`). The warm
+        pool and runner keep the one they started with, so a root deleted and made again (a
+        fresh start) is never served by processes bound to the old one."""
+        from fabric_pipelines.lib.core.files import write_once
+
+        return write_once(self.identity_path, uuid.uuid4().hex.encode()).decode().strip()
+
+    def existing_identity(self) -> str | None:
+        """The identity if the root has one (None: deleted, or never used); makes none."""
+        try:
+            return self.identity_path.read_text().strip()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
 
     def ensure(self) -> FabricPaths:
         for path in (

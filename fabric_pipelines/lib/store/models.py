@@ -381,3 +381,13 @@ class ExtractionRun(Base):
     plan_id: Mapped[str] = mapped_column(String(64))
     record_json: Mapped[str] = mapped_column(Text)
     finished_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class DatabaseIdentity(Base):
+    """The database's one row: a random id made with the schema (migration 0015). A warm pool
+    worker checks it against the run's, so it never serves a database made again at a URL it
+    already has connections to (lib/store/identity.py)."""
+
+    __tablename__ = "database_identity"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)

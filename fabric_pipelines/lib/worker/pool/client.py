@@ -16,11 +16,20 @@ the name exists exactly as long as the process does) and keeps a state file besi
 The protocol, one JSON object per line:
     worker -> run   {"hello": {"pid", "slot", "manifest_sha256", "jobs_done", "busy"}}
     run -> worker   {"job": {"task_set", "database_url", "lease_seconds", "heartbeat_seconds",
-                             "max_attempts", "owner", "go_file"}}
-    worker -> run   {"report": {...}} when the plan is done, or {"error": "..."}
+                             "max_attempts", "owner", "go_file",
+                             "identity": {"root", "database"}}}
+    worker -> run   {"report": {...}} when the plan is done, {"error": "..."}, or
+                    {"refused": "..."} when the job's data root or database is not the one the
+                    worker is bound to (then it exits)
 A worker serves one job at a time: a run that connects while it is busy gets a hello that says
-so (`"busy": TASK_SET`) and starts its own worker instead of queueing behind the other run. The
-worker's side is pool_worker.py; this module is what runs, `fabric workers` and the sensor use.
+so (`"busy": TASK_SET`) and starts its own worker instead of queueing behind the other run.
+
+A worker is bound to its data root and database: it records the root's identity
+(`FabricPaths.identity`) when it starts and reads the database's (lib/store/identity.py) through
+the connections it keeps. A run names both in its job; after a fresh start (the data root deleted
+while the worker lived) they differ, and the worker refuses the job and exits rather than serve a
+database that is gone: the run's own worker stands in, and the next run starts a new pool worker.
+The worker's side is server.py; this module is what runs, `fabric workers` and the sensor use.
 """
 
 from __future__ import annotations
@@ -207,9 +216,10 @@ class PoolJob:
     (`start`), so that a run never waits on a worker that is still loading its engine.
 
     `state` ends as one of: "done" (`report` holds the worker's report), "refused" (the worker
-    never took the job: none listens, it is busy with another run, or serves another manifest;
-    nothing was claimed for it), "lost" (it took the job and ended before its report: its
-    leases run out and are claimed again), "failed" (it answered with an error)."""
+    never took the job: none listens, it is busy with another run, serves another manifest, or
+    is bound to another data root or database; nothing was claimed for it), "lost" (it took the
+    job and ended before its report: its leases run out and are claimed again), "failed" (it
+    answered with an error)."""
 
     root: Path
     slot: str
@@ -284,6 +294,9 @@ class PoolJob:
                 conn.close()
         if isinstance(answer.get("report"), dict):
             self.state, self.report = "done", answer["report"]
+        elif "refused" in answer:  # bound to another data root or database: it exits
+            self.state = "refused"
+            self.error = f"pool worker {self.slot} (pid {self.pid}) refused: {answer['refused']}"
         else:
             self.state = "failed"
             self.error = f"pool worker {self.slot} (pid {self.pid}): {answer.get('error')}"

@@ -3,11 +3,12 @@
 For each of the run's slots (its leased GPUs, or CPU workers 0..n-1) the run finds the data
 root's pool worker, starts one where there is none (or where an idle one serves another
 manifest), and hands it the job, on a thread per slot: nothing here waits for an engine to load.
-A slot whose pool worker does not take the job (busy with another run, or it failed to start)
-gets a worker of the run's own, as without a pool. A pool worker lost on the way (killed,
-crashed) is replaced at once by a worker of the run's own on the same device, which takes over
-the lost worker's batches once their leases run out: nothing is lost or done twice, and the next
-run starts a new pool worker for that slot by itself.
+A slot whose pool worker does not take the job (busy with another run, it failed to start, or
+it is bound to a data root or database deleted since: client.py) gets a worker of the run's own,
+as without a pool. A pool worker lost on the way (killed, crashed) is replaced at once by a
+worker of the run's own on the same device, which takes over the lost worker's batches once
+their leases run out: nothing is lost or done twice, and the next run starts a new pool worker
+for that slot by itself.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from fabric_pipelines.lib.broker.ledger import Accounting
+from fabric_pipelines.lib.core.settings import FabricPaths
 from fabric_pipelines.lib.core.signals import stop_requests
+from fabric_pipelines.lib.store.identity import database_identity_at
 from fabric_pipelines.lib.worker.launch import (
     LaunchSettings,
     WorkerProcess,
@@ -101,6 +104,12 @@ def open_pool_run(
     plan (the run started them before its plan existed)."""
     root = settings.data_root
     sha = manifest_sha256(manifest)
+    # What the pool's workers must be bound to (made here first after a fresh start, before
+    # any worker this run starts records the root's): a worker bound to others refuses.
+    identity = {
+        "root": FabricPaths(root).identity(),
+        "database": database_identity_at(settings.database_url),
+    }
     live = {state.slot: state for state in pool_states(root)}
     threads = worker_threads(manifest, count)
     run = PoolRun(settings, go_file)
@@ -126,6 +135,7 @@ def open_pool_run(
             "max_attempts": settings.max_attempts,
             "owner": f"{socket.gethostname()}:{os.getpid()}:pool-{slot}:{time.time_ns()}",
             "go_file": str(go_file) if go_file is not None else None,
+            "identity": identity,
         }
         run.jobs.append(PoolJob(root, slot, sha, job, starting).start())
     return run

@@ -14,6 +14,8 @@ backlog. While a job runs, a watcher sees the run's connection end (the run was 
 its process died) and ends this process: a pool worker never goes on extracting for a run that
 is gone (its leases run out and the set's next run claims them again). A job that fails inside
 the engine loop ends the worker too, after its error is sent: its engine may be what failed.
+A job whose data root or database is not the one this worker is bound to (the root deleted and
+made again while it lived: a fresh start) is refused, and the worker exits (client.py).
 
 On the way out the listener closes first (no run connects to a worker that is leaving), then
 the state file goes, then the engine; the process ends with `os._exit` whatever happened.
@@ -38,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from fabric_pipelines.lib.core.files import write_bytes
+from fabric_pipelines.lib.core.settings import FabricPaths, default_root
 from fabric_pipelines.lib.core.signals import stop_on_signals
 from fabric_pipelines.lib.worker.pool.client import (
     DEFAULT_IDLE_SECONDS,
@@ -77,6 +80,11 @@ def check_job(job: object) -> dict[str, Any]:
         raise ValueError("job field 'heartbeat_seconds': a number of seconds or null")
     if job.get("go_file") is not None and not isinstance(job["go_file"], str):
         raise ValueError("job field 'go_file': a path or null")
+    identity = job.get("identity")
+    if not isinstance(identity, dict) or not all(
+        isinstance(identity.get(name), str) for name in ("root", "database")
+    ):
+        raise ValueError("job field 'identity': the run's data root and database identities")
     return job
 
 
@@ -111,6 +119,7 @@ class PoolWorker:
         self.manifest_sha = manifest_sha256(self.manifest)
         self.idle_seconds = idle_seconds
         self.state_path = pool_folder(root) / f"{slot}.json"
+        self.root_identity = FabricPaths(root).identity()  # the root this worker is bound to
         self.started_at = time.time()
         self.jobs_done = 0
         self.busy_with = ""
@@ -163,7 +172,7 @@ class PoolWorker:
                 with conn:
                     healthy = self._handle(conn, engine)  # frees the slot before its answer
                 if not healthy:
-                    return 1  # the engine failed a job: retire
+                    return 1  # the engine failed a job, or the job was another root's: retire
             print(f"idle for {self.idle_seconds:g} s: exiting", flush=True)
             return 0
         finally:
@@ -232,7 +241,8 @@ class PoolWorker:
             self._settled.notify_all()
 
     def _handle(self, conn: socket.socket, engine: Any) -> bool:
-        """Run one connection's job; False when the engine failed it (the worker retires)."""
+        """Run one connection's job; False when the engine failed it or it was refused as
+        another data root's or database's (the worker retires)."""
         try:
             send_message(conn, {"hello": self._hello()})
             conn.settimeout(JOB_READ_TIMEOUT_S)
@@ -248,6 +258,13 @@ class PoolWorker:
             with contextlib.suppress(OSError):
                 send_message(conn, {"error": str(exc)})
             return True
+        refusal = self._bound_elsewhere(job)
+        if refusal:
+            print(f"refused the job of {job['task_set']!r}: {refusal}; exiting", flush=True)
+            self._free(retiring=True)
+            with contextlib.suppress(OSError):
+                send_message(conn, {"refused": refusal})
+            return False
         with self._lock:
             self.busy_with = job["task_set"]
             self._settled.notify_all()  # a run knocking meanwhile is told busy at once
@@ -269,6 +286,30 @@ class PoolWorker:
             send_message(conn, answer)
         return healthy
 
+    def _bound_elsewhere(self, job: dict[str, Any]) -> str:
+        """Why this worker must not run `job` ("" when it may): the run's data root or database
+        is not the one this worker is bound to. The database's identity is read through this
+        worker's own connections for the URL: after a fresh start they still read the old
+        SQLite file, deleted under them."""
+        from fabric_pipelines.lib.store.identity import database_identity
+
+        theirs = job["identity"]
+        if theirs["root"] != self.root_identity:
+            return (
+                f"the run's data root {self.root} has identity {theirs['root']}, this worker's "
+                f"{self.root_identity} (the root was deleted and made again since it started)"
+            )
+        try:
+            ours = database_identity(self._database(job["database_url"]))
+        except Exception as exc:  # the old database lacks the table, or is unreadable
+            ours = f"none readable ({type(exc).__name__})"
+        if theirs["database"] != ours:
+            return (
+                f"the run's database has identity {theirs['database']}, this worker's "
+                f"connections read {ours} (the database was made again since it connected)"
+            )
+        return ""
+
     def _database(self, url: str) -> Any:
         from fabric_pipelines.lib.store.db import make_engine
 
@@ -277,7 +318,6 @@ class PoolWorker:
         return self._databases[url]
 
     def _run_job(self, job: dict[str, Any], engine: Any, conn: socket.socket) -> dict[str, Any]:
-        from fabric_pipelines.lib.core.settings import FabricPaths
         from fabric_pipelines.lib.worker.loop import run_worker
         from fabric_pipelines.lib.worker.main import load_job, read_task_set_before_go
 
@@ -344,8 +384,6 @@ def main(argv: list[str] | None = None) -> int:
 
     stop_on_signals()  # SIGINT too, whatever the shell that started the first run ignored
     signal.signal(signal.SIGTERM, stop)  # cleans up (listener, state file, engine) on the way
-    from fabric_pipelines.lib.core.settings import default_root
-
     return PoolWorker(default_root(), args.slot, Path(args.manifest), args.idle_seconds).serve()
 
 
