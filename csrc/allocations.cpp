@@ -4,6 +4,8 @@
 #include <cstdlib>
 #include <new>
 
+#include "atomics.h"
+
 namespace fabric {
 namespace {
 
@@ -11,14 +13,14 @@ std::atomic<std::uint64_t> g_allocations{0};
 thread_local int t_uncounted = 0;
 
 void* counted_malloc(std::size_t bytes) {
-  if (t_uncounted == 0) g_allocations.fetch_add(1, std::memory_order_relaxed);
+  if (t_uncounted == 0) add_relaxed(g_allocations, 1);  // a count: orders nothing
   if (void* p = std::malloc(bytes == 0 ? 1 : bytes)) return p;
   throw std::bad_alloc();
 }
 
 }  // namespace
 
-std::uint64_t allocations() { return g_allocations.load(std::memory_order_relaxed); }
+std::uint64_t allocations() { return load_relaxed(g_allocations); }
 UncountedAllocations::UncountedAllocations() { ++t_uncounted; }
 UncountedAllocations::~UncountedAllocations() { --t_uncounted; }
 

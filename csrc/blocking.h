@@ -21,10 +21,12 @@ class Gate {
   }
   // Wake every waiter for good: waits return false from now on.
   void close() {
-    closed_.store(true, std::memory_order_release);
+    // Release: order what the closer wrote first (e.g. the runtime's failure) before `closed`.
+    store_release(closed_, true);
     notify();
   }
-  bool closed() const { return closed_.load(std::memory_order_acquire); }
+  // Acquire: a waiter that sees `closed` also sees what the closer wrote before closing.
+  bool closed() const { return load_acquire(closed_); }
 
   // Blocks until `ready()` or close(); polls every `recheck` in case a notify is not coming
   // (conditions that the GPU changes by writing memory).

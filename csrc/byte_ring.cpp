@@ -23,26 +23,26 @@ std::optional<Reservation> ByteRing::try_reserve(std::uint64_t length) {
     throw std::length_error(name_ + ": a reservation of " + std::to_string(length) +
                             " bytes can never fit its " + std::to_string(capacity_) + " bytes");
   }
-  const std::uint64_t head = head_;  // only this thread writes head_
-  // Acquire: the consumer's release of these bytes happens before we reuse them.
-  const std::uint64_t tail = __atomic_load_n(&tail_, __ATOMIC_ACQUIRE);
+  const std::uint64_t head = load_relaxed(head_);  // only this thread writes head_
+  // Acquire: the consumer's last read of the freed bytes comes before our reuse of them.
+  const std::uint64_t tail = load_acquire(tail_);
   const std::uint64_t pos = head % capacity_;
   const std::uint64_t pad = pos + need > capacity_ ? capacity_ - pos : 0;
   if (head + pad + need - tail > capacity_) return std::nullopt;
   Reservation r{head, pad + need, (pos + pad) % capacity_, length};
-  // Release: the reservation is recorded before anyone sees the new head.
-  __atomic_store_n(&head_, head + r.span, __ATOMIC_RELEASE);
+  // Release: order the reservation's bookkeeping before the new head anyone may read.
+  store_release(head_, head + r.span);
   return r;
 }
 
 void ByteRing::release(const Reservation& r) {
-  const std::uint64_t tail = tail_;  // only this thread writes tail_
+  const std::uint64_t tail = load_relaxed(tail_);  // only this thread writes tail_
   if (r.begin != tail) {
     throw std::logic_error(name_ + ": release out of order: expected a reservation at " +
                            std::to_string(tail) + ", got one at " + std::to_string(r.begin));
   }
-  // Release: our reads of the freed bytes are done before the producer may overwrite them.
-  __atomic_store_n(&tail_, tail + r.span, __ATOMIC_RELEASE);
+  // Release: order our reads of the freed bytes before the producer may overwrite them.
+  store_release(tail_, tail + r.span);
 }
 
 }  // namespace fabric

@@ -6,10 +6,13 @@
 // with it. No byte is ever owned by nobody, which is how rings deadlock ("ghost bytes").
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <optional>
 #include <stdexcept>
 #include <string>
+
+#include "atomics.h"
 
 namespace fabric {
 
@@ -33,8 +36,10 @@ class ByteRing {
 
   std::uint64_t capacity() const { return capacity_; }
   std::uint64_t alignment() const { return alignment_; }
-  std::uint64_t head() const { return __atomic_load_n(&head_, __ATOMIC_ACQUIRE); }
-  std::uint64_t tail() const { return __atomic_load_n(&tail_, __ATOMIC_ACQUIRE); }
+  // Acquire: a reservation's bytes are recorded before its head is seen (either side may ask).
+  std::uint64_t head() const { return load_acquire(head_); }
+  // Acquire: the consumer's last use of released bytes comes before the tail that frees them.
+  std::uint64_t tail() const { return load_acquire(tail_); }
   std::uint64_t used() const { return head() - tail(); }
   // Bytes a reservation of `length` would take, ignoring wrap padding.
   std::uint64_t rounded(std::uint64_t length) const {
@@ -45,8 +50,8 @@ class ByteRing {
   std::uint64_t capacity_;
   std::uint64_t alignment_;
   std::string name_;
-  std::uint64_t head_ = 0;  // written by the producer only
-  std::uint64_t tail_ = 0;  // written by the consumer only
+  std::atomic<std::uint64_t> head_{0};  // written by the producer only
+  std::atomic<std::uint64_t> tail_{0};  // written by the consumer only
 };
 
 }  // namespace fabric

@@ -9,10 +9,12 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
-#include <functional>
 #include <memory>
+#include <stdexcept>
 #include <string>
 
+#include "atomics.h"
+#include "inline_function.h"
 #include "kernel_abi.h"
 
 namespace fabric {
@@ -33,6 +35,9 @@ struct HostRegion {
 };
 
 enum class Stream : int { kCompute = 0, kDrain = 1 };
+
+// A host function run in stream order: its captures are held inline (nothing allocated per call).
+using HostCall = InlineFunction<void(), 64>;
 
 struct LaunchShape {
   unsigned grid_x = 1, grid_y = 1, grid_z = 1;
@@ -64,7 +69,7 @@ class Gpu {
   virtual void fill_device(DevPtr ptr, unsigned char value, std::size_t bytes) = 0;
   // Host address of device memory, in emulation only (0 on a real GPU).
   virtual void* host_view(DevPtr ptr) = 0;
-  std::uint64_t allocations() const { return allocations_.load(std::memory_order_relaxed); }
+  std::uint64_t allocations() const { return load_relaxed(allocations_); }  // a statistic
 
   // Stream operations, executed in order per stream.
   // The stream waits until the 64-bit value at `address` is >= `value`.
@@ -76,7 +81,7 @@ class Gpu {
                       const void* args, std::size_t args_bytes) = 0;
   virtual void launch_graph(Stream s, std::uint64_t graph_exec) = 0;
   // A host function run in stream order (emulation only: real GPUs refuse).
-  virtual void host_call(Stream s, std::function<void()> fn) = 0;
+  virtual void host_call(Stream s, const HostCall& fn) = 0;
   virtual void copy_to_host(Stream s, void* dst, DevPtr src, std::size_t bytes) = 0;
   virtual void record_event(Stream s, int event) = 0;
   virtual bool event_done(int event) = 0;
@@ -87,13 +92,16 @@ class Gpu {
   static constexpr int kMarks = 512;
   virtual void record_mark(Stream s, int mark) = 0;
   virtual double mark_elapsed_ms(int from, int to) = 0;
-  // Wakes any emulated wait and refuses further work (shutdown).
+  // Wakes any emulated wait and refuses further work (shutdown). On the emulated GPU it returns
+  // once no stream operation runs any more, so the memory they touch may be freed after it.
   virtual void stop() = 0;
 
   // The synchronisation rule of the hot loop: while armed, synchronize(kCompute) throws.
-  void set_hot(bool hot) { hot_.store(hot, std::memory_order_release); }
+  // Release: the start-up work done before arming is visible to a thread that sees it armed.
+  void set_hot(bool hot) { store_release(hot_, hot); }
   void check_not_hot(Stream s, const char* what) const {
-    if (s == Stream::kCompute && hot_.load(std::memory_order_acquire)) {
+    // Acquire: pairs with set_hot's release (which side of start/shutdown this thread is on).
+    if (s == Stream::kCompute && load_acquire(hot_)) {
       throw HotLoopSyncError(std::string(what) +
                              " on the compute stream inside the hot loop: the decode loop must "
                              "never wait for the GPU; wait on events of the drain stream instead");
@@ -101,7 +109,7 @@ class Gpu {
   }
 
  protected:
-  void count_allocation() { allocations_.fetch_add(1, std::memory_order_relaxed); }
+  void count_allocation() { add_relaxed(allocations_, 1); }  // a statistic: orders nothing
 
  private:
   std::atomic<std::uint64_t> allocations_{0};
@@ -109,6 +117,11 @@ class Gpu {
 };
 
 std::unique_ptr<Gpu> make_emulated_gpu();
+// Test only (fabric_gpu._runtime.testing): make the emulated GPU's `nth` call of `call` (a Gpu
+// method: wait_geq, write_value, launch, host_call, copy_to_host, record_event, record_mark),
+// counted from now, throw as a failed driver call would. One fault at a time; throws
+// std::invalid_argument for a real GPU or an unknown call.
+void inject_emulated_fault(Gpu& gpu, const std::string& call, std::uint64_t nth);
 // `eager_warmup`: launch every kernel once before any doorbell wait (always true in production;
 // false only to demonstrate the lazy-loading deadlock in a test).
 std::unique_ptr<Gpu> make_cuda_gpu(int ordinal, bool eager_warmup = true);

@@ -3,7 +3,7 @@
 // At start: the device must support 64-bit stream memory operations and mapped host memory;
 // the kernels' fatbin is loaded as a library (one load serves every device's context) and every
 // kernel is launched once: with lazy loading, a kernel is loaded into a context at its first
-// launch, and a first launch queued behind a pending doorbell wait deadlocks (ARCHITECTURE.md).
+// launch, and a first launch queued behind a pending doorbell wait deadlocks (docs/runtime.md).
 // Then a real write-then-wait self test proves the stream holds on a doorbell and resumes when
 // it rings.
 #include <chrono>
@@ -72,11 +72,21 @@ class CudaGpu final : public Gpu {
     if (kind != HostMemoryKind::kOrdinary) flags |= cu::CU_MEMHOSTALLOC_DEVICEMAP;
     if (kind == HostMemoryKind::kMappedWriteCombined) flags |= cu::CU_MEMHOSTALLOC_WRITECOMBINED;
     FABRIC_CU_CHECK(drv_, cuMemHostAlloc(&r.host, bytes, flags));
+    if (kind != HostMemoryKind::kOrdinary) {
+      // The block is ours until we return it: a failure here frees it before reporting.
+      const cu::CUresult rc = drv_.api().cuMemHostGetDevicePointer(&r.device, r.host, 0);
+      if (rc != cu::CUDA_SUCCESS) {
+        const cu::CUresult freed = drv_.api().cuMemFreeHost(r.host);
+        if (freed != cu::CUDA_SUCCESS) {  // the first error is the one reported; say both
+          drv_.fail(("cuMemHostGetDevicePointer(&r.device, r.host, 0) [then cuMemFreeHost(r.host) "
+                     "failed too, code " + std::to_string(freed) + ": the block leaked]").c_str(),
+                    rc);
+        }
+        drv_.fail("cuMemHostGetDevicePointer(&r.device, r.host, 0)", rc);
+      }
+    }
     count_allocation();
     std::memset(r.host, 0, bytes);  // pre-fault every page at warm-up, never in the hot loop
-    if (kind != HostMemoryKind::kOrdinary) {
-      FABRIC_CU_CHECK(drv_, cuMemHostGetDevicePointer(&r.device, r.host, 0));
-    }
     return r;
   }
   void free_host(HostRegion& region) override {
@@ -118,7 +128,7 @@ class CudaGpu final : public Gpu {
   void launch_graph(Stream s, std::uint64_t graph_exec) override {
     FABRIC_CU_CHECK(drv_, cuGraphLaunch(reinterpret_cast<cu::CUgraphExec>(graph_exec), stream(s)));
   }
-  void host_call(Stream, std::function<void()>) override {
+  void host_call(Stream, const HostCall&) override {
     throw std::logic_error(
         "host-call stages run only on the emulated GPU; on a GPU use a graph or kernel stage");
   }
@@ -207,13 +217,16 @@ class CudaGpu final : public Gpu {
     launch(Stream::kCompute, KernelId::kSelfTestWrite, LaunchShape{1, 1, 1, 32, 1, 1}, &w,
            sizeof(w));
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    // Acquire: the kernel's system-scope write of the ack, if it ran (it must not have yet).
     if (load_acquire(ack) != 0) {
       throw std::runtime_error(describe() +
                                ": stream self test failed: a kernel behind cuStreamWaitValue64 ran "
                                "before the awaited value was written");
     }
-    store_release(bell, 1);  // ring: the waiting stream may proceed
+    // Release: order the zeroed ack above before the doorbell that lets the stream go on.
+    store_release(bell, 1);
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    // Acquire: the kernel behind the wait ran once its ack is seen.
     while (load_acquire(ack) != 0xD00DBE11ull) {
       if (std::chrono::steady_clock::now() > deadline) {
         throw std::runtime_error(

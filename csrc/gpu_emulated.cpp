@@ -29,7 +29,7 @@ struct Op {
   std::uint64_t value = 0;
   kernels::KernelId kernel = kernels::KernelId::kCount;
   alignas(16) unsigned char args[64] = {};
-  std::function<void()> fn;
+  HostCall fn;  // inline: queueing a host function allocates nothing
   void* dst = nullptr;
   std::size_t bytes = 0;
   int event = 0;
@@ -39,10 +39,7 @@ class EmulatedStream {
  public:
   explicit EmulatedStream(std::atomic<std::uint64_t>* done_gen)
       : done_gen_(done_gen), worker_([this] { run(); }) {}
-  ~EmulatedStream() {
-    stop();
-    worker_.join();
-  }
+  ~EmulatedStream() { stop(); }
 
   void push(Op op) {
     UncountedAllocations driver_stand_in;  // the queue grows as a driver's would, unseen
@@ -60,6 +57,10 @@ class EmulatedStream {
     idle_cv_.wait(lock, [&] { return executed_ == enqueued_ || stopping_; });
   }
 
+  // Refuses further work and waits for the worker to exit: once this returns, none of the
+  // stream's operations runs, so the memory they touch may be freed (the runtime frees its rings
+  // right after stopping the GPU). The operation under way finishes first; a doorbell wait gives
+  // up within its back-off (at most 500 us).
   void stop() {
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -67,6 +68,8 @@ class EmulatedStream {
     }
     cv_.notify_all();
     idle_cv_.notify_all();
+    std::lock_guard<std::mutex> lock(join_mutex_);  // stop() may be called from two threads
+    if (worker_.joinable() && worker_.get_id() != std::this_thread::get_id()) worker_.join();
   }
 
   std::string error() {
@@ -139,8 +142,8 @@ class EmulatedStream {
         std::memcpy(op.dst, reinterpret_cast<const void*>(op.address), op.bytes);
         return true;
       case Op::Kind::kRecord:
-        // Release: the copy before the event is complete when the event reads done.
-        done_gen_[op.event].store(op.value, std::memory_order_release);
+        // Release: order the stream's earlier work (the copy) before the event reads done.
+        store_release(done_gen_[op.event], op.value);
         return true;
     }
     return true;
@@ -155,8 +158,16 @@ class EmulatedStream {
   std::uint64_t executed_ = 0;
   bool stopping_ = false;
   std::string error_;
+  std::mutex join_mutex_;
   std::thread worker_;  // last: starts after every other member is ready
 };
+
+// The Gpu calls a test can make fail (inject_emulated_fault), in the order of kFaultCalls.
+enum class Call : int { kWaitGeq, kWriteValue, kLaunch, kHostCall, kCopyToHost, kRecordEvent,
+                        kRecordMark, kCount };
+constexpr const char* kFaultCalls[] = {"wait_geq",     "write_value",  "launch",     "host_call",
+                                       "copy_to_host", "record_event", "record_mark"};
+static_assert(sizeof(kFaultCalls) / sizeof(kFaultCalls[0]) == static_cast<int>(Call::kCount));
 
 class EmulatedGpu final : public Gpu {
  public:
@@ -196,12 +207,14 @@ class EmulatedGpu final : public Gpu {
   void* host_view(DevPtr ptr) override { return reinterpret_cast<void*>(ptr); }
 
   void wait_geq(Stream s, DevPtr address, std::uint64_t value) override {
+    fault_point(Call::kWaitGeq);
     Op op(Op::Kind::kWait);
     op.address = address;
     op.value = value;
     stream(s).push(std::move(op));
   }
   void write_value(Stream s, DevPtr address, std::uint64_t value) override {
+    fault_point(Call::kWriteValue);
     Op op(Op::Kind::kWrite);
     op.address = address;
     op.value = value;
@@ -209,6 +222,7 @@ class EmulatedGpu final : public Gpu {
   }
   void launch(Stream s, kernels::KernelId kernel, const LaunchShape&, const void* args,
               std::size_t args_bytes) override {
+    fault_point(Call::kLaunch);
     Op op(Op::Kind::kLaunch);
     if (args_bytes > sizeof(op.args)) throw std::length_error("kernel arguments too large");
     op.kernel = kernel;
@@ -218,13 +232,14 @@ class EmulatedGpu final : public Gpu {
   void launch_graph(Stream, std::uint64_t) override {
     throw std::logic_error("CUDA graphs need a real GPU; emulated engines run as host calls");
   }
-  void host_call(Stream s, std::function<void()> fn) override {
-    UncountedAllocations driver_stand_in;
+  void host_call(Stream s, const HostCall& fn) override {
+    fault_point(Call::kHostCall);
     Op op(Op::Kind::kHost);
-    op.fn = std::move(fn);
+    op.fn = fn;
     stream(s).push(std::move(op));
   }
   void copy_to_host(Stream s, void* dst, DevPtr src, std::size_t bytes) override {
+    fault_point(Call::kCopyToHost);
     Op op(Op::Kind::kCopy);
     op.dst = dst;
     op.address = src;
@@ -232,13 +247,15 @@ class EmulatedGpu final : public Gpu {
     stream(s).push(std::move(op));
   }
   void record_event(Stream s, int event) override {
+    fault_point(Call::kRecordEvent);
     Op op(Op::Kind::kRecord);
     op.event = event;
     op.value = recorded_gen_[event].fetch_add(1) + 1;
     stream(s).push(std::move(op));
   }
   bool event_done(int event) override {
-    return done_gen_[event].load(std::memory_order_acquire) >= recorded_gen_[event].load();
+    // Acquire: pairs with the event's release: the copy before it is complete once it reads done.
+    return load_acquire(done_gen_[event]) >= recorded_gen_[event].load();
   }
   void wait_event(int event) override {
     std::uint64_t sleep_us = 10;
@@ -253,24 +270,25 @@ class EmulatedGpu final : public Gpu {
     }
   }
   void record_mark(Stream s, int mark) override {
-    UncountedAllocations driver_stand_in;  // an event record, on a GPU
+    fault_point(Call::kRecordMark);
     const std::uint64_t gen = mark_asked_[mark].fetch_add(1) + 1;
-    host_call(s, [this, mark, gen] {
-      marks_[mark].store(std::chrono::duration<double, std::milli>(
-                             std::chrono::steady_clock::now().time_since_epoch())
-                             .count(),
-                         std::memory_order_relaxed);
-      mark_done_[mark].store(gen, std::memory_order_release);  // the time is written first
+    push_host(s, [this, mark, gen] {
+      store_relaxed(marks_[mark], std::chrono::duration<double, std::milli>(
+                                      std::chrono::steady_clock::now().time_since_epoch())
+                                      .count());  // published by mark_done_ below
+      // Release: order the time's store before the generation that says it is written.
+      store_release(mark_done_[mark], gen);
     });
   }
   double mark_elapsed_ms(int from, int to) override {
     for (int mark : {from, to}) {
-      while (mark_done_[mark].load(std::memory_order_acquire) < mark_asked_[mark].load()) {
+      // Acquire: pairs with the mark's release: its time is written once its generation is seen.
+      while (load_acquire(mark_done_[mark]) < mark_asked_[mark].load()) {
         check();
         std::this_thread::yield();
       }
     }
-    return marks_[to].load(std::memory_order_relaxed) - marks_[from].load(std::memory_order_relaxed);
+    return load_relaxed(marks_[to]) - load_relaxed(marks_[from]);  // ordered by the acquire above
   }
   void synchronize(Stream s) override {
     check_not_hot(s, "synchronize");
@@ -281,6 +299,13 @@ class EmulatedGpu final : public Gpu {
       if (s) s->stop();
     }
   }
+  // Arms the test fault: the `nth` call of `call` from now throws.
+  void inject_fault(Call call, std::uint64_t nth) {
+    store_relaxed(fault_left_, nth);
+    // Release: order the countdown's store before the armed call that fault_point acquires.
+    store_release(fault_call_, static_cast<int>(call));
+  }
+
   // Throws the first error a stream hit asynchronously, if any.
   void check() {
     for (auto& s : streams_) {
@@ -291,6 +316,24 @@ class EmulatedGpu final : public Gpu {
 
  private:
   EmulatedStream& stream(Stream s) { return *streams_[static_cast<int>(s)]; }
+
+  void push_host(Stream s, const HostCall& fn) {
+    Op op(Op::Kind::kHost);
+    op.fn = fn;
+    stream(s).push(std::move(op));
+  }
+
+  // Where an injected fault fires: the call fails before it enqueues anything, as a driver call
+  // that returns an error does.
+  void fault_point(Call call) {
+    // Acquire: pairs with inject_fault's release: the countdown is set once the call is seen.
+    if (load_acquire(fault_call_) != static_cast<int>(call)) return;
+    if (fault_left_.fetch_sub(1) != 1) return;
+    store_relaxed(fault_call_, -1);  // one fault: the calls after it succeed (a flag only)
+    const char* name = kFaultCalls[static_cast<int>(call)];
+    throw std::runtime_error(std::string("emulated GPU: ") + name +
+                             " failed: injected fault (fabric_gpu._runtime.testing)");
+  }
 
   void* allocate(std::size_t bytes) {
     const std::size_t rounded = (bytes + 4095) / 4096 * 4096;
@@ -306,11 +349,27 @@ class EmulatedGpu final : public Gpu {
   std::atomic<std::uint64_t> mark_done_[kMarks] = {};
   std::atomic<std::uint64_t> recorded_gen_[kEvents];
   std::atomic<std::uint64_t> done_gen_[kEvents];
+  std::atomic<int> fault_call_{-1};  // the armed Call, or -1
+  std::atomic<std::uint64_t> fault_left_{0};
   std::unique_ptr<EmulatedStream> streams_[2];
 };
 
 }  // namespace
 
 std::unique_ptr<Gpu> make_emulated_gpu() { return std::make_unique<EmulatedGpu>(); }
+
+void inject_emulated_fault(Gpu& gpu, const std::string& call, std::uint64_t nth) {
+  auto* emulated = dynamic_cast<EmulatedGpu*>(&gpu);
+  if (emulated == nullptr) {
+    throw std::invalid_argument("faults are injected on the emulated GPU only");
+  }
+  if (nth == 0) throw std::invalid_argument("nth counts from 1");
+  std::string known;
+  for (int c = 0; c < static_cast<int>(Call::kCount); ++c) {
+    if (call == kFaultCalls[c]) return emulated->inject_fault(static_cast<Call>(c), nth);
+    known += (c == 0 ? "" : ", ") + std::string(kFaultCalls[c]);
+  }
+  throw std::invalid_argument("no emulated GPU call '" + call + "'; the calls are: " + known);
+}
 
 }  // namespace fabric

@@ -1,6 +1,6 @@
 // Device kernels of the runtime. CMake compiles this file to a fatbin (sm_80, sm_90, PTX) that is
 // embedded in the module and loaded through the driver API at warm-up; every kernel is launched
-// once there, never for the first time behind a doorbell wait (see ARCHITECTURE.md: with lazy
+// once there, never for the first time behind a doorbell wait (see docs/runtime.md: with lazy
 // module loading that first launch deadlocks). kernels_host.cpp holds the host twins used in
 // emulation; both implement kernel_abi.h.
 #include <cstdint>

@@ -1,6 +1,9 @@
 // Python face of the runtime: fabric_gpu._runtime. Bindings only; the logic lives in the other
 // files of csrc/. Every call that can block releases the GIL; callbacks into Python (stages in
 // emulation, result sinks) take it back on the runtime's threads.
+//
+// What only the tests use (Python stages, the self-test source and stage, descriptor packing, the
+// ring on its own, fault injection) is bound in the submodule fabric_gpu._runtime.testing.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
@@ -34,38 +37,13 @@ using fabric::BatchDescriptor;
   X(batch_id) X(publish_seq) X(real_tokens) X(padded_tokens) X(output_limit) X(offsets_at) \
   X(tokens_at) X(lane) X(batch_class) X(bucket_max) X(item_count) X(shape_epoch) X(payload_bytes)
 
-nb::dict descriptor_to_dict(const BatchDescriptor& d) {
-  nb::dict out;
-#define FABRIC_TO_DICT(field) out[#field] = d.field;
-  FABRIC_DESCRIPTOR_FIELDS(FABRIC_TO_DICT)
-#undef FABRIC_TO_DICT
-  return out;
-}
-
-nb::bytes pack_descriptor(nb::dict f) {
-  BatchDescriptor d{};
-#define FABRIC_FROM_DICT(field) d.field = nb::cast<decltype(d.field)>(f[#field]);
-  FABRIC_DESCRIPTOR_FIELDS(FABRIC_FROM_DICT)
-#undef FABRIC_FROM_DICT
-  return nb::bytes(reinterpret_cast<const char*>(&d), sizeof(d));
-}
-
-nb::dict unpack_descriptor(nb::bytes data) {
-  if (data.size() != sizeof(BatchDescriptor)) {
-    throw std::invalid_argument("a descriptor is exactly " + std::to_string(sizeof(BatchDescriptor)) +
-                                " bytes, got " + std::to_string(data.size()));
-  }
-  BatchDescriptor d;
-  std::memcpy(&d, data.c_str(), sizeof(d));
-  return descriptor_to_dict(d);
-}
-
 // RuntimeStats' fields, listed once: the Python class's attributes, as_dict() and the self
 // test's report all come from this list.
 #define FABRIC_STATS_FIELDS(X)                                                                 \
   X(submitted) X(drained) X(bytes_in) X(bytes_out) X(ring_retries) X(ring_blocked)            \
-  X(payload_waits) X(payload_blocked) X(publications) X(allocations) X(allocations_at_start) \
-  X(drain_copy_seconds) X(gpu_busy_seconds) X(gpu_span_seconds)
+  X(payload_waits) X(payload_blocked) X(publications) X(device_allocations)                   \
+  X(device_allocations_at_start) X(heap_allocations) X(drain_copy_seconds) X(gpu_busy_seconds) \
+  X(gpu_span_seconds)
 
 nb::dict stats_to_dict(const fabric::RuntimeStats& s) {
   nb::dict out;
@@ -125,48 +103,6 @@ nb::object view(void* data, std::size_t bytes) {
   return nb::cast(U8View(data, 1, shape, nb::handle()), nb::rv_policy::reference);
 }
 
-// A stage that runs a Python function in stream order on the emulated GPU: how the CPU engine
-// runs inside the runtime. fn(publish_seq, batch_id, slot: uint8[], out: uint8[]) writes the
-// batch's outputs into `out`; an exception fails that batch (reported with its outputs).
-class PythonStage final : public fabric::Stage {
- public:
-  explicit PythonStage(PyObject* fn) : fn_(fn) {}  // borrowed: the PyRuntime owns it
-
-  void enqueue(Context& ctx) override {
-    const std::uint64_t seq = ctx.publish_seq;
-    const std::uint64_t batch_id = ctx.spec.batch_id;
-    void* slot = ctx.slot_host;
-    const std::size_t slot_bytes = fabric::slot_bytes(ctx.spec.item_count, ctx.spec.real_tokens);
-    void* out = ctx.out_host;
-    const std::size_t out_bytes = ctx.spec.output_bytes;
-    ctx.gpu.host_call(fabric::Stream::kCompute, [this, seq, batch_id, slot, slot_bytes, out, out_bytes] {
-      nb::gil_scoped_acquire gil;
-      try {
-        nb::handle fn(fn_);
-        fn(seq, batch_id, view(slot, slot_bytes), view(out, out_bytes));
-      } catch (nb::python_error& e) {
-        std::lock_guard<std::mutex> lock(mutex_);
-        errors_[seq] = e.what();
-      }
-    });
-    ctx.hook_done(out_bytes);
-  }
-
-  std::string take_error(std::uint64_t seq) override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = errors_.find(seq);
-    if (it == errors_.end()) return {};
-    std::string error = it->second;
-    errors_.erase(it);
-    return error;
-  }
-
- private:
-  PyObject* fn_;
-  std::mutex mutex_;
-  std::map<std::uint64_t, std::string> errors_;
-};
-
 // The Python-facing runtime. Owns the Python callables so that the C++ runtime (and its
 // threads) can be torn down with the GIL released.
 class PyRuntime {
@@ -186,17 +122,17 @@ class PyRuntime {
     source_ = std::make_unique<fabric::TokenTableSource>(tokens.data(), tokens.shape(0),
                                                          offsets.data(), offsets.shape(0) - 1);
   }
-  void set_selftest_source(std::uint64_t seed) {
-    source_ = std::make_unique<fabric::SelfTestSource>(seed);
+  // For the testing submodule's stages and sources (set before start()). `owner` keeps a Python
+  // object the stage refers to alive until shutdown().
+  void set_source(std::unique_ptr<fabric::PayloadSource> source) { source_ = std::move(source); }
+  void set_stage(std::unique_ptr<fabric::Stage> stage, nb::object owner = nb::object()) {
+    stage_fn_ = std::move(owner);
+    graph_stage_ = nullptr;
+    stage_ = std::move(stage);
   }
-  void set_python_stage(nb::callable fn) {
-    if (!emulated_) {
-      throw std::invalid_argument("Python stages run on the emulated GPU only");
-    }
-    stage_fn_ = fn;
-    stage_ = std::make_unique<PythonStage>(stage_fn_.ptr());
-  }
-  void set_selftest_stage() { stage_ = std::make_unique<fabric::SelfTestStage>(); }
+  bool emulated() const { return emulated_; }
+  fabric::Gpu& gpu() { return running().gpu(); }
+
   void set_graph_stage() {
     auto stage = std::make_unique<fabric::GraphStage>();
     graph_stage_ = stage.get();
@@ -352,6 +288,133 @@ nb::dict run_selftest(bool emulated, int device, std::uint64_t batches, std::uin
   return out;
 }
 
+// ---- test only: bound in fabric_gpu._runtime.testing ---------------------------------------
+
+nb::dict descriptor_to_dict(const BatchDescriptor& d) {
+  nb::dict out;
+#define FABRIC_TO_DICT(field) out[#field] = d.field;
+  FABRIC_DESCRIPTOR_FIELDS(FABRIC_TO_DICT)
+#undef FABRIC_TO_DICT
+  return out;
+}
+
+nb::bytes pack_descriptor(nb::dict f) {
+  BatchDescriptor d{};
+#define FABRIC_FROM_DICT(field) d.field = nb::cast<decltype(d.field)>(f[#field]);
+  FABRIC_DESCRIPTOR_FIELDS(FABRIC_FROM_DICT)
+#undef FABRIC_FROM_DICT
+  return nb::bytes(reinterpret_cast<const char*>(&d), sizeof(d));
+}
+
+nb::dict unpack_descriptor(nb::bytes data) {
+  if (data.size() != sizeof(BatchDescriptor)) {
+    throw std::invalid_argument("a descriptor is exactly " + std::to_string(sizeof(BatchDescriptor)) +
+                                " bytes, got " + std::to_string(data.size()));
+  }
+  BatchDescriptor d;
+  std::memcpy(&d, data.c_str(), sizeof(d));
+  return descriptor_to_dict(d);
+}
+
+// A stage that runs a Python function in stream order on the emulated GPU, for the protocol
+// tests (the CPU engine runs behind the graph stage instead). fn(publish_seq, batch_id,
+// slot: uint8[], out: uint8[]) writes the batch's outputs into `out`; an exception fails that
+// batch (reported with its outputs).
+class PythonStage final : public fabric::Stage {
+ public:
+  explicit PythonStage(PyObject* fn) : fn_(fn) {}  // borrowed: the PyRuntime owns it
+
+  void enqueue(Context& ctx) override {
+    const std::uint64_t seq = ctx.publish_seq;
+    const std::uint64_t batch_id = ctx.spec.batch_id;
+    void* slot = ctx.slot_host;
+    const std::size_t slot_bytes = fabric::slot_bytes(ctx.spec.item_count, ctx.spec.real_tokens);
+    void* out = ctx.out_host;
+    const std::size_t out_bytes = ctx.spec.output_bytes;
+    ctx.gpu.host_call(fabric::Stream::kCompute, [this, seq, batch_id, slot, slot_bytes, out, out_bytes] {
+      nb::gil_scoped_acquire gil;
+      try {
+        nb::handle fn(fn_);
+        fn(seq, batch_id, view(slot, slot_bytes), view(out, out_bytes));
+      } catch (nb::python_error& e) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        errors_[seq] = e.what();
+      }
+    });
+    ctx.hook_done(out_bytes);
+  }
+
+  std::string take_error(std::uint64_t seq) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = errors_.find(seq);
+    if (it == errors_.end()) return {};
+    std::string error = it->second;
+    errors_.erase(it);
+    return error;
+  }
+
+ private:
+  PyObject* fn_;
+  std::mutex mutex_;
+  std::map<std::uint64_t, std::string> errors_;
+};
+
+void bind_testing(nb::module_& t) {
+  t.def("pack_descriptor", &pack_descriptor, "fields"_a,
+        "The descriptor's bytes (csrc/protocol.h) from a dict of every field.");
+  t.def("unpack_descriptor", &unpack_descriptor, "data"_a,
+        "A descriptor's fields from its bytes (the inverse of pack_descriptor).");
+  nb::class_<fabric::ByteRing>(t, "ByteRing")
+      .def(nb::init<std::uint64_t, std::uint64_t>(), "capacity"_a, "alignment"_a)
+      .def(
+          "try_reserve",
+          [](fabric::ByteRing& r, std::uint64_t length) -> nb::object {
+            auto res = r.try_reserve(length);
+            if (!res) return nb::none();
+            return nb::make_tuple(res->begin, res->span, res->offset, res->length);
+          },
+          "length"_a, nb::sig("def try_reserve(self, length: int) -> tuple[int, int, int, int] | None"),
+          "(begin, span, offset, length) of a reservation, or None while it does not fit.")
+      .def(
+          "release",
+          [](fabric::ByteRing& r, std::uint64_t begin, std::uint64_t span, std::uint64_t offset,
+             std::uint64_t length) { r.release(fabric::Reservation{begin, span, offset, length}); },
+          "begin"_a, "span"_a, "offset"_a, "length"_a)
+      .def_prop_ro("used", &fabric::ByteRing::used)
+      .def_prop_ro("head", &fabric::ByteRing::head)
+      .def_prop_ro("tail", &fabric::ByteRing::tail)
+      .def_prop_ro("capacity", &fabric::ByteRing::capacity);
+  t.def(
+      "set_python_stage",
+      [](PyRuntime& rt, nb::callable fn) {
+        if (!rt.emulated()) {
+          throw std::invalid_argument("Python stages run on the emulated GPU only");
+        }
+        rt.set_stage(std::make_unique<PythonStage>(fn.ptr()), fn);
+      },
+      "runtime"_a, "fn"_a,
+      "Before start(): the stage is fn(publish_seq, batch_id, slot: uint8[], out: uint8[]), run in "
+      "stream order on the emulated GPU; an exception fails that batch.");
+  t.def(
+      "set_selftest_source",
+      [](PyRuntime& rt, std::uint64_t seed) {
+        rt.set_source(std::make_unique<fabric::SelfTestSource>(seed));
+      },
+      "runtime"_a, "seed"_a, "Before start(): seeded random items and tokens (csrc/sources.h).");
+  t.def(
+      "set_selftest_stage",
+      [](PyRuntime& rt) { rt.set_stage(std::make_unique<fabric::SelfTestStage>()); },
+      "runtime"_a, "Before start(): the protocol tests' checksum-and-fill stage (csrc/stages.h).");
+  t.def(
+      "inject_gpu_fault",
+      [](PyRuntime& rt, const std::string& call, std::uint64_t nth) {
+        fabric::inject_emulated_fault(rt.gpu(), call, nth);
+      },
+      "runtime"_a, "call"_a, "nth"_a = 1,
+      "After start(), on the emulated GPU: the nth call of `call` (wait_geq, write_value, launch, "
+      "host_call, copy_to_host, record_event, record_mark) from now fails as a driver call would.");
+}
+
 }  // namespace
 
 NB_MODULE(_runtime, m) {
@@ -392,30 +455,7 @@ NB_MODULE(_runtime, m) {
 #undef FABRIC_FIELD_LAYOUT
   m.attr("DESCRIPTOR_FIELDS") = descriptor_fields;
   m.attr("DOORBELL_BYTES") = sizeof(fabric::Doorbell);
-  m.def("pack_descriptor", &pack_descriptor, "fields"_a);
-  m.def("unpack_descriptor", &unpack_descriptor, "data"_a);
   m.def("slot_bytes", &fabric::slot_bytes, "item_count"_a, "real_tokens"_a);
-
-  nb::class_<fabric::ByteRing>(m, "ByteRing")
-      .def(nb::init<std::uint64_t, std::uint64_t>(), "capacity"_a, "alignment"_a)
-      .def(
-          "try_reserve",
-          [](fabric::ByteRing& r, std::uint64_t length) -> nb::object {
-            auto res = r.try_reserve(length);
-            if (!res) return nb::none();
-            return nb::make_tuple(res->begin, res->span, res->offset, res->length);
-          },
-          "length"_a, nb::sig("def try_reserve(self, length: int) -> tuple[int, int, int, int] | None"),
-          "(begin, span, offset, length) of a reservation, or None while it does not fit.")
-      .def(
-          "release",
-          [](fabric::ByteRing& r, std::uint64_t begin, std::uint64_t span, std::uint64_t offset,
-             std::uint64_t length) { r.release(fabric::Reservation{begin, span, offset, length}); },
-          "begin"_a, "span"_a, "offset"_a, "length"_a)
-      .def_prop_ro("used", &fabric::ByteRing::used)
-      .def_prop_ro("head", &fabric::ByteRing::head)
-      .def_prop_ro("tail", &fabric::ByteRing::tail)
-      .def_prop_ro("capacity", &fabric::ByteRing::capacity);
 
   nb::enum_<fabric::InputLocation>(m, "InputLocation")
       .value("device", fabric::InputLocation::kDevice)
@@ -498,9 +538,6 @@ NB_MODULE(_runtime, m) {
       .def(nb::init<bool, int, const fabric::RuntimeConfig&>(), "emulated"_a, "device"_a,
            "config"_a = fabric::RuntimeConfig())
       .def("set_token_table", &PyRuntime::set_token_table, "tokens"_a, "offsets"_a)
-      .def("set_selftest_source", &PyRuntime::set_selftest_source, "seed"_a)
-      .def("set_python_stage", &PyRuntime::set_python_stage, "fn"_a)
-      .def("set_selftest_stage", &PyRuntime::set_selftest_stage)
       .def("set_graph_stage", &PyRuntime::set_graph_stage)
       .def("add_shape", &PyRuntime::add_shape, "shape"_a, "host_fn"_a.none() = nb::none())
       .def("set_sink", &PyRuntime::set_sink, "fn"_a)
@@ -541,4 +578,9 @@ NB_MODULE(_runtime, m) {
   m.def("cuda_self_test", &fabric::cuda_self_test, "device"_a = 0, "eager_warmup"_a = true,
         nb::call_guard<nb::gil_scoped_release>(),
         "Start the CUDA GPU: eager kernel load (unless disabled) and the doorbell self test.");
+
+  nb::module_ testing = m.def_submodule(
+      "testing", "Test-only bindings: Python stages, the self-test source and stage, descriptor "
+                 "packing, the ring on its own, and fault injection on the emulated GPU.");
+  bind_testing(testing);
 }

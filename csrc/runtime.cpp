@@ -5,6 +5,7 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "allocations.h"
 #include "atomics.h"
 
 namespace fabric {
@@ -60,6 +61,7 @@ Runtime::~Runtime() {
 
 void Runtime::start() {
   if (running_.load()) throw std::logic_error("runtime already started");
+  heap_allocations_at_start_ = allocations();
   gpu_->bind_thread();
   HostMemoryKind ring_kind = HostMemoryKind::kMappedWriteCombined;
   if (!config_.write_combined) ring_kind = HostMemoryKind::kMapped;
@@ -90,7 +92,7 @@ void Runtime::start() {
   // How often a blocked thread re-checks memory the GPU writes: often on a GPU (latency), less
   // on the emulated GPU, whose idle polling would take CPU from the engine it emulates.
   poll_ = std::chrono::microseconds(gpu_->emulated() ? 500 : 50);
-  allocations_at_start_ = gpu_->allocations();
+  device_allocations_at_start_ = gpu_->allocations();
   running_.store(true);
   filler_ = std::thread([this] { filler_loop(); });
   drain_ = std::thread([this] { drain_loop(); });
@@ -130,7 +132,9 @@ void Runtime::submit(const BatchSpec& spec, const std::int64_t* rows) {
   gpu_->bind_thread();  // the caller's thread enqueues on the device's context
   const std::uint64_t seq = next_seq_;
   // At most max_in_flight batches between submit and drain (the queues are that deep).
-  auto room = [&] { return seq - 1 - drained_.load(std::memory_order_acquire) < config_.max_in_flight; };
+  // Acquire: pairs with the drain's release of drained_: the drained batch's queue entries and
+  // payload-ring bytes are free before we count on them.
+  auto room = [&] { return seq - 1 - load_acquire(drained_) < config_.max_in_flight; };
   std::uint64_t ignored = 0;
   if (!wait_ladder(done_gate_, room, ignored, poll_)) stopped("waiting for a batch to drain");
 
@@ -155,6 +159,22 @@ void Runtime::submit(const BatchSpec& spec, const std::int64_t* rows) {
   }
   ++next_seq_;
   slots_[slots_head_++ % slots_.size()] = SlotRecord{seq, *slot};
+  // From here on `seq` is taken: finish() waits for it. A call below that throws (a driver error,
+  // a stopped GPU) leaves it without an output record or a payload, so the runtime is failed:
+  // finish() then raises instead of waiting forever, and shutdown() releases what the GPU holds.
+  try {
+    commit(spec, rows, seq, *slot, *out);
+  } catch (const std::exception& e) {
+    fail("submit: batch " + std::to_string(spec.batch_id) + ": " + e.what());
+    throw;
+  } catch (...) {
+    fail("submit: batch " + std::to_string(spec.batch_id) + ": unknown error");
+    throw;
+  }
+}
+
+void Runtime::commit(const BatchSpec& spec, const std::int64_t* rows, std::uint64_t seq,
+                     const Reservation& slot, const Reservation& out) {
   // Mark the size slot unwritten; the hand-off to the filler orders this before the doorbell,
   // so the GPU's write of the real size comes after it.
   if (spec.output_size_on_gpu) *size_slot(seq) = kNoSize;
@@ -168,7 +188,7 @@ void Runtime::submit(const BatchSpec& spec, const std::int64_t* rows) {
   }
   const DevPtr published_head = counters_mem_.device + offsetof(DeviceCounters, published_head);
   const DevPtr consumed_seq = counters_mem_.device + offsetof(DeviceCounters, consumed_seq);
-  const std::uint64_t out_start = out->begin + (out->span - payload_ring_->rounded(out->length));
+  const std::uint64_t out_start = out.begin + (out.span - payload_ring_->rounded(out.length));
   bool slot_released = false;
   bool end_published = false;
   auto publish = [&](std::uint64_t value) {
@@ -186,7 +206,7 @@ void Runtime::submit(const BatchSpec& spec, const std::int64_t* rows) {
     const bool last = bytes_done >= spec.output_bytes;
     // Batched publication: one release per K hook outputs, and the batch end.
     if (++hooks_since_publish_ % config_.publish_every == 0 || last) {
-      publish(last ? out->end() : out_start + bytes_done);
+      publish(last ? out.end() : out_start + bytes_done);
       hooks_since_publish_ = 0;
       end_published = last;
     }
@@ -195,26 +215,26 @@ void Runtime::submit(const BatchSpec& spec, const std::int64_t* rows) {
   Stage::Context ctx{gpu,
                      spec,
                      seq,
-                     ring_mem_.device + slot->offset,
-                     static_cast<char*>(ring_mem_.host) + slot->offset,
-                     payload_mem_ + out->offset,
-                     gpu.host_view(payload_mem_ + out->offset),
+                     ring_mem_.device + slot.offset,
+                     static_cast<char*>(ring_mem_.host) + slot.offset,
+                     payload_mem_ + out.offset,
+                     gpu.host_view(payload_mem_ + out.offset),
                      sizes_mem_.device + 64 * (seq % config_.max_in_flight),
                      release_slot,
                      hook_done};
   stage_->enqueue(ctx);
   release_slot();
   // Forward boundary: the batch's end is always published.
-  if (!end_published) publish(out->end());
+  if (!end_published) publish(out.end());
   if (config_.measure_gpu_time) gpu.record_mark(Stream::kCompute, end_mark(seq));
 
-  outputs_.next() = OutputRecord{seq, spec.batch_id, *out, spec.output_size_on_gpu};
+  outputs_.next() = OutputRecord{seq, spec.batch_id, out, spec.output_size_on_gpu};
   outputs_.push();
   drain_gate_.notify();
 
   FillJob& job = fill_jobs_.next();
   job.seq = seq;
-  job.slot = *slot;
+  job.slot = slot;
   job.spec = spec;
   job.rows.assign(rows, rows + spec.item_count);  // within the reserved capacity: no allocation
   fill_jobs_.push();
@@ -249,12 +269,14 @@ void Runtime::filler_loop() {
                      reinterpret_cast<std::int32_t*>(slot + d.tokens_at));
       std::memcpy(slot, &d, sizeof(d));
       store_fence();  // order the payload stores (write-combined on a GPU) before the doorbell
-      store_release(&bell_->seq, job.seq);  // ring: batch job.seq may run
+      // Release: order the slot's descriptor and payload before the doorbell (job.seq may run).
+      store_release(&bell_->seq, job.seq);
       // Not for ordering (the doorbell is cached mapped memory): the store leaves this core's
       // store buffer before the filler turns to the next slot, so the waiting stream sees it now.
       store_fence();
-      bytes_in_.fetch_add(job.slot.length, std::memory_order_relaxed);
-      published_seq_.store(job.seq, std::memory_order_release);
+      add_relaxed(bytes_in_, job.slot.length);  // a statistic
+      // Release: order the descriptor written above before the seq shutdown() reads as published.
+      store_release(published_seq_, job.seq);
       ++tail;
     }
   } catch (const std::exception& e) {
@@ -329,21 +351,26 @@ void Runtime::drain_loop() {
         sink_(batch);
         // Free the payload-ring bytes only now: the copy is complete and the sink is done.
         payload_ring_->release(f.record.out);
-        bytes_out_.fetch_add(f.bytes, std::memory_order_relaxed);
+        add_relaxed(bytes_out_, f.bytes);  // a statistic
         ++completed;
         if (completed == started) copy_ns += elapsed_ns(copy_clock);
-        drained_.store(drained_.load() + 1, std::memory_order_release);
+        // Release: order the sink's end and the freed payload bytes before the count of drained
+        // batches, which submit() and finish() acquire.
+        store_release(drained_, load_relaxed(drained_) + 1);
         payload_gate_.notify();
         done_gate_.notify();
         progress = true;
       }
-      drain_copy_seconds_.store(static_cast<double>(copy_ns) * 1e-9, std::memory_order_relaxed);
-      if (stopped_.load(std::memory_order_acquire)) return;
+      store_relaxed(drain_copy_seconds_, static_cast<double>(copy_ns) * 1e-9);  // a statistic
+      // Acquire: a stop (fail() or shutdown()) and what was recorded before it are seen together.
+      if (load_acquire(stopped_)) return;
       if (progress) continue;
       auto work = [&] {
         if (completed < started && gpu_->event_done(static_cast<int>(flight[completed % flight.size()].staging))) return true;
+        // Acquire: as above, the GPU's reads of consumed slots are done.
         if (load_acquire(&counters_->consumed_seq) != last_consumed) return true;
         if (started < outputs_.published() && started - completed < flight.size()) {
+          // Acquire: as above, outputs up to published_head are complete.
           return outputs_.at(started).out.end() <=
                  load_acquire(&counters_->published_head);
         }
@@ -358,7 +385,8 @@ void Runtime::drain_loop() {
 
 void Runtime::finish() {
   auto all_drained = [&] {
-    return drained_.load(std::memory_order_acquire) == next_seq_ - 1 || stopped_.load();
+    // Acquire: pairs with the drain's release: every sink call for these batches has returned.
+    return load_acquire(drained_) == next_seq_ - 1 || stopped_.load();
   };
   done_gate_.block_until(all_drained, std::chrono::microseconds(500));
   rethrow_failure();
@@ -406,7 +434,7 @@ void Runtime::release_unpublished() {
     std::memset(slot + sizeof(d), 0, 8);
   }
   store_fence();  // order the empty descriptors before the final doorbell
-  store_release(&bell_->seq, last);
+  store_release(&bell_->seq, last);  // Release: every held batch may run, on its empty descriptor
   store_fence();
 }
 
@@ -445,8 +473,9 @@ RuntimeStats Runtime::stats() const {
   s.payload_waits = payload_waits_;
   s.payload_blocked = payload_blocked_;
   s.publications = publications_;
-  s.allocations = gpu_->allocations();
-  s.allocations_at_start = allocations_at_start_;
+  s.device_allocations = gpu_->allocations();
+  s.device_allocations_at_start = device_allocations_at_start_;
+  s.heap_allocations = allocations() - heap_allocations_at_start_;
   s.drain_copy_seconds = drain_copy_seconds_.load();
   s.gpu_busy_seconds = gpu_busy_seconds_.load();
   s.gpu_span_seconds = gpu_span_seconds_.load();

@@ -129,8 +129,12 @@ struct RuntimeStats {
   std::uint64_t payload_waits = 0;    // submits that waited for payload-ring space
   std::uint64_t payload_blocked = 0;  // ... and reached the blocking end of the ladder
   std::uint64_t publications = 0;  // system-scope releases of published_head
-  std::uint64_t allocations = 0;
-  std::uint64_t allocations_at_start = 0;
+  std::uint64_t device_allocations = 0;           // device and pinned blocks the GPU allocated
+  std::uint64_t device_allocations_at_start = 0;  // ... of which before the hot loop was armed
+  // Heap allocations (operator new, fabric::allocations()) since start() began: the runtime's
+  // own at start, then none per batch. The counter is the module's, so another runtime running
+  // at the same time, or another call into the module, is counted too.
+  std::uint64_t heap_allocations = 0;
   double drain_copy_seconds = 0;  // time the drain had copies in flight
   double gpu_busy_seconds = 0;    // sum over batches of (end - start) on the compute stream
   double gpu_span_seconds = 0;    // first batch's start to the last drained batch's end
@@ -148,7 +152,9 @@ class Runtime {
 
   // Allocates everything, warms up, starts the filler and drain threads, arms the hot loop.
   void start();
-  // Queues one batch; blocks while the rings are full. Throws after shutdown or a failure.
+  // Queues one batch; blocks while the rings are full. Throws after shutdown or a failure. A
+  // refused batch leaves nothing behind; an error once the batch holds its sequence number (a
+  // driver call that fails while it is enqueued) fails the runtime, so finish() raises it.
   void submit(const BatchSpec& spec, const std::int64_t* rows);
   // Blocks until every submitted batch is drained; rethrows a failure of any thread.
   void finish();
@@ -181,6 +187,9 @@ class Runtime {
   static constexpr std::uint64_t kNoSize = ~0ull;  // a size slot the stage has not written
   volatile std::uint64_t* size_slot(std::uint64_t seq) const;
 
+  // submit() after its reservations: enqueue the batch's GPU work, hand it to drain and filler.
+  void commit(const BatchSpec& spec, const std::int64_t* rows, std::uint64_t seq,
+              const Reservation& slot, const Reservation& out);
   void filler_loop();
   void drain_loop();
   void reclaim_slots();
@@ -228,7 +237,8 @@ class Runtime {
   // marks: 0 = the first batch's start; then two per batch slot (start, end)
   static int start_mark(std::uint64_t seq) { return 1 + 2 * static_cast<int>(seq % ((Gpu::kMarks - 1) / 2)); }
   static int end_mark(std::uint64_t seq) { return start_mark(seq) + 1; }
-  std::uint64_t allocations_at_start_ = 0;
+  std::uint64_t device_allocations_at_start_ = 0;
+  std::uint64_t heap_allocations_at_start_ = 0;
   std::mutex failure_mutex_;
   std::string failure_;
 };

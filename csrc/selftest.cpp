@@ -137,8 +137,8 @@ HandoffResult measure_handoff(int device, std::uint64_t iterations) {
   for (std::uint64_t i = 1; i <= total; ++i) {
     std::this_thread::sleep_for(std::chrono::microseconds(20));  // let the stream settle on the wait
     const auto t0 = Clock::now();
-    store_release(bell, i);  // publish batch i
-    while (load_acquire(ack) != i) cpu_relax();
+    store_release(bell, i);  // Release: publish batch i (nothing else to order: a timing loop)
+    while (load_acquire(ack) != i) cpu_relax();  // Acquire: batch i's kernel ran
     const auto t1 = Clock::now();
     if (i > warmup) r.doorbell_us.push_back(micros(t0, t1));
     if (i + kAhead <= total) enqueue(i + kAhead);
@@ -152,7 +152,7 @@ HandoffResult measure_handoff(int device, std::uint64_t iterations) {
     kernels::SelfTestWriteArgs a{ack_dev, value};
     const auto t0 = Clock::now();
     gpu->launch(Stream::kCompute, kernels::KernelId::kSelfTestWrite, one, &a, sizeof(a));
-    while (load_acquire(ack) != value) cpu_relax();
+    while (load_acquire(ack) != value) cpu_relax();  // Acquire: the launched kernel ran
     const auto t1 = Clock::now();
     if (i > warmup) r.launch_poll_us.push_back(micros(t0, t1));
   }

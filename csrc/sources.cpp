@@ -68,14 +68,14 @@ void SelfTestSource::write(const BatchSpec& spec, const std::int64_t*, std::int6
   }
   Entry& entry = table_[spec.batch_id % kTable];
   entry.checksum = sum;
-  // Release: the checksum is written before its tag says which batch it belongs to.
-  entry.seq.store(spec.batch_id, std::memory_order_release);
+  // Release: order the checksum's store before the tag that says which batch it belongs to.
+  store_release(entry.seq, spec.batch_id);
 }
 
 std::uint64_t SelfTestSource::expected(std::uint64_t batch_id) const {
   const Entry& entry = table_[batch_id % kTable];
-  // Acquire: pairs with the tag's release above.
-  while (entry.seq.load(std::memory_order_acquire) != batch_id) cpu_relax();
+  // Acquire: pairs with the tag's release above: the checksum is written once the tag is seen.
+  while (load_acquire(entry.seq) != batch_id) cpu_relax();
   return entry.checksum;
 }
 

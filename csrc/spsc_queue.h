@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "atomics.h"
+
 namespace fabric {
 
 template <class T>
@@ -17,16 +19,17 @@ class SpscQueue {
   std::vector<T>& entries() { return entries_; }  // set-up only (e.g. reserving capacity)
 
   // Producer: the entry the next push() publishes, filled in place.
-  T& next() { return entries_[head_.load(std::memory_order_relaxed) % entries_.size()]; }
+  T& next() { return entries_[load_relaxed(head_) % entries_.size()]; }  // only we write head_
   // Producer: publish the entry next() returned.
   void push() {
     // Release: order the entry's contents before its index.
-    head_.store(head_.load(std::memory_order_relaxed) + 1, std::memory_order_release);
+    store_release(head_, load_relaxed(head_) + 1);
   }
 
   // Consumer: how many entries were ever published; entries below it are readable.
   std::uint64_t published() const {
-    return head_.load(std::memory_order_acquire);  // acquire: pairs with push(): contents visible
+    // Acquire: pairs with push()'s release: the contents of entries below it are visible.
+    return load_acquire(head_);
   }
   const T& at(std::uint64_t index) const { return entries_[index % entries_.size()]; }
   T& at(std::uint64_t index) { return entries_[index % entries_.size()]; }

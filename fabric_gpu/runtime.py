@@ -23,46 +23,8 @@ from fabric_gpu.engines.base import (
     EngineError,
     HostEngine,
     InputLocation,
-    PaddedBatch,
 )
 from fabric_gpu.variants import FLOAT32, Variant, stored_rows
-
-# csrc/protocol.h's BatchDescriptor, from the field offsets and sizes the extension exports.
-DESCRIPTOR_DTYPE = np.dtype(
-    {
-        "names": [name for name, _, _ in _runtime.DESCRIPTOR_FIELDS],
-        "formats": [f"<u{size}" for _, _, size in _runtime.DESCRIPTOR_FIELDS],
-        "offsets": [offset for _, offset, _ in _runtime.DESCRIPTOR_FIELDS],
-        "itemsize": _runtime.DESCRIPTOR_BYTES,
-    }
-)
-
-
-@dataclass(frozen=True)
-class Slot:
-    """A batch's payload as the engine sees it: descriptor, item offsets, token ids."""
-
-    descriptor: np.void
-    offsets: np.ndarray  # int64 [items + 1], into `tokens`
-    tokens: np.ndarray  # int32 [real_tokens]
-
-    @classmethod
-    def parse(cls, slot: np.ndarray) -> Slot:
-        d = slot[: DESCRIPTOR_DTYPE.itemsize].view(DESCRIPTOR_DTYPE)[0]
-        items, real = int(d["item_count"]), int(d["real_tokens"])
-        offsets_at, tokens_at = int(d["offsets_at"]), int(d["tokens_at"])
-        offsets = slot[offsets_at : offsets_at + 8 * (items + 1)].view(np.int64)
-        tokens = slot[tokens_at : tokens_at + 4 * real].view(np.int32)
-        return cls(d, offsets, tokens)
-
-    def padded(self, pad_id: int = 0) -> PaddedBatch:
-        seq_len = int(self.descriptor["bucket_max"])
-        lengths = np.diff(self.offsets)
-        positions = np.arange(seq_len)[None, :]
-        real = positions < lengths[:, None]
-        ids = np.full((lengths.size, seq_len), pad_id, dtype=np.int64)
-        ids[real] = self.tokens[(self.offsets[:-1, None] + positions)[real]]
-        return PaddedBatch(input_ids=ids, lengths=lengths)
 
 
 @dataclass(frozen=True)
@@ -139,7 +101,7 @@ class _Runner:
     """What both runners share: submitting batches by task rows, and the drain-side sink that
     turns each batch's output bytes into a BatchResult for `on_result`."""
 
-    _rt: Any
+    _rt: _runtime.Runtime | None
 
     def __init__(
         self,
@@ -193,17 +155,25 @@ class _Runner:
         rows = np.ascontiguousarray(rows, dtype=np.int64)
         lengths = self._offsets[rows + 1] - self._offsets[rows]
         layout = self.layout(rows.size, int(lengths.sum()))
+        runtime = self._runtime()
+        # Recorded before the call, because the drain's sink may take the batch before submit()
+        # returns here; taken back if the runtime refuses it, which leaves nothing to drain.
         self._pending[batch_id] = layout
         self._lengths[batch_id] = lengths
-        self._runtime().submit(
-            batch_id=batch_id,
-            rows=rows,
-            bucket_max=shape,
-            real_tokens=layout.real_tokens,
-            output_bytes=layout.total_bytes,
-            shape_epoch=shape,
-            hooks=1 + len(self.layers),
-        )
+        try:
+            runtime.submit(
+                batch_id=batch_id,
+                rows=rows,
+                bucket_max=shape,
+                real_tokens=layout.real_tokens,
+                output_bytes=layout.total_bytes,
+                shape_epoch=shape,
+                hooks=1 + len(self.layers),
+            )
+        except BaseException:
+            self._pending.pop(batch_id, None)
+            self._lengths.pop(batch_id, None)
+            raise
 
     def finish(self) -> _runtime.RuntimeStats:
         self._runtime().finish()
@@ -216,7 +186,7 @@ class _Runner:
             self._rt.shutdown()
             self._rt = None
 
-    def _runtime(self) -> Any:
+    def _runtime(self) -> _runtime.Runtime:
         if self._rt is None:
             raise RuntimeError("the engine runner is closed")
         return self._rt

@@ -102,11 +102,17 @@ def _run(
         poison=True,
     )
     allocated = torch.cuda.memory_allocated()
+    # Batches before the heap count is taken as the baseline (then at least as many after it).
+    warm_up = min(8, plan.n_batches // 2)
+    heap_warm = 0
     with runner:
         for b in range(plan.n_batches):
+            if b == warm_up:
+                heap_warm = runner.finish().heap_allocations
             rows = plan.order[plan.item_start[b] : plan.item_start[b] + plan.item_count[b]]
             runner.submit(b, rows, int(plan.seq_len[b]))
         stats = runner.finish().as_dict()
+    stats["heap_allocations_after_warmup"] = stats["heap_allocations"] - heap_warm
     stats["torch_allocated_delta"] = torch.cuda.memory_allocated() - allocated
     per_item: dict[int, dict[int, np.ndarray]] = {}
     pooled_by_item: dict[int, np.ndarray] = {}
@@ -159,9 +165,11 @@ def test_random_weights_through_the_runtime_match_the_cpu_reference(
     lengths = np.random.default_rng(1).integers(1, 257, 300)
     tokens, offsets, per_item, stats = _run(engine, lengths, seed=2)
     _check_against_cpu(reference, tokens, offsets, per_item, stats, len(lengths))
-    assert stats["allocations"] == stats["allocations_at_start"], (
-        "runtime allocated in the hot loop"
+    assert stats["device_allocations"] == stats["device_allocations_at_start"], (
+        "runtime allocated device memory in the hot loop"
     )
+    assert stats["heap_allocations"] > 0, "the heap counter sees the runtime's start"
+    assert stats["heap_allocations_after_warmup"] == 0, "runtime allocated heap in the hot loop"
     assert stats["torch_allocated_delta"] == 0, "torch allocated in the hot loop"
 
 
@@ -232,7 +240,7 @@ def test_a_prewarmed_worker_engine_captured_the_full_shape_and_still_matches() -
     """A warm worker captures a packed plan's full-batch graph before the plan exists; the run
     then captures only the plan's other shapes, and its outputs still match the CPU reference."""
     from fabric_gpu.engines.torch_engine import TorchEngine
-    from fabric_pipelines.lib.workers import prewarm
+    from fabric_pipelines.lib.worker.main import prewarm
 
     reference = _random_bert()
     engine = TorchEngine(_manifest("float16"), model=copy.deepcopy(reference), layout="packed")

@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from fabric_gpu import _runtime, probe_gpu
+from fabric_gpu._runtime import testing
 
 STATUS = probe_gpu()
 pytestmark = [
@@ -31,7 +32,9 @@ def test_payload_integrity_over_100k_batches_of_random_size() -> None:
     assert r["verified"] == r["drained"] == 100_000, r
     assert r["checksum_mismatches"] == 0, r["first_error"]
     assert r["output_mismatches"] == 0 and r["order_errors"] == 0, r["first_error"]
-    assert r["allocations"] == r["allocations_at_start"], "no GPU memory allocated after warm-up"
+    assert r["device_allocations"] == r["device_allocations_at_start"], (
+        "no GPU memory allocated after warm-up"
+    )
     assert r["heap_allocations_warming_up"] > 0, "the heap counter sees the runtime"
     assert r["heap_allocations_after_warmup"] == 0, "no heap allocation per batch after warm-up"
 
@@ -46,7 +49,7 @@ def test_payload_ring_with_random_hook_sizes_and_a_slow_drain() -> None:
     assert r["verified"] == 20_000, r
     assert r["checksum_mismatches"] == r["output_mismatches"] == r["order_errors"] == 0, r
     assert r["payload_waits"] > 0, "the slow drain must have pushed back"
-    assert r["allocations"] == r["allocations_at_start"]
+    assert r["device_allocations"] == r["device_allocations_at_start"]
 
 
 def _self_test_in_subprocess(
@@ -65,8 +68,8 @@ def _self_test_in_subprocess(
 @pytest.mark.timeout(300)
 def test_the_lazy_loading_deadlock_cannot_happen() -> None:
     """With lazy module loading forced on, a kernel launched for the first time behind a pending
-    doorbell wait is the deadlock of ARCHITECTURE.md. The runtime's warm-up launches every kernel
-    first, so its self test (a kernel queued behind a wait, then the doorbell) completes."""
+    doorbell wait deadlocks (docs/runtime.md explains why). The runtime's warm-up launches every
+    kernel first, so its self test (a kernel queued behind a wait, then the doorbell) completes."""
     done = _self_test_in_subprocess(eager=True, timeout=120)
     assert done is not None, "the eager path hung"
     assert done.returncode == 0, done.stderr
@@ -89,8 +92,8 @@ def test_the_compute_stream_cannot_be_synchronised_in_the_hot_loop() -> None:
     rt = _runtime.Runtime(
         emulated=False, device=0, config=_runtime.RuntimeConfig(max_output_bytes=4096)
     )
-    rt.set_selftest_source(3)
-    rt.set_selftest_stage()
+    testing.set_selftest_source(rt, 3)
+    testing.set_selftest_stage(rt)
     rt.set_sink(lambda *a: None)
     rt.start()
     with pytest.raises(RuntimeError, match="inside the hot loop"):

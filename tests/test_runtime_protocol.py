@@ -13,7 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fabric_gpu import _runtime
-from fabric_gpu.runtime import DESCRIPTOR_DTYPE, Slot, selftest
+from fabric_gpu._runtime import testing
+from fabric_gpu.runtime import selftest
+from tests.runtime_helpers import DESCRIPTOR_DTYPE, Slot
 
 # ---- ring accounting ------------------------------------------------------------------------
 
@@ -26,7 +28,7 @@ from fabric_gpu.runtime import DESCRIPTOR_DTYPE, Slot, selftest
 )
 def test_ring_never_splits_never_overlaps_and_accounts_every_byte(capacity_units, alignment, ops):  # type: ignore[no-untyped-def]
     capacity = capacity_units * 256
-    ring = _runtime.ByteRing(capacity, alignment)
+    ring = testing.ByteRing(capacity, alignment)
     live: list[tuple[int, int, int, int]] = []
     for reserve, length in ops:
         if reserve:
@@ -57,7 +59,7 @@ def test_ring_never_splits_never_overlaps_and_accounts_every_byte(capacity_units
 
 
 def test_ring_release_out_of_order_is_refused() -> None:
-    ring = _runtime.ByteRing(4096, 256)
+    ring = testing.ByteRing(4096, 256)
     a = ring.try_reserve(100)
     b = ring.try_reserve(100)
     assert a is not None and b is not None
@@ -66,7 +68,7 @@ def test_ring_release_out_of_order_is_refused() -> None:
 
 
 def test_wrap_padding_is_charged_to_the_batch_that_wrapped() -> None:
-    ring = _runtime.ByteRing(1024, 256)
+    ring = testing.ByteRing(1024, 256)
     first = ring.try_reserve(700)  # 768 bytes: 256 left at the end
     assert first is not None
     ring.release(*first)
@@ -91,9 +93,9 @@ u64 = st.integers(0, 2**64 - 1)
     "bucket_max": u32, "item_count": u32, "shape_epoch": u32, "payload_bytes": u32,
 }))  # fmt: skip
 def test_descriptor_round_trip(fields: dict[str, int]) -> None:
-    packed = _runtime.pack_descriptor(fields)
+    packed = testing.pack_descriptor(fields)
     assert len(packed) == _runtime.DESCRIPTOR_BYTES == 128
-    assert _runtime.unpack_descriptor(packed) == fields
+    assert testing.unpack_descriptor(packed) == fields
     parsed = np.frombuffer(packed, dtype=DESCRIPTOR_DTYPE)[0]
     assert {k: int(parsed[k]) for k in fields} == fields
 
@@ -105,7 +107,7 @@ def test_slot_parse_reads_offsets_and_tokens() -> None:
     )  # fmt: skip
     fields.update(real_tokens=5, item_count=2, bucket_max=4, offsets_at=128, tokens_at=152)
     slot = np.zeros(_runtime.slot_bytes(2, 5), np.uint8)
-    slot[:128] = np.frombuffer(_runtime.pack_descriptor(fields), np.uint8)
+    slot[:128] = np.frombuffer(testing.pack_descriptor(fields), np.uint8)
     slot[128:152] = np.array([0, 3, 5], np.int64).view(np.uint8)
     slot[152:172] = np.array([7, 8, 9, 10, 11], np.int32).view(np.uint8)
     batch = Slot.parse(slot).padded(pad_id=0)
@@ -125,7 +127,9 @@ def test_a_million_batches_none_lost_reordered_or_torn() -> None:
     )  # fmt: skip
     assert r["verified"] == r["drained"] == r["submitted"] == 1_000_000, r
     assert r["checksum_mismatches"] == r["output_mismatches"] == r["order_errors"] == 0, r
-    assert r["allocations"] == r["allocations_at_start"], "no allocation after warm-up"
+    assert r["device_allocations"] == r["device_allocations_at_start"], (
+        "no allocation after warm-up"
+    )
 
 
 def test_large_batches_through_a_small_ring_with_a_slow_drain() -> None:
@@ -156,7 +160,7 @@ class HeldRuntime:
             config=_runtime.RuntimeConfig(ring_bytes=ring_bytes, payload_ring_bytes=1 << 16, max_output_bytes=1024, max_in_flight=max_in_flight, input_location="host", write_combined=False),
         )  # fmt: skip
         self.rt.set_token_table(tokens, offsets)
-        self.rt.set_python_stage(self.stage)
+        testing.set_python_stage(self.rt, self.stage)
         self.rt.set_sink(lambda seq, batch_id, data, error: self.results.append(batch_id))
         self.rt.start()
 
@@ -225,8 +229,8 @@ def test_write_combined_memory_is_refused_for_engines_reading_on_the_cpu() -> No
         device=0,
         config=_runtime.RuntimeConfig(input_location="host", write_combined=True),
     )
-    rt.set_selftest_source(1)
-    rt.set_selftest_stage()
+    testing.set_selftest_source(rt, 1)
+    testing.set_selftest_stage(rt)
     rt.set_sink(lambda *a: None)
     with pytest.raises(ValueError, match="write-combined"):
         rt.start()
@@ -244,7 +248,7 @@ def test_engine_failures_come_back_with_their_batch() -> None:
         if batch_id == 2:
             raise ValueError("engine exploded")
 
-    rt.set_python_stage(stage)
+    testing.set_python_stage(rt, stage)
     rt.set_sink(lambda seq, batch_id, data, error: errors.append((batch_id, error)))
     rt.start()
     for b in (1, 2, 3):
@@ -263,7 +267,7 @@ def test_rows_outside_the_task_set_fail_the_runtime_with_the_batch_named() -> No
         config=_runtime.RuntimeConfig(input_location="host", write_combined=False),
     )
     rt.set_token_table(np.arange(10, dtype=np.int32), np.array([0, 5, 10], np.int64))
-    rt.set_python_stage(lambda *a: None)
+    testing.set_python_stage(rt, lambda *a: None)
     rt.set_sink(lambda *a: None)
     rt.start()
     rt.submit(41, np.array([5], np.int64), 8, 5, 64)
