@@ -122,6 +122,7 @@ def _token_table(rows: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return rng.integers(1000, 30000, int(offsets[-1])).astype(np.int32), offsets
 
 
+@pytest.mark.heap_count
 def test_the_graph_stage_allocates_nothing_per_batch_after_warm_up(cpu_engine: Any) -> None:
     """The product's path on the emulated GPU: the runner's graph stage queues the engine as a
     host function per batch. After warm-up the module's heap count does not move."""

@@ -338,6 +338,7 @@ def test_a_batch_the_stage_refuses_leaves_nothing_for_finish_to_wait_for() -> No
     assert drained == [3]
 
 
+@pytest.mark.heap_count
 def test_the_hot_loop_allocates_nothing_per_batch_after_warm_up() -> None:
     result = selftest(
         emulated=True, batches=3000, seed=9, max_tokens=300, max_items=32, max_hooks=4,
