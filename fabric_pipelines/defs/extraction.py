@@ -14,10 +14,10 @@ from typing import Any
 import dagster as dg
 
 from fabric_gpu.engines import input_layout
+from fabric_pipelines.defs.asset_group import CODE_VERSIONS, PIPELINE_GROUP
 from fabric_pipelines.defs.gpu_pool import GPU_POOL, sync_gpu_pool
 from fabric_pipelines.defs.metadata import dagster_metadata
 from fabric_pipelines.defs.partitions import TASK_SET_PARTITIONS, task_sets
-from fabric_pipelines.defs.pipeline import CODE_VERSIONS, PIPELINE_GROUP
 from fabric_pipelines.defs.resources import ArtifactStore, Database, EngineConfig
 from fabric_pipelines.lib.broker.ledger import Accounting
 from fabric_pipelines.lib.broker.plans import plan_task_set

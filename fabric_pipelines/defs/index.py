@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING, Any
 
 import dagster as dg
 
+from fabric_pipelines.defs.asset_group import CODE_VERSIONS, PIPELINE_GROUP
 from fabric_pipelines.defs.extraction import extraction_outputs
 from fabric_pipelines.defs.metadata import dagster_metadata
 from fabric_pipelines.defs.partitions import TASK_SET_PARTITIONS
-from fabric_pipelines.defs.pipeline import CODE_VERSIONS, PIPELINE_GROUP
 from fabric_pipelines.defs.resources import ArtifactStore, Database, EngineConfig
 from fabric_pipelines.lib.index.staleness import indexed_models, latest_receipt, staleness
 from fabric_pipelines.lib.steps.metadata import (
