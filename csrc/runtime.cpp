@@ -165,6 +165,9 @@ void Runtime::submit(const BatchSpec& spec, const std::int64_t* rows) {
   try {
     commit(spec, rows, seq, *slot, *out);
   } catch (const std::exception& e) {
+    // A shutdown meanwhile stopped the GPU under this batch: report the shutdown, not the GPU's
+    // refusal that followed from it.
+    if (stopped_.load()) stopped("committing a batch");
     fail("submit: batch " + std::to_string(spec.batch_id) + ": " + e.what());
     throw;
   } catch (...) {
