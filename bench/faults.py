@@ -6,8 +6,8 @@ Per database, in a fresh data root (and a scratch PostgreSQL database, dropped a
 rounds of: a task set of small token-id tasks (tiny batches with the hook layer on, so every batch
 also stores a hidden-state shard) run by runs of two real worker processes (the CPU engine on
 all-MiniLM-L6-v2), hit at random points by SIGKILL of a worker or of the whole run, SIGSTOP of a
-worker past its 2 s lease, termination of the workers' PostgreSQL backends, a second run of the
-same set at once, and an unwritable hidden-state folder; runs start again until the set is
+worker past its 2 s lease, termination of the workers' PostgreSQL backends (on SQLite: its write
+lock held by another connection past the runs' busy timeout), a second run of the same set at once, and an unwritable hidden-state folder; runs start again until the set is
 finished (after ten faulty runs of a set, fault-free ones: the final recovery). Then the model's index is built, and stored files (task set, plans, shards, index files,
 receipts) are truncated at random offsets, extended with garbage, bit-flipped or deleted: each
 must be refused by the product's reader and named by `fabric verify`, then restored and verified
@@ -20,7 +20,8 @@ completed nor failed after the final recovery; `duplicated` result or failure ro
 key, and tasks both completed and failed; `corrupted_undetected` corruptions the product's reader
 accepted or `fabric verify` did not name; `orphans` worker processes alive 5 s after their run
 returned; `acked_without_file` completed batches without their hidden-state shard;
-`unclean_after_recovery` verify's findings once a set is finished. The seed (printed) replays
+`unclean_after_recovery` verify's findings once a set is finished; `failed_for_the_database` runs
+that ended on a database error instead of riding it out (lib/core/retry.py). The seed (printed) replays
 the same choices; timings on a shared machine make the runs differ in detail.
 """
 
@@ -67,6 +68,7 @@ PROCESS_FAULTS = {
     "stop_worker": 2,
     "kill_run": 1,
     "terminate_backends": 4,  # PostgreSQL only
+    "lock_database": 4,  # SQLite only: the write lock held past the runs' busy timeout
     "second_run": 1,
     "unwritable_output": 1,
 }
@@ -79,6 +81,15 @@ MUST_BE_ZERO = (
     "orphans",
     "acked_without_file",
     "unclean_after_recovery",
+    "failed_for_the_database",
+)
+# The runs' SQLite busy timeout here: a lock held longer fails "database is locked" (retried).
+BUSY_TIMEOUT_MS = 250
+LOCK_S = (0.1, 2.0)
+# A run that ended on one of these lost its database and did not ride it out (lib/core/retry.py).
+DATABASE_ERROR = re.compile(
+    r"GaveUpRetrying|OperationalError|InterfaceError|database is locked|terminating connection|"
+    r"server closed the connection|connection (is )?closed"
 )
 ERROR_LINE = re.compile(r"^[A-Za-z_.]*(Error|Exception|Exit|GaveUp\w*)\b")
 
@@ -98,6 +109,7 @@ class Campaign:
         self.bar = tqdm(total=args.faults, desc=db.dialect.name, unit="fault")
         self.sets: list[str] = []
         self.run_errors: dict[str, int] = {}  # how failed runs ended (most by a fault, by design)
+        self.failed_for_the_database = 0  # runs that ended on a database error (none may)
         self.unclean = 0
 
     def process_faults(self) -> int:
@@ -113,7 +125,8 @@ class Campaign:
         settings = faults.RunSettings(
             name, manifest_path, workers=2, lease_seconds=LEASE_S, heartbeat_seconds=HEARTBEAT_S
         )
-        kinds = [k for k in PROCESS_FAULTS if k != "terminate_backends" or self.killer]
+        only = {"terminate_backends": self.killer is not None, "lock_database": self.killer is None}
+        kinds = [k for k in PROCESS_FAULTS if only.get(k, True)]
         weights = np.array([PROCESS_FAULTS[k] for k in kinds], dtype=float)
         weights /= weights.sum()
         process_budget = int(self.args.faults * (1 - FILE_SHARE))
@@ -162,6 +175,10 @@ class Campaign:
         if kind == "terminate_backends":
             assert self.killer is not None
             return self.killer.terminate(self.rng) > 0
+        if kind == "lock_database":
+            with faults.locked_database(self.paths.sqlite_path):
+                self.pause(runs, float(self.rng.uniform(*LOCK_S)))
+            return True
         if kind == "kill_run":
             run.kill()
             return True
@@ -181,6 +198,9 @@ class Campaign:
             errors = [line for line in run.output().splitlines() if ERROR_LINE.match(line)]
             last = errors[-1][:160] if errors else f"exit code {run.process.returncode}"
             self.run_errors[last] = self.run_errors.get(last, 0) + 1
+            if any(DATABASE_ERROR.search(line) for line in errors):
+                self.failed_for_the_database += 1
+                self.tally.notes.append(f"run {run.pid} failed on the database: {last}")
         mine = run.orphans(ORPHAN_GRACE_S)
         if mine:
             self.tally.orphans += len(mine)
@@ -289,6 +309,7 @@ class Campaign:
             "orphans": t.orphans,
             "acked_without_file": self.acked_without_file,
             "unclean_after_recovery": self.unclean,
+            "failed_for_the_database": self.failed_for_the_database,
             "reader_accepted_corrupt": self.reader_accepted,
             "stale_acks_in_worker_reports": self.stale_acks,  # of workers that exited normally
             "task_sets": len(self.sets),
@@ -338,6 +359,7 @@ def main() -> int:
     parser.add_argument("--items", type=int, default=4, help="tasks per batch")
     parser.add_argument("--url", default="postgresql+psycopg://postgres@127.0.0.1:5432/test")
     args = parser.parse_args()
+    os.environ["FABRIC_SQLITE_BUSY_TIMEOUT_MS"] = str(BUSY_TIMEOUT_MS)  # the runs inherit it
     seed = args.seed if args.seed is not None else int(time.time()) % 1_000_000
     print(f"seed {seed} (rerun the same faults with --seed {seed})", file=sys.stderr)
     kinds = ["sqlite", "postgres"] if args.db == "both" else [args.db]

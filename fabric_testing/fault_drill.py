@@ -432,6 +432,21 @@ class BackendKiller:
 
 
 @contextmanager
+def locked_database(path: Path) -> Iterator[None]:
+    """SQLite's write lock held by another connection for the block: writers of the run wait
+    their busy timeout, then fail "database is locked" and retry their unit of work."""
+    import sqlite3
+
+    holder = sqlite3.connect(str(path), timeout=60, isolation_level=None)
+    try:
+        holder.execute("BEGIN IMMEDIATE")
+        yield
+        holder.execute("ROLLBACK")
+    finally:
+        holder.close()
+
+
+@contextmanager
 def unwritable_folder(folder: Path) -> Iterator[None]:
     """Make `folder` impossible to write into, even for root (where chmod stops nothing): it is
     moved aside and a plain file takes its name, so every mkdir, staging file and rename under

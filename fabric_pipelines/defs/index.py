@@ -12,7 +12,7 @@ from fabric_pipelines.defs.extraction import extraction_outputs
 from fabric_pipelines.defs.metadata import dagster_metadata
 from fabric_pipelines.defs.partitions import TASK_SET_PARTITIONS
 from fabric_pipelines.defs.resources import ArtifactStore, Database, EngineConfig
-from fabric_pipelines.lib.index.staleness import indexed_models, latest_receipt, staleness
+from fabric_pipelines.lib.index.staleness import indexed_models, serving_receipt, staleness
 from fabric_pipelines.lib.steps.metadata import (
     index_metadata,
     recall_check_metadata,
@@ -85,8 +85,7 @@ def vector_index(
         device=config.device, kmeans=config.kmeans,
     )  # fmt: skip
     db = database.engine()
-    with db.connect() as conn:
-        serving = latest_receipt(conn, manifest.model_key)
+    serving = serving_receipt(db, manifest.model_key)
     previous = None if config.full_rebuild or serving is None else serving[1]
     # Nothing to build where no row moved since the served index (a set whose every task
     # failed, say): it stands, recorded again under its own receipt's data version.

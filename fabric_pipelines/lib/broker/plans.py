@@ -29,6 +29,7 @@ from fabric_pipelines.lib.broker.reuse import (
     pending_record_nos,
     reuse_enabled,
 )
+from fabric_pipelines.lib.core.retry import unit_of_work
 from fabric_pipelines.lib.core.settings import FabricPaths
 from fabric_pipelines.lib.store.db import insert_ignoring_duplicates
 from fabric_pipelines.lib.store.keys import model_id
@@ -90,6 +91,7 @@ def plan_id(
     return digest.hexdigest()[:32]
 
 
+@unit_of_work("planning task set {task_set!r}")
 def plan_task_set(
     db: Engine,
     paths: FabricPaths,
@@ -300,6 +302,7 @@ def load_plan_order(path: Path, sha256: str) -> np.ndarray:
     return order
 
 
+@unit_of_work("reading the plan of task set {task_set!r}")
 def current_plan(db: Engine, task_set: str) -> BatchPlanRow:
     """The plan that shape_batches last made for `task_set`; LookupError if there is none."""
     with Session(db, expire_on_commit=False) as session:

@@ -7,6 +7,11 @@ at once. Each attempt must be a whole transaction (the callable opens its own), 
 again is safe; an attempt whose commit reply was lost may have committed, which the caller's
 operation must tolerate (the ledger's epoch fence and the writer's replay do).
 
+One level retries: a `retry` inside another (a function declared a `unit_of_work` calling
+another, say) runs its attempt once and lets the outermost unit run the whole again, so budgets
+do not multiply and a unit is never half redone. Units are per thread: a thread a unit starts
+runs its own.
+
 Back-off doubles from `first_backoff_s` up to `max_backoff_s` (with jitter, so workers cut off
 together do not come back together) until `budget_s` is spent; then `GaveUpRetrying` names the
 operation, the attempts and the time it tried.
@@ -14,16 +19,21 @@ operation, the attempts and the time it tried.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import random
 import sqlite3
 import time
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, TypeVar, cast
 
 from sqlalchemy import exc
 
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
 log = logging.getLogger(__name__)
 
 DEFAULT_BUDGET_S = 120.0
@@ -31,6 +41,25 @@ DEFAULT_BUDGET_S = 120.0
 # serialization failure, deadlock, the backend terminated or the server shutting down or starting,
 # too many connections, a session ended for idling inside its transaction.
 TRANSIENT_SQLSTATES = frozenset({"40001", "40P01", "57P01", "57P02", "57P03", "53300", "25P03"})
+
+
+# The unit of work running now in this thread, named by its operation (None: outside any unit).
+# Log lines and the fault drills read it; a statement outside every unit has no retry.
+_UNIT: ContextVar[str | None] = ContextVar("fabric_retry_unit", default=None)
+
+
+def current_unit() -> str | None:
+    """The operation of the innermost `retry` running in this thread, if any."""
+    return _UNIT.get()
+
+
+@contextmanager
+def _running_unit(operation: str) -> Iterator[None]:
+    token = _UNIT.set(operation)
+    try:
+        yield
+    finally:
+        _UNIT.reset(token)
 
 
 class GaveUpRetrying(RuntimeError):
@@ -82,13 +111,17 @@ def retry(
     """`attempt()`, again after each transient error, until it succeeds or `budget_s` (and, if
     given, `attempts`) run out. `operation` completes "gave up ..." in the final error, e.g.
     "claiming batches of plan 1a2b"."""
+    if current_unit() is not None:  # inside a larger unit: that one runs the whole again
+        with _running_unit(operation):
+            return attempt()
     started = time.monotonic()
     delay = first_backoff_s
     tried = 0
     while True:
         tried += 1
         try:
-            return attempt()
+            with _running_unit(operation):
+                return attempt()
         except Exception as error:
             if not is_transient(error):
                 raise
@@ -108,3 +141,22 @@ def retry(
                 on_retry(error)
             sleep(wait)
             delay = min(delay * 2, max_backoff_s)
+
+
+def unit_of_work(operation: str) -> Callable[[F], F]:
+    """Declare a function a unit of work: idempotent as a whole, so it is run again (`retry`)
+    after a transient database error. `operation` names it in logs and in the final error,
+    formatted with the call's arguments: `@unit_of_work("planning task set {task_set!r}")`."""
+
+    def declare(function: F) -> F:
+        signature = inspect.signature(function)
+
+        @functools.wraps(function)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            return retry(operation.format(**bound.arguments), lambda: function(*args, **kwargs))
+
+        return cast(F, run)
+
+    return declare

@@ -44,6 +44,7 @@ from fabric_pipelines.lib.core.files import (
     verify_sha256,
     write_bytes,
 )
+from fabric_pipelines.lib.core.retry import unit_of_work
 from fabric_pipelines.lib.index import shards, vector_tail
 from fabric_pipelines.lib.index.build import (
     IndexSpec,
@@ -160,6 +161,7 @@ def read_verified(path: Path, sha256: str) -> faiss.Index:
     return faiss.read_index(str(path))
 
 
+@unit_of_work("checking whether the index of {model_key} is unchanged")
 def unchanged_index(
     db: Engine,
     *,
@@ -227,32 +229,8 @@ def build_and_publish(
         raise ValueError(f"min_recall {min_recall}: a recall target lies within [0, 1]")
     clock = PhaseClock()
     with clock.phase("load"):
-        with db.begin() as conn:
-            try:
-                mid = model_id(conn, model_key, create=False)
-            except LookupError as exc:
-                raise EmptySourceError(
-                    f"no embeddings for model {model_key}: materialise extraction_outputs first"
-                ) from exc
-            shards.register(conn, mid, spec.shards)
-            # An output variant's rows are indexed as their values; the receipt says which.
-            model = {**model, **stored_encoding(StoredCodec.of_key(conn, model_key))}
-        with db.connect() as conn:
-            # Versions before rows: a change that lands after this read shows up as stale next time.
-            versions = shards.versions(conn, mid, spec.shards)
-        # Followed during extraction where this process ran it (vector_tail), else read. The
-        # hand-over opens its own transaction: this step's must not sit idle while it runs
-        # (PostgreSQL ends a session idle in a transaction for a minute).
-        followed = vector_tail.claim(db, model_key)
-        if followed is not None:
-            source = followed
-        else:
-            with db.connect() as conn:
-                source = load_vectors(conn, model_key)
-        if len(source.ids) == 0:
-            raise EmptySourceError(
-                f"no embeddings for model {model_key}: materialise extraction_outputs first"
-            )
+        encoding, versions, source, followed = _load_source(db, model_key, spec.shards)
+        model = {**model, **encoding}
         counts = check_vectors(source.vectors, spec.metric)
     spec = sized_for(spec, len(source.ids))
     with ThreadPoolExecutor(WORKERS, thread_name_prefix="index") as pool:
@@ -349,7 +327,7 @@ def build_and_publish(
         accepted=not missed,
         shortfall=missed,
         seconds=dict(clock.seconds),
-        vectors_followed=followed is not None,
+        vectors_followed=followed,
     )
 
 
@@ -512,6 +490,43 @@ def _with_source_hashes(
     }
 
 
+@unit_of_work("reading the vectors of {model_key}")
+def _load_source(
+    db: Engine, model_key: str, n_shards: int
+) -> tuple[dict[str, Any], list[int], VectorSet, bool]:
+    """How the model's rows are stored, its shards' versions, its vectors and whether they were
+    followed during extraction."""
+    with db.begin() as conn:
+        try:
+            mid = model_id(conn, model_key, create=False)
+        except LookupError as exc:
+            raise EmptySourceError(
+                f"no embeddings for model {model_key}: materialise extraction_outputs first"
+            ) from exc
+        shards.register(conn, mid, n_shards)
+        # An output variant's rows are indexed as their values; the receipt says which.
+        encoding = stored_encoding(StoredCodec.of_key(conn, model_key))
+    with db.connect() as conn:
+        # Versions before rows: a change that lands after this read shows up as stale next time.
+        versions = shards.versions(conn, mid, n_shards)
+    # Followed during extraction where this process ran it (vector_tail), else read (also when
+    # an earlier attempt of this unit claimed the tail). The hand-over opens its own
+    # transaction: this step's must not sit idle while it runs (PostgreSQL ends a session idle
+    # in a transaction for a minute).
+    followed = vector_tail.claim(db, model_key)
+    if followed is not None:
+        source = followed
+    else:
+        with db.connect() as conn:
+            source = load_vectors(conn, model_key)
+    if len(source.ids) == 0:
+        raise EmptySourceError(
+            f"no embeddings for model {model_key}: materialise extraction_outputs first"
+        )
+    return encoding, versions, source, followed is not None
+
+
+@unit_of_work("recording the receipt {sha} of {model_key}")
 def _record(
     db: Engine, sha: str, model_key: str, index_path: Path, index_sha: str, receipt: dict[str, Any]
 ) -> None:

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, select
+from sqlalchemy import Connection, Engine, select
 
+from fabric_pipelines.lib.core.retry import unit_of_work
 from fabric_pipelines.lib.index import shards
 from fabric_pipelines.lib.store.keys import model_id, model_id_of
 from fabric_pipelines.lib.store.models import IndexReceipt, Model
@@ -45,6 +46,13 @@ def latest_receipt(conn: Connection, model_key: str) -> tuple[str, dict[str, Any
         return None
     receipt: dict[str, Any] = json.loads(row.receipt_json)
     return row.receipt_sha256, receipt
+
+
+@unit_of_work("reading the served index of {model_key}")
+def serving_receipt(db: Engine, model_key: str) -> tuple[str, dict[str, Any]] | None:
+    """`latest_receipt` in a transaction of its own."""
+    with db.connect() as conn:
+        return latest_receipt(conn, model_key)
 
 
 def indexed_models(conn: Connection) -> list[str]:

@@ -44,6 +44,7 @@ from sqlalchemy import Connection, Engine, text
 from fabric_gpu.variants import variant_of_model_key
 from fabric_pipelines.lib.broker.ledger import COMPLETED
 from fabric_pipelines.lib.broker.plans import current_plan, load_plan_order
+from fabric_pipelines.lib.core.retry import retry
 from fabric_pipelines.lib.index import shards
 from fabric_pipelines.lib.index.copy_rows import vector_rows
 from fabric_pipelines.lib.index.vectors import (
@@ -200,7 +201,10 @@ class VectorTail:
     def _follow(self) -> None:
         try:
             with closing(self._connect()) as db:
-                self._first_read(db)
+                # A unit of its own (this thread's): registering the watermarks is idempotent.
+                retry(
+                    f"starting to follow the vectors of {self.key[1]}", lambda: self._first_read(db)
+                )
                 while not self._stop.wait(POLL_SECONDS):
                     kept_at = self.kept_at
                     if kept_at is not None and time.monotonic() - kept_at > UNCLAIMED_SECONDS:

@@ -33,6 +33,7 @@ from fabric_gpu.model import DEFAULT_MODEL_ID
 from fabric_pipelines.lib.broker.ledger import COMPLETED, LEASED, QUEUED, accounting
 from fabric_pipelines.lib.broker.reuse import reused_copies
 from fabric_pipelines.lib.core.files import sha256_file
+from fabric_pipelines.lib.core.retry import unit_of_work
 from fabric_pipelines.lib.core.settings import FabricPaths
 from fabric_pipelines.lib.index.receipt import Receipt
 from fabric_pipelines.lib.index.staleness import indexed_models, latest_receipt, staleness
@@ -114,6 +115,7 @@ def verify(db: Engine, paths: FabricPaths, task_set: str | None = None) -> Verif
     return report
 
 
+@unit_of_work("verifying the outputs of task set {task_set!r}")
 def verify_extraction(
     db: Engine,
     paths: FabricPaths,

@@ -27,6 +27,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, func, insert, select
 
+from fabric_pipelines.lib.core.retry import unit_of_work
 from fabric_pipelines.lib.store.keys import model_id, task_set_id
 from fabric_pipelines.lib.store.models import ExtractionRun, TaskSet
 
@@ -163,6 +164,7 @@ def extraction_efficiency(
     )
 
 
+@unit_of_work("recording the run of task set {task_set!r}")
 def record_run(
     db: Engine, task_set: str, model_key: str, plan_id: str, record: dict[str, Any]
 ) -> None:

@@ -12,6 +12,7 @@ from sqlalchemy import Engine, insert, select
 from sqlalchemy.orm import Session
 
 from fabric_gpu.manifest import EngineManifest
+from fabric_pipelines.lib.core.retry import unit_of_work
 from fabric_pipelines.lib.store.keys import model_id, model_id_of
 from fabric_pipelines.lib.store.models import EngineSpeed
 
@@ -33,6 +34,7 @@ def engine_device(manifest: EngineManifest) -> str:
     return status.devices[0].name if status.available and status.devices else "no GPU"
 
 
+@unit_of_work("recording the speed of the engine of {manifest.model_key}")
 def record_speed(
     db: Engine,
     manifest: EngineManifest,

@@ -16,6 +16,7 @@ from fabric_gpu.manifest import EngineManifest
 from fabric_pipelines.lib.broker.ledger import Accounting, accounting
 from fabric_pipelines.lib.broker.plans import current_plan
 from fabric_pipelines.lib.core.preload import preload
+from fabric_pipelines.lib.core.retry import unit_of_work
 from fabric_pipelines.lib.core.settings import FabricPaths
 from fabric_pipelines.lib.index import INDEX_MODULES, vector_tail
 from fabric_pipelines.lib.maintenance.verify import verify_extraction
@@ -53,6 +54,12 @@ class ExtractionStep:
     metadata: Metadata
     check_metadata: Metadata
     efficiency: Efficiency  # how well the engine was fed, and where the rest of the time went
+
+
+@unit_of_work("counting the tasks of task set {task_set!r}")
+def _accounting(db: Engine, task_set: str, model_key: str) -> Accounting:
+    with db.connect() as conn:
+        return accounting(conn, task_set, model_key)
 
 
 def run_extraction_step(
@@ -107,8 +114,7 @@ def run_extraction_step(
     if report.rows_inserted or report.copied_after:
         settle_embeddings(db)
     settle_seconds = time.perf_counter() - settle_started
-    with db.connect() as conn:
-        counts = accounting(conn, task_set, manifest.model_key)
+    counts = _accounting(db, task_set, manifest.model_key)
     # This run's engine promised its hook layers for what it extracted; batches of earlier runs
     # are held to the layers their own shard rows record.
     layers = manifest.hooks.layers if report.batches_done else None

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from fabric_pipelines.lib.broker.ledger import DEFAULT_LEASE_SECONDS, Accounting, heartbeat_interval
 from fabric_pipelines.lib.broker.reuse import copy_pending_of
+from fabric_pipelines.lib.core.retry import unit_of_work
 from fabric_pipelines.lib.results.documents import combine_task_set
 from fabric_pipelines.lib.worker.launch import (
     LaunchSettings,
@@ -159,6 +160,7 @@ def extract_task_set(
     )
 
 
+@unit_of_work("finishing task set {task_set!r} (combining documents, copying reused rows)")
 def finish_task_set(db: Engine, task_set: str, manifest: EngineManifest) -> tuple[int, int]:
     """What ends every extraction run once its workers are done: chunked documents combined from
     their windows, then duplicates inside the set given their first copy's row (they waited for

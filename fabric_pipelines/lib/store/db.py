@@ -9,6 +9,7 @@ workers can never claim the same batch. Threads of one process take that lock in
 from __future__ import annotations
 
 import functools
+import os
 import sqlite3
 from contextlib import closing
 from typing import Any
@@ -20,6 +21,8 @@ from sqlalchemy.sql.dml import Insert
 from fabric_pipelines.lib.store.models import Base
 from fabric_pipelines.lib.store.write_turns import TurnConnection
 
+# How long a writer waits for SQLite's write lock before "database is locked" (then the unit of
+# work is retried, lib/core/retry.py); FABRIC_SQLITE_BUSY_TIMEOUT_MS overrides it.
 SQLITE_BUSY_TIMEOUT_MS = 60_000
 # Page size of a new SQLite file. An embedding row is 1.5 KB (384-d) to 3 KB (768-d): at the
 # default 4 KiB one or two rows fill a page and the single writer spends its time splitting
@@ -33,9 +36,9 @@ IDLE_IN_TRANSACTION_MS = 60_000
 
 def make_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
+        busy_ms = sqlite_busy_timeout_ms()
         engine = create_engine(
-            url,
-            connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000, "factory": TurnConnection},
+            url, connect_args={"timeout": busy_ms / 1000, "factory": TurnConnection}
         )
 
         @event.listens_for(engine, "connect")
@@ -47,7 +50,7 @@ def make_engine(url: str) -> Engine:
             cursor.execute(f"PRAGMA cache_size={-SQLITE_CACHE_KIB}")
             cursor.execute("PRAGMA journal_mode=WAL")
             cursor.execute("PRAGMA synchronous=NORMAL")
-            cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+            cursor.execute(f"PRAGMA busy_timeout={busy_ms}")
             # SQLite checks foreign keys (store/models.py) only when each connection asks.
             cursor.execute("PRAGMA foreign_keys=ON")
             cursor.close()
@@ -68,6 +71,22 @@ def make_engine(url: str) -> Engine:
             "application_name": "fabric",
         },
     )
+
+
+def sqlite_busy_timeout_ms() -> int:
+    raw = os.environ.get("FABRIC_SQLITE_BUSY_TIMEOUT_MS", "")
+    if not raw:
+        return SQLITE_BUSY_TIMEOUT_MS
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(
+            f"FABRIC_SQLITE_BUSY_TIMEOUT_MS={raw!r} is not a number of milliseconds (>= 0): "
+            f"unset it for the default, {SQLITE_BUSY_TIMEOUT_MS}"
+        )
+    return value
 
 
 def create_schema(engine: Engine) -> None:

@@ -15,6 +15,7 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Connection, Engine, inspect, text
 
+from fabric_pipelines.lib.core.retry import unit_of_work
 from fabric_pipelines.lib.store.vector_columns import VectorColumns
 
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
@@ -75,6 +76,7 @@ def _migrating(engine: Engine) -> Iterator[Connection]:
                 conn.connection.dbapi_connection.execute("PRAGMA foreign_keys=ON")  # type: ignore[union-attr]
 
 
+@unit_of_work("bringing the database schema up to {revision}")
 def upgrade(engine: Engine, revision: str = "head") -> None:
     with _migrating(engine) as conn:
         # Asked under the lock: another process's upgrade has committed or not begun.

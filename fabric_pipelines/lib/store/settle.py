@@ -27,6 +27,8 @@ from contextlib import contextmanager
 from sqlalchemy import Engine, text
 from sqlalchemy.exc import OperationalError
 
+from fabric_pipelines.lib.core.retry import unit_of_work
+
 log = logging.getLogger(__name__)
 
 # VACUUM waits for another VACUUM of the same table (a concurrent run's, or autovacuum that is
@@ -43,6 +45,7 @@ MEANWHILE_VACUUM = "VACUUM (INDEX_CLEANUP OFF, TRUNCATE OFF) embeddings"
 MEANWHILE_LIMIT_MS = 20_000
 
 
+@unit_of_work("settling the new embedding rows")
 def settle_embeddings(db: Engine) -> bool:
     """VACUUM (ANALYZE) the embeddings table on PostgreSQL; False where nothing was done (SQLite,
     or the table's maintenance lock was held by another session past LOCK_WAIT_MS)."""

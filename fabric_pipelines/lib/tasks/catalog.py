@@ -31,6 +31,7 @@ from fabric_pipelines.lib.core.files import (
     sha256_file,
     stream_content_addressed,
 )
+from fabric_pipelines.lib.core.retry import unit_of_work
 from fabric_pipelines.lib.core.settings import FabricPaths
 from fabric_pipelines.lib.store import task_partitions
 from fabric_pipelines.lib.store.db import sqlite_has_json
@@ -100,6 +101,7 @@ class IngestSummary:
     n_windows: int = 0  # their windows, which are tasks among n_tasks
 
 
+@unit_of_work("ingesting task set {task_set!r}")
 def ingest_task_set(
     db: Engine,
     paths: FabricPaths,
@@ -530,6 +532,7 @@ def task_lengths(table: pa.Table) -> np.ndarray:
     return np.diff(offsets).astype(np.int64)
 
 
+@unit_of_work("reading task set {task_set!r}")
 def get_task_set(db: Engine, task_set: str) -> TaskSet:
     with Session(db, expire_on_commit=False) as session:
         row = session.scalars(select(TaskSet).where(TaskSet.name == task_set)).one_or_none()
@@ -668,6 +671,7 @@ def forget_task_set(db: Engine, paths: FabricPaths, task_set: str) -> None:
     forget_prompt(paths.inbox, task_set)
 
 
+@unit_of_work("reading the prompts of task sets {task_sets}")
 def task_set_prompts(db: Engine, task_sets: list[str]) -> dict[str, str]:
     """Each named set's prompt ("" for none); sets not ingested are left out."""
     with db.connect() as conn:
