@@ -65,7 +65,20 @@ def test_run_refuses_a_bad_name_and_leaves_no_partition_for_an_unreadable_set(
     assert last.startswith("extraction failed in tokenised_tasks: task set 'nosuch' has no file")
     assert "fabric submit FILE --task-set nosuch" in last
     assert "Dagster" not in last and "Traceback" not in missing.stderr
+    assert "Stack Trace" not in missing.stderr  # Dagster's console logger, told to leave it out
     assert _partitions(home) == []  # the partition the run registered is gone again
+    # A changed inbox file: Dagster's lines say which step failed, one line says why and what to do.
+    source = tmp_path / "s.jsonl"
+    source.write_text('{"id": "a", "text": "hello"}\n')
+    assert _fabric(home, "submit", str(source), "--task-set", "s").returncode == 0
+    with open(home / "inbox" / "s.jsonl", "a") as inbox_file:
+        inbox_file.write('{"id": "b", "text": "added later"}\n')
+    changed = _fabric(home, "run", "s")
+    assert changed.returncode == 1
+    assert "Stack Trace" not in changed.stderr and "Traceback" not in changed.stderr
+    last = changed.stderr.strip().splitlines()[-1]
+    assert last.startswith("extraction failed in tokenised_tasks: inbox file s.jsonl of task ")
+    assert "changed after it was submitted" in last and "put the submitted file back" in last
 
 
 def test_status_failures_prints_each_reason_in_full(

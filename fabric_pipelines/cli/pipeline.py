@@ -92,7 +92,8 @@ def run_pipeline(
     mark("definitions_loaded")
     registered = _register_partition(instance, TASK_SET_PARTITIONS, task_set)
     run_config = _run_config(args)
-    log_config = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}
+    # The failure is printed once, in one line, when the run ends (defs/failures.py).
+    log_config = {"loggers": {"console": {"config": {"log_level": "INFO", "tracebacks": False}}}}
     started = time.perf_counter()
     with run_progress():  # one bar for the run: stage, tasks done, tokens/s, ETA
         extract = definitions.resolve_job_def("extract_task_set").execute_in_process(
