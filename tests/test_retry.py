@@ -90,3 +90,53 @@ def test_retry_gives_up_naming_the_operation_attempts_and_time() -> None:
         retry("claiming batches", down, attempts=4, sleep=lambda _s: None)
     with pytest.raises(GaveUpRetrying, match=r"after 1 attempts .* server closed the connection"):
         retry("claiming batches", down, budget_s=0.0)  # the budget is spent before a wait
+
+
+def test_a_unit_of_work_is_named_by_its_arguments_and_runs_again_whole() -> None:
+    from fabric_pipelines.lib.core.retry import current_unit, unit_of_work
+
+    seen: list[tuple[str | None, str]] = []
+
+    @unit_of_work("finishing task set {task_set!r} of {model.key}")
+    def finish(task_set: str, model: object, *, fail_first: int = 2) -> str:
+        seen.append((current_unit(), task_set))
+        if len(seen) <= fail_first:
+            raise lost_connection()
+        return "finished"
+
+    class Model:
+        key = "m@1"
+
+    assert current_unit() is None
+    assert finish("s", Model()) == "finished" and len(seen) == 3
+    assert {unit for unit, _ in seen} == {"finishing task set 's' of m@1"}
+    assert current_unit() is None  # reset after the unit, also after its failures
+    assert finish.__name__ == "finish"  # the declaration keeps the function's name
+
+
+def test_only_the_outermost_unit_retries_so_budgets_do_not_multiply() -> None:
+    from fabric_pipelines.lib.core.retry import current_unit, unit_of_work
+
+    inner_calls, outer_calls, units = [], [], []
+
+    @unit_of_work("combining block {n}")
+    def combine(n: int) -> None:
+        inner_calls.append(n)
+        units.append(current_unit())
+        if len(inner_calls) == 1:
+            raise lost_connection()  # the first attempt of the whole loses its connection
+
+    @unit_of_work("finishing task set {task_set!r}")
+    def finish(task_set: str) -> None:
+        outer_calls.append(task_set)
+        combine(1)
+        combine(2)
+
+    finish("s")
+    # The inner unit ran once and raised: the outer ran again from its start, once.
+    assert outer_calls == ["s", "s"] and inner_calls == [1, 1, 2]
+    assert units == ["combining block 1"] * 2 + ["combining block 2"]
+    # A unit alone (not inside another) retries itself.
+    inner_calls.clear()
+    combine(7)
+    assert inner_calls == [7, 7]
