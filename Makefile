@@ -12,9 +12,12 @@ bootstrap:
 demo: bootstrap
 	.venv/bin/fabric demo
 
-# The test suite (PostgreSQL tests use FABRIC_TEST_POSTGRES_URL, default the local server).
+# The test suite (PostgreSQL tests use FABRIC_TEST_POSTGRES_URL, default the local server), in
+# parallel: one pytest-xdist worker per core, each with its own scratch databases and data roots;
+# TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= auto
 test: bootstrap
-	.venv/bin/python -m pytest
+	.venv/bin/python -m pytest -n $(TEST_WORKERS) --dist worksteal
 
 lint: bootstrap
 	.venv/bin/ruff check fabric_gpu fabric_pipelines tests bench
