@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from concurrent.futures import Future
 
 from fabric_pipelines.cli.environment import open_database, prepare_environment
+from fabric_pipelines.cli.prepare import dagster_instance
 
 DEMO_TASK_SET = "demo"
 
@@ -70,7 +71,6 @@ def run_pipeline(
     `prepared`: the definitions and Dagster instance made meanwhile (prepare.prepare_pipeline).
     The name is checked before it becomes a partition; a partition this call registered is
     removed again when the set could not even be ingested, so a typo leaves nothing behind."""
-    import dagster as dg
 
     from fabric_pipelines.cli.run_clock import mark, marks, steps_of
     from fabric_pipelines.definitions import defs
@@ -88,7 +88,7 @@ def run_pipeline(
             raise LookupError("nothing prepared")
         definitions, instance = prepared.result()
     except Exception:  # not prepared, or it failed there: made here, where a failure is reported
-        definitions, instance = defs(), dg.DagsterInstance.get()
+        definitions, instance = defs(), dagster_instance()
     mark("definitions_loaded")
     registered = _register_partition(instance, TASK_SET_PARTITIONS, task_set)
     run_config = _run_config(args)

@@ -40,6 +40,17 @@ def use_prepared(definitions: Any, instance: Any | None) -> None:
     _DEFINITIONS, _INSTANCE = definitions, instance
 
 
+def dagster_instance() -> Any:
+    """`DagsterInstance.get()`, which migrates a fresh DAGSTER_HOME's storage with Alembic: not
+    while our own migration runs on another thread (lib/store/schema.py's ALEMBIC_LOCK)."""
+    import dagster as dg
+
+    from fabric_pipelines.lib.store.schema import ALEMBIC_LOCK
+
+    with ALEMBIC_LOCK:
+        return dg.DagsterInstance.get()
+
+
 def prepare_pipeline() -> Future[tuple[Any, Any]]:
     """Import, build and open what a run of the pipeline needs, on a daemon thread: the future's
     result is (`defs()`, `DagsterInstance.get()`). DAGSTER_HOME must be set before the call. A
@@ -50,12 +61,11 @@ def prepare_pipeline() -> Future[tuple[Any, Any]]:
         try:
             for name in pipeline_modules():
                 importlib.import_module(name)
-            import dagster as dg
 
             from fabric_pipelines.definitions import defs
 
             definitions = _DEFINITIONS if _DEFINITIONS is not None else defs()
-            instance = _INSTANCE if _INSTANCE is not None else dg.DagsterInstance.get()
+            instance = _INSTANCE if _INSTANCE is not None else dagster_instance()
             prepared.set_result((definitions, instance))
         except BaseException as exc:  # held for the caller, which builds them again to report it
             prepared.set_exception(exc)

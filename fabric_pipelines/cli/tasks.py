@@ -26,6 +26,7 @@ from fabric_pipelines.cli.pipeline import (
     run_pipeline,
     write_report,
 )
+from fabric_pipelines.cli.prepare import dagster_instance
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -321,7 +322,6 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_forget(args: argparse.Namespace) -> int:
     """Remove a task set: its rows (results included), stored files, inbox file and partition."""
-    import dagster as dg
 
     from fabric_pipelines.defs.partitions import TASK_SET_PARTITIONS
     from fabric_pipelines.lib.core.names import validate_task_set_name
@@ -329,7 +329,7 @@ def cmd_forget(args: argparse.Namespace) -> int:
 
     name = validate_task_set_name(args.task_set)  # InvalidNameError: main() prints it, exit 2
     paths, db = open_database()
-    instance = dg.DagsterInstance.get()
+    instance = dagster_instance()
     partition = instance.has_dynamic_partition(TASK_SET_PARTITIONS, name)
     try:
         forgotten = forget(db, paths, name, has_partition=partition, force=args.force)

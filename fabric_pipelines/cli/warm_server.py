@@ -36,13 +36,12 @@ from fabric_pipelines.lib.index import INDEX_MODULES
 def load_everything() -> None:
     """Import what a run needs, build the definitions and open the Dagster instance, on this
     (the only) thread."""
-    import dagster as dg
 
     for name in (*prepare.pipeline_modules(), *INDEX_MODULES, __package__):
         importlib.import_module(name)
     from fabric_pipelines.definitions import defs
 
-    instance = dg.DagsterInstance.get()
+    instance = prepare.dagster_instance()
     # Handed to the children only where its storages hold no connection open between calls
     # (SQLite's open one per call): a pooled connection must never be shared across a fork.
     kept = all(type(storage).__name__.startswith("Sqlite") for storage in _storages(instance))

@@ -6,6 +6,7 @@ so a fresh database needs no manual step (`fabric db upgrade` does the same by h
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -76,6 +77,13 @@ def _migrating(engine: Engine) -> Iterator[Connection]:
                 conn.connection.dbapi_connection.execute("PRAGMA foreign_keys=ON")  # type: ignore[union-attr]
 
 
+# Alembic keeps a running migration's state in module globals (alembic.context, alembic.op): two
+# threads migrating at once in one process (ours, and Dagster's instance storage stamping a fresh
+# DAGSTER_HOME) pull them from under each other (KeyError: 'script'). One at a time: whoever opens
+# a Dagster instance while ours may run takes this lock too (cli/prepare.py).
+ALEMBIC_LOCK = threading.RLock()
+
+
 @unit_of_work("bringing the database schema up to {revision}")
 def upgrade(engine: Engine, revision: str = "head") -> None:
     with _migrating(engine) as conn:
@@ -87,11 +95,12 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
                 "a schema revision (made before migrations existed); point FABRIC_DATABASE_URL "
                 "at a new database, or drop those tables"
             )
-        command.upgrade(_config(conn), revision)
+        with ALEMBIC_LOCK:
+            command.upgrade(_config(conn), revision)
 
 
 def downgrade(engine: Engine, revision: str = "-1") -> None:
-    with _migrating(engine) as conn:
+    with _migrating(engine) as conn, ALEMBIC_LOCK:
         command.downgrade(_config(conn), revision)
 
 
