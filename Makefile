@@ -17,7 +17,7 @@ demo: bootstrap
 # TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= auto
 test: bootstrap
-	.venv/bin/python -m pytest -n $(TEST_WORKERS) --dist worksteal
+	.venv/bin/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
 lint: bootstrap
 	.venv/bin/ruff check fabric_gpu fabric_pipelines tests bench

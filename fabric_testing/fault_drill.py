@@ -105,6 +105,10 @@ class RunSettings:
     workers: int = 2
     lease_seconds: float = 2.0
     heartbeat_seconds: float = 0.5
+    # Stand-ins for workers that died or were lost; 0: none, and no lost worker is stopped (a
+    # worker on a host the run cannot reach: only the ledger's fence stands between it and
+    # the rows).
+    max_restarts: int = 3
 
 
 class Run:
@@ -129,6 +133,7 @@ class Run:
             "--manifest", str(settings.manifest), "--workers", str(settings.workers),
             "--lease-seconds", str(settings.lease_seconds),
             "--heartbeat-seconds", str(settings.heartbeat_seconds),
+            "--max-restarts", str(settings.max_restarts),
         ]  # fmt: skip
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as out:
@@ -743,6 +748,7 @@ def _run_main(argv: list[str]) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--lease-seconds", type=float, default=2.0)
     parser.add_argument("--heartbeat-seconds", type=float, default=0.5)
+    parser.add_argument("--max-restarts", type=int, default=3)
     args = parser.parse_args(argv)
 
     from fabric_gpu.manifest import EngineManifest
@@ -759,6 +765,7 @@ def _run_main(argv: list[str]) -> int:
     summary = extract_task_set(
         db, paths, args.task_set, manifest, database_url=url, workers=args.workers,
         lease_seconds=args.lease_seconds, heartbeat_seconds=args.heartbeat_seconds,
+        max_restarts=args.max_restarts,
     )  # fmt: skip
     print(json.dumps({"plan": plan.plan_id, "planned_items": plan.outstanding, **vars(summary)}))
     return 0

@@ -21,6 +21,15 @@ from fabric_gpu.profile import ConsumerProfile
 from fabric_pipelines.lib.core.signals import stop_on_signals
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (`make test`), the tests of pgserver's throw-away PostgreSQL run on one
+    worker (--dist loadgroup): two such servers started by two workers at once did not both
+    answer."""
+    for item in items:
+        if "pgvector_server_url" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("pgvector"))
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """The suite does not depend on the signal dispositions it inherited: started in the
     background with SIGINT ignored (`nohup make test &`), Dagster would copy that onto SIGTERM

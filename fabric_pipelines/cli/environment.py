@@ -26,15 +26,27 @@ def prepare_environment() -> Path:
     return root
 
 
+CONNECT_BUDGET_S = 10.0  # how long a command waits for a database that does not answer
+
+
+def _ping(db: Engine) -> None:
+    with db.connect() as conn:
+        conn.exec_driver_sql("select 1")
+
+
 def open_database() -> tuple[FabricPaths, Engine]:
     """The data root's paths and its results database, brought to the newest schema."""
     from sqlalchemy.exc import DBAPIError
 
+    from fabric_pipelines.lib.core.retry import retry
     from fabric_pipelines.lib.core.settings import FabricPaths, database_url
     from fabric_pipelines.lib.store.db import create_schema, make_engine
 
     paths = FabricPaths(prepare_environment()).ensure()
     db = make_engine(database_url(paths))
+    # A database that does not answer at all is said in seconds (cli/errors.py), not after the
+    # two minutes a unit of work rides out a server restart for.
+    retry("connecting to the results database", lambda: _ping(db), budget_s=CONNECT_BUDGET_S)
     for attempt in range(3):
         try:
             create_schema(db)

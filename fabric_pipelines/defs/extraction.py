@@ -19,6 +19,7 @@ from fabric_pipelines.defs.gpu_pool import GPU_POOL, sync_gpu_pool
 from fabric_pipelines.defs.metadata import dagster_metadata
 from fabric_pipelines.defs.partitions import TASK_SET_PARTITIONS, task_sets
 from fabric_pipelines.defs.resources import ArtifactStore, Database, EngineConfig
+from fabric_pipelines.defs.worker_pipes import pipes_channel
 from fabric_pipelines.lib.broker.ledger import Accounting
 from fabric_pipelines.lib.broker.plans import plan_task_set
 from fabric_pipelines.lib.core.alerts import (
@@ -149,6 +150,7 @@ def extraction_outputs(
             engine.worker_options(database.resolved_url()), database_name=database.describe(),
             devices=lambda: engine.devices(store.paths(), lambda: _waiting(context, engine), task_set),
             on_progress=lambda counts: _progress(context, task_set, counts),
+            channel=pipes_channel(context), on_event=context.log.warning,
         )  # fmt: skip
     except LookupError as exc:  # no plan: shape_batches has not run for this set
         raise dg.Failure(description=str(exc), allow_retries=False) from exc

@@ -19,6 +19,7 @@ from fabric_gpu.profile import ConsumerProfile
 from fabric_pipelines.lib.broker.ledger import DEFAULT_LEASE_SECONDS
 from fabric_pipelines.lib.core.settings import FabricPaths, database_url, default_root, redact_url
 from fabric_pipelines.lib.steps.extraction import WorkerOptions
+from fabric_pipelines.lib.steps.run_extraction import DEFAULT_MAX_RESTARTS
 from fabric_pipelines.lib.store.db import create_schema, make_engine
 from fabric_pipelines.lib.tasks.windows import DEFAULT_OVERLAP, LongInputs
 from fabric_pipelines.lib.worker.devices import lease_devices, visible_gpus
@@ -104,6 +105,9 @@ class EngineConfig(dg.ConfigurableResource):
     # most one lease, however long live workers' batches take.
     lease_seconds: float = DEFAULT_LEASE_SECONDS
     heartbeat_seconds: float | None = None
+    # Workers started in place of ones that died or were lost (silent for a lease), for the
+    # whole step; the step fails only when no worker is left and work remains.
+    max_worker_restarts: int = DEFAULT_MAX_RESTARTS
     # The warm engine pool (lib/worker/pool/client.py): worker processes that keep the model loaded
     # for this long after their last job, for the next run. None: FABRIC_POOL_IDLE_SECONDS,
     # else 300 s; 0: no pool (each run starts its own workers).
@@ -119,6 +123,7 @@ class EngineConfig(dg.ConfigurableResource):
             lease_seconds=self.lease_seconds,
             heartbeat_seconds=self.heartbeat_seconds,
             pool_idle_seconds=self.pool_idle(),
+            max_restarts=self.max_worker_restarts,
         )
 
     @contextmanager

@@ -28,9 +28,14 @@ from fabric_pipelines.lib.steps.metadata import (
     extraction_metadata,
 )
 from fabric_pipelines.lib.steps.progress import TaskProgress, stage
-from fabric_pipelines.lib.steps.run_extraction import ExtractionSummary, extract_task_set
+from fabric_pipelines.lib.steps.run_extraction import (
+    DEFAULT_MAX_RESTARTS,
+    ExtractionSummary,
+    extract_task_set,
+)
 from fabric_pipelines.lib.store.settle import settle_embeddings, settling_meanwhile
 from fabric_pipelines.lib.tasks.catalog import get_task_set
+from fabric_pipelines.lib.worker.launch import WorkerChannel
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,7 @@ class WorkerOptions:
     lease_seconds: float
     heartbeat_seconds: float | None
     pool_idle_seconds: float
+    max_restarts: int = DEFAULT_MAX_RESTARTS  # stand-ins for workers that died or were lost
 
 
 @dataclass(frozen=True)
@@ -72,9 +78,13 @@ def run_extraction_step(
     database_name: str,
     devices: Callable[[], AbstractContextManager[list[int] | None]],
     on_progress: Callable[[Accounting], None],
+    channel: WorkerChannel | None = None,
+    on_event: Callable[[str], None] | None = None,
 ) -> ExtractionStep:
     """LookupError if the set has no plan (shape_batches has not run). `devices()`: the GPUs
-    the workers may use, held for the step; `on_progress`: the set's counts as they move."""
+    the workers may use, held for the step; `on_progress`: the set's counts as they move;
+    `channel`: what each worker reports through (the step's Pipes sessions); `on_event`: each
+    worker that died, was lost or was replaced."""
     started_at = time.time()  # the wall clock: the workers' timelines are on it too
     plan = current_plan(db, task_set)
     stage("extract", tasks=plan.n_items, real_tokens=plan.real_tokens)
@@ -98,7 +108,8 @@ def run_extraction_step(
                 db, paths, task_set, manifest, database_url=options.database_url,
                 workers=options.workers, lease_seconds=options.lease_seconds,
                 heartbeat_seconds=options.heartbeat_seconds, devices=gpus, on_progress=progress,
-                pool_idle_seconds=options.pool_idle_seconds,
+                pool_idle_seconds=options.pool_idle_seconds, channel=channel,
+                max_restarts=options.max_restarts, on_event=on_event,
             )  # fmt: skip
     finally:
         bar.close()

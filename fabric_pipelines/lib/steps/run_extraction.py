@@ -13,7 +13,6 @@ import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fabric_pipelines.lib.broker.ledger import DEFAULT_LEASE_SECONDS, Accounting, heartbeat_interval
@@ -22,8 +21,11 @@ from fabric_pipelines.lib.core.retry import unit_of_work
 from fabric_pipelines.lib.results.documents import combine_task_set
 from fabric_pipelines.lib.worker.launch import (
     LaunchSettings,
+    Replacement,
+    WorkerChannel,
     WorkerProcess,
     launch_settings,
+    launch_worker,
     launch_workers,
     read_accounting,
     stop_workers,
@@ -32,6 +34,10 @@ from fabric_pipelines.lib.worker.launch import (
 from fabric_pipelines.lib.worker.main import load_job
 from fabric_pipelines.lib.worker.pool.run import free_devices, open_pool_run, supervise_pool_run
 from fabric_pipelines.lib.worker.prestart import take_prestarted
+
+# Replacements for workers that died or were lost, for the whole stage (a worker that keeps dying
+# on its own input would otherwise be restarted for ever).
+DEFAULT_MAX_RESTARTS = 3
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
@@ -91,10 +97,15 @@ def extract_task_set(
     on_progress: Callable[[Accounting], None] | None = None,
     progress_every_s: float = 5.0,
     pool_idle_seconds: float = 0.0,
+    channel: WorkerChannel | None = None,
+    max_restarts: int = DEFAULT_MAX_RESTARTS,
+    on_event: Callable[[str], None] | None = None,
 ) -> ExtractionSummary:
     """Run the task set's current plan: in this process (workers == 0) or in worker processes,
     on the warm engine pool when `pool_idle_seconds` > 0 (pool_run.py; workers it starts stay
-    that long after their last job).
+    that long after their last job). Workers this call starts report through `channel` (the
+    step's Pipes sessions) and are replaced, up to `max_restarts` times, when they die or are
+    lost (`supervise`); `on_event` hears of each.
 
     With worker processes, none of the run's own is left running when this returns or raises
     (call it inside the device lease, which must outlive the workers)."""
@@ -114,6 +125,9 @@ def extract_task_set(
         )  # fmt: skip
         if warm is not None:  # started while the set was ingested and planned: let them go
             with warm:
+                if channel is not None:
+                    for worker in warm.workers:
+                        worker.open_channel(channel)
                 started_workers = warm.go()
                 if warm.pool_run is not None:
                     reports = supervise_pool_run(
@@ -121,8 +135,12 @@ def extract_task_set(
                     )
                 else:
                     reports = supervise(
-                        started_workers, db, task_set, on_progress, progress_every_s
-                    )
+                        started_workers, db, task_set, on_progress, progress_every_s,
+                        replacement=_replacement(
+                            warm.settings, warm.count, warm.devices, channel, max_restarts
+                        ),
+                        on_event=on_event,
+                    )  # fmt: skip
         else:
             settings = launch_settings(
                 paths, task_set, manifest, database_url, lease_seconds, heartbeat_seconds
@@ -132,10 +150,12 @@ def extract_task_set(
                 reports = supervise_pool_run(run, db, task_set, on_progress, progress_every_s)
             else:
                 free_devices(paths.root, devices)
-                with _running(settings, workers, settings.folder, devices) as started_workers:
+                with _running(settings, workers, devices, channel) as started_workers:
                     reports = supervise(
-                        started_workers, db, task_set, on_progress, progress_every_s
-                    )
+                        started_workers, db, task_set, on_progress, progress_every_s,
+                        replacement=_replacement(settings, workers, devices, channel, max_restarts),
+                        on_event=on_event,
+                    )  # fmt: skip
     superseded = next((r for r in reports if r.get("superseded_by")), None)
     combined, copied = finish_task_set(db, task_set, manifest)
     return ExtractionSummary(
@@ -188,11 +208,36 @@ TIMELINE_POINTS = (
 )  # fmt: skip
 
 
+def _replacement(
+    settings: LaunchSettings,
+    count: int,
+    devices: list[int] | None,
+    channel: WorkerChannel | None,
+    max_restarts: int,
+) -> Replacement | None:
+    """A dead or lost worker's stand-in: the same place (and device), the same channel. None
+    with `max_restarts` 0: a worker that fails fails the stage, and a silent one is waited for."""
+    if max_restarts <= 0:
+        return None
+
+    def launch(replaced: WorkerProcess, generation: int) -> WorkerProcess:
+        device = devices[replaced.index] if devices is not None else None
+        return launch_worker(
+            settings, replaced.index, settings.folder, device, channel=channel,
+            threads_of=count, generation=generation,
+        )  # fmt: skip
+
+    return Replacement(launch, lost_after_s=settings.lease_seconds, max_restarts=max_restarts)
+
+
 @contextlib.contextmanager
 def _running(
-    settings: LaunchSettings, count: int, folder: Path, devices: list[int] | None
+    settings: LaunchSettings,
+    count: int,
+    devices: list[int] | None,
+    channel: WorkerChannel | None,
 ) -> Iterator[list[WorkerProcess]]:
-    workers = launch_workers(settings, count, folder, devices)
+    workers = launch_workers(settings, count, settings.folder, devices, channel=channel)
     try:
         yield workers
     finally:  # supervise stops them too; this covers an exit between launch and supervise

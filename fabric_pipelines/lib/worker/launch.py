@@ -8,6 +8,13 @@ owns one device. `supervise` waits for them, reporting progress from the databas
 each worker's JSON report. A worker that dies leaves its batch leased; its lease expires and a
 surviving worker (or the next run) takes it over.
 
+Each worker reports through a channel the caller may open for it (`WorkerChannel`: the step's
+Dagster Pipes session, whose bootstrap variables go into the worker's environment, so its log
+lines and counts land in the run's event log). With a `Replacement`, `supervise` starts a worker
+in place of one that died, or that was lost (stopped, its host gone: its alive file, touched every
+heartbeat, older than its lease), after a back-off and up to a bound; the stage fails only when
+no worker is left and work remains, naming what failed.
+
 Workers are bound to their run. Each runs in a process group of its own, which the supervisor
 terminates (then kills, then reaps) on every way out of `supervise` — a failed worker, a failed
 database poll, a cancelled or interrupted step — so no orphan keeps writing rows, or keeps using
@@ -21,13 +28,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from contextlib import AbstractContextManager, ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +50,14 @@ from fabric_pipelines.lib.core.files import write_bytes
 from fabric_pipelines.lib.core.retry import retry
 from fabric_pipelines.lib.core.signals import stop_requests
 from fabric_pipelines.lib.worker import MAIN_MODULE
+from fabric_pipelines.lib.worker.reporting import pipes_env, pipes_files
 
 STOP_GRACE_S = 5.0  # SIGTERM to SIGKILL
+
+# A worker's channel to the step that runs it, given its owner name and its Pipes files (context,
+# messages: lib/worker/reporting.py): opened before the worker reads its job, closed once it has
+# exited and its last messages were read.
+WorkerChannel = Callable[[str, Path, Path], AbstractContextManager[object]]
 
 
 @dataclass(frozen=True)
@@ -67,6 +82,41 @@ class WorkerProcess:
     process: subprocess.Popen[bytes]
     report_path: Path
     log_path: Path
+    index: int = 0  # its place among the run's workers (its device, where there are GPUs)
+    alive_path: Path | None = None  # touched every heartbeat while it runs
+    pipes_files: tuple[Path, Path] | None = None  # its Pipes context and messages
+    channel: ExitStack = field(default_factory=ExitStack)  # closed once it is reaped
+
+    def open_channel(self, channel: WorkerChannel) -> None:
+        """Listen to this worker through `channel` (before it reads its job: at its start, or
+        before a prestarted one's go)."""
+        if self.pipes_files is not None:
+            self.channel.enter_context(channel(self.owner, *self.pipes_files))
+
+    def close_channel(self) -> None:
+        self.channel.close()
+
+    def silent_for(self) -> float:
+        """Seconds since the worker last touched its alive file (0 where it has none yet)."""
+        if self.alive_path is None:
+            return 0.0
+        try:
+            return max(0.0, time.time() - self.alive_path.stat().st_mtime)
+        except FileNotFoundError:  # not written yet: still loading its engine
+            return 0.0
+
+
+@dataclass(frozen=True)
+class Replacement:
+    """How `supervise` replaces a worker that died or was lost: `launch(replaced, generation)`
+    starts one in its place (same device); at most `max_restarts` for the stage, each after a
+    back-off doubling from `backoff_s` (with jitter); a worker silent for `lost_after_s` (its
+    lease) is lost: killed, then replaced."""
+
+    launch: Callable[[WorkerProcess, int], WorkerProcess]
+    lost_after_s: float
+    max_restarts: int = 3
+    backoff_s: float = 1.0
 
 
 def launch_workers(
@@ -75,51 +125,85 @@ def launch_workers(
     folder: Path,
     devices: list[int] | None = None,
     go_file: Path | None = None,
+    channel: WorkerChannel | None = None,
 ) -> list[WorkerProcess]:
     """Start `count` worker processes; worker i gets GPU devices[i] when devices are given.
-    With `go_file`, each loads its engine and then waits for that file before reading the plan.
+    With `go_file`, each loads its engine and then waits for that file before reading the plan;
+    with `channel`, each reports through the channel opened for it.
 
     Each is the leader of a new process group (stop them with `stop_workers`) and dies with the
     thread that starts it: start them from the thread that supervises them."""
-    every = heartbeat_interval(settings.lease_seconds, settings.heartbeat_seconds)
-    folder.mkdir(parents=True, exist_ok=True)
     workers: list[WorkerProcess] = []
     try:
         for i in range(count):
-            owner = f"{socket.gethostname()}:{os.getpid()}:w{i}"
-            env = {
-                **os.environ,
-                "FABRIC_DATABASE_URL": settings.database_url,
-                "FABRIC_HOME": str(settings.data_root),
-                "HF_HUB_OFFLINE": "1",
-            }
-            if devices is not None:
-                env["CUDA_VISIBLE_DEVICES"] = str(devices[i])  # the device lease: one GPU each
-            report = folder / f"worker-{i}.json"
-            log = folder / f"worker-{i}.log"
-            command = [
-                sys.executable, "-m", MAIN_MODULE,
-                settings.task_set,
-                "--manifest", str(settings.manifest_path),
-                "--owner", owner,
-                "--lease-seconds", str(settings.lease_seconds),
-                "--heartbeat-seconds", str(every),
-                "--max-attempts", str(settings.max_attempts),
-                "--report", str(report),
-                "--threads", str(max(1, (os.cpu_count() or 1) // count)),
-                "--parent-pid", str(os.getpid()),
-            ]  # fmt: skip
-            if go_file is not None:
-                command += ["--go-file", str(go_file)]
-            with open(log, "wb") as out:
-                process = subprocess.Popen(
-                    command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-                )
-            workers.append(WorkerProcess(owner, process, report, log))
+            device = devices[i] if devices is not None else None
+            workers.append(
+                launch_worker(settings, i, folder, device, go_file, channel, threads_of=count)
+            )
     except BaseException:
         stop_workers(workers)
         raise
     return workers
+
+
+def launch_worker(
+    settings: LaunchSettings,
+    index: int,
+    folder: Path,
+    device: int | None = None,
+    go_file: Path | None = None,
+    channel: WorkerChannel | None = None,
+    *,
+    threads_of: int = 1,
+    generation: int = 0,
+) -> WorkerProcess:
+    """Start worker `index` (its `generation`-th replacement when > 0), sharing the cores with
+    `threads_of` workers. The database URL goes in its environment, never on its command line
+    (where a password would show in `ps`)."""
+    every = heartbeat_interval(settings.lease_seconds, settings.heartbeat_seconds)
+    folder.mkdir(parents=True, exist_ok=True)
+    name = f"w{index}" if generation == 0 else f"w{index}.{generation}"
+    owner = f"{socket.gethostname()}:{os.getpid()}:{name}"
+    env = {
+        **os.environ,
+        "FABRIC_DATABASE_URL": settings.database_url,
+        "FABRIC_HOME": str(settings.data_root),
+        "HF_HUB_OFFLINE": "1",
+    }
+    if device is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(device)  # the device lease: one GPU each
+    stem = f"worker-{index}" if generation == 0 else f"worker-{index}.{generation}"
+    report, log, alive = (folder / f"{stem}{suffix}" for suffix in (".json", ".log", ".alive"))
+    # Pipes' files: the worker reports through them once a step listens (reporting.py).
+    files = pipes_files(folder, stem)
+    env.update(pipes_env(*files))
+    command = [
+        sys.executable, "-m", MAIN_MODULE,
+        settings.task_set,
+        "--manifest", str(settings.manifest_path),
+        "--owner", owner,
+        "--lease-seconds", str(settings.lease_seconds),
+        "--heartbeat-seconds", str(every),
+        "--max-attempts", str(settings.max_attempts),
+        "--report", str(report),
+        "--alive-file", str(alive),
+        "--threads", str(max(1, (os.cpu_count() or 1) // threads_of)),
+        "--parent-pid", str(os.getpid()),
+    ]  # fmt: skip
+    if go_file is not None:
+        command += ["--go-file", str(go_file)]
+    opened = ExitStack()
+    try:
+        if channel is not None:
+            opened.enter_context(channel(owner, *files))
+        with open(log, "wb") as out:
+            process = subprocess.Popen(
+                command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+    except BaseException:
+        opened.close()
+        raise
+    return WorkerProcess(owner, process, report, log, index, alive, files, opened)
 
 
 def _signal_group(process: subprocess.Popen[bytes], sig: int) -> None:
@@ -141,6 +225,15 @@ def stop_workers(workers: list[WorkerProcess], grace_s: float = STOP_GRACE_S) ->
         _signal_group(w.process, signal.SIGKILL)
     for w in workers:
         w.process.wait()
+        w.close_channel()
+
+
+def kill_lost(worker: WorkerProcess) -> None:
+    """End a lost worker's group at once: it may be stopped, where SIGTERM would wait."""
+    _signal_group(worker.process, signal.SIGCONT)
+    _signal_group(worker.process, signal.SIGKILL)
+    worker.process.wait()
+    worker.close_channel()
 
 
 def supervise(
@@ -149,32 +242,103 @@ def supervise(
     task_set: str,
     on_progress: Callable[[Accounting], None] | None = None,
     poll_s: float = 5.0,
+    replacement: Replacement | None = None,
+    on_event: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Wait for every worker; returns their reports. A worker that failed raises, with its log.
+    """Wait for every worker (and every replacement); returns the reports of those that ended
+    well. Without a `replacement`, a worker that failed raises, with its log; with one, failed
+    and lost workers are replaced while work remains, and this raises only when no worker is
+    left and work remains. `on_event` hears each worker lost, failed or started in another's
+    place.
 
     Whatever way this returns or raises, no worker of it is left running (`stop_workers`); SIGINT
     or SIGTERM meanwhile raises StopRequested here, after the workers are stopped."""
+    live = list(workers)
+    waiting: list[tuple[float, WorkerProcess, int]] = []  # (when, the one replaced, generation)
+    reports: list[dict[str, Any]] = []
+    failures: list[str] = []
+    last_failed: WorkerProcess | None = None
+    restarts = 0
+
+    def event(message: str) -> None:
+        if on_event is not None:
+            on_event(message)
 
     try:
         with stop_requests() as check_stop:
             next_report = time.monotonic() + poll_s
-            while any(w.process.poll() is None for w in workers):
+            while live or waiting:
                 # Short naps: the stage ends as soon as its last worker does, not at the next
                 # report.
                 time.sleep(0.05)
                 check_stop()
+                for w in list(live):
+                    code = w.process.poll()
+                    lost = (
+                        code is None
+                        and replacement is not None
+                        and w.silent_for() > replacement.lost_after_s
+                    )
+                    if lost:
+                        assert replacement is not None
+                        event(
+                            f"worker {w.owner} lost: silent for {w.silent_for():.0f} s, longer "
+                            f"than its {replacement.lost_after_s:.0f} s lease; stopping it"
+                        )
+                        kill_lost(w)
+                        code = w.process.returncode
+                    if code is None:
+                        continue
+                    live.remove(w)
+                    w.close_channel()  # its last messages are read
+                    if code == 0 and not lost:
+                        reports.append(json.loads(w.report_path.read_text()))
+                        continue
+                    failure = "lost" if lost else f"exited with {code}"
+                    if replacement is None:
+                        raise RuntimeError(f"worker {w.owner} {failure}:\n{_log_tail(w)}")
+                    failures.append(f"worker {w.owner} {failure}")
+                    last_failed = w
+                    event(f"worker {w.owner} {failure}; its leases return to the ledger")
+                    if restarts < replacement.max_restarts and _work_remains(db, task_set):
+                        restarts += 1
+                        delay = replacement.backoff_s * 2 ** (restarts - 1)
+                        delay *= random.uniform(0.5, 1.0)
+                        waiting.append((time.monotonic() + delay, w, restarts))
+                        event(
+                            f"replacing worker {w.owner} in {delay:.1f} s (replacement "
+                            f"{restarts} of at most {replacement.max_restarts})"
+                        )
+                for due in [entry for entry in waiting if entry[0] <= time.monotonic()]:
+                    waiting.remove(due)
+                    assert replacement is not None
+                    _, replaced, generation = due
+                    started = replacement.launch(replaced, generation)
+                    live.append(started)
+                    event(f"worker {started.owner} started in place of {replaced.owner}")
                 if on_progress is not None and time.monotonic() >= next_report:
                     next_report = time.monotonic() + poll_s
                     on_progress(read_accounting(db, task_set))
-        reports = []
-        for w in workers:
-            if w.process.returncode != 0:
-                tail = w.log_path.read_text(errors="replace")[-4000:] if w.log_path.exists() else ""
-                raise RuntimeError(f"worker {w.owner} exited with {w.process.returncode}:\n{tail}")
-            reports.append(json.loads(w.report_path.read_text()))
+        if failures and _work_remains(db, task_set):
+            tail = _log_tail(last_failed) if last_failed is not None else ""
+            raise RuntimeError(
+                f"no worker is left and task set {task_set!r} has work remaining: "
+                + "; ".join(failures)
+                + f" ({restarts} replacement(s) started); the last one's log ends:\n{tail}"
+            )
         return reports
     finally:
-        stop_workers(workers)
+        stop_workers([*live, *workers])
+
+
+def _log_tail(worker: WorkerProcess) -> str:
+    path = worker.log_path
+    return path.read_text(errors="replace")[-4000:] if path.exists() else ""
+
+
+def _work_remains(db: Any, task_set: str) -> bool:
+    counts = read_accounting(db, task_set)
+    return counts.queued + counts.in_flight > 0
 
 
 def read_accounting(db: Any, task_set: str) -> Accounting:

@@ -29,6 +29,7 @@ from fabric_pipelines.lib.broker.ledger import DEFAULT_LEASE_SECONDS, heartbeat_
 from fabric_pipelines.lib.core.files import write_bytes
 from fabric_pipelines.lib.core.retry import retry
 from fabric_pipelines.lib.core.signals import stop_on_signals
+from fabric_pipelines.lib.worker.reporting import reporter
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -87,6 +88,11 @@ def main(argv: list[str] | None = None) -> int:
         "--parent-pid", type=int, default=0, help="exit when this process (the supervisor) ends"
     )
     parser.add_argument(
+        "--alive-file",
+        help="touch this file every heartbeat: its supervisor tells a lost worker (stopped, its "
+        "host gone) from a slow one by its age",
+    )
+    parser.add_argument(
         "--go-file",
         help="load the engine, then wait until this file exists before reading the plan "
         "(a worker started while its task set is still being ingested and planned)",
@@ -96,7 +102,27 @@ def main(argv: list[str] | None = None) -> int:
     stop_on_signals()  # its supervisor's SIGTERM ends it, whatever the shell left ignored
     if args.parent_pid:
         bind_to_parent(args.parent_pid)
-    heartbeat_interval(args.lease_seconds, args.heartbeat_seconds)  # refuse bad timing early
+    every = heartbeat_interval(args.lease_seconds, args.heartbeat_seconds)  # bad timing: now
+    if args.alive_file:
+        keep_alive(Path(args.alive_file), every)
+    return _work(args, main_at)
+
+
+def keep_alive(path: Path, every_s: float) -> None:
+    """Touch `path` now and every `every_s` seconds, from a thread of its own, while this
+    process runs (a stopped process stops touching it)."""
+    path.touch()
+
+    def touch() -> None:
+        while True:
+            time.sleep(every_s)
+            with contextlib.suppress(OSError):  # the run's folder went: the supervisor did
+                os.utime(path)
+
+    threading.Thread(target=touch, name="fabric-alive", daemon=True).start()
+
+
+def _work(args: argparse.Namespace, main_at: float) -> int:
     if args.threads > 0:
         import torch
 
@@ -110,7 +136,6 @@ def main(argv: list[str] | None = None) -> int:
     from fabric_gpu.manifest import EngineManifest
     from fabric_pipelines.lib.core.settings import FabricPaths, database_url, default_root
     from fabric_pipelines.lib.store.db import make_engine
-    from fabric_pipelines.lib.worker.loop import run_worker
 
     paths = FabricPaths(default_root()).ensure()
     db = make_engine(database_url(paths))
@@ -120,6 +145,22 @@ def main(argv: list[str] | None = None) -> int:
     engine = create_engine(manifest)  # first: the slow part a warm worker does ahead of its plan
     timeline["engine_created_at"] = time.time()
     early: EarlyTaskSet | None = None  # the task set, read while waiting for the go
+    with contextlib.ExitStack() as stack:
+        return _run(args, db, paths, manifest, engine, timeline, early, stack)
+
+
+def _run(
+    args: argparse.Namespace,
+    db: Any,
+    paths: Any,
+    manifest: Any,
+    engine: Any,
+    timeline: dict[str, float],
+    early: EarlyTaskSet | None,
+    stack: contextlib.ExitStack,
+) -> int:
+    from fabric_pipelines.lib.worker.loop import run_worker
+
     try:
         if args.go_file:
             prewarm(engine)
@@ -129,7 +170,14 @@ def main(argv: list[str] | None = None) -> int:
         timeline["go_at"] = time.time()
         job = load_job(db, paths, args.task_set, manifest, early)
         timeline["job_loaded_at"] = time.time()
-        report = run_worker(
+        # After the go: where the step listens through Pipes, its session is open by now.
+        report = stack.enter_context(reporter())
+        report.info(
+            f"worker {args.owner} started (pid {os.getpid()}, device "
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'cpu')}): pulling batches of plan "
+            f"{job.plan_id}"
+        )
+        done = run_worker(
             db, engine, job, owner=args.owner, lease_seconds=args.lease_seconds,
             heartbeat_seconds=args.heartbeat_seconds, max_attempts=args.max_attempts,
         )  # fmt: skip
@@ -137,13 +185,22 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         engine.close()
     timeline["closed_at"] = time.time()
-    summary = {
-        "owner": args.owner, **asdict(report), "errors": report.errors[:20], **timeline,
-    }  # fmt: skip
+    summary = {"owner": args.owner, **asdict(done), "errors": done.errors[:20], **timeline}
     summary.pop("runtime", None)
     if args.report:
         write_bytes(Path(args.report), json.dumps(summary).encode())
     print(json.dumps({k: v for k, v in summary.items() if k != "errors"}))
+    report.info(
+        f"worker {args.owner} done: {done.batches_done} batches, {done.rows_inserted} rows, "
+        f"{done.real_tokens} real tokens, {done.batches_failed} batches failed, "
+        f"{done.stale_acks} stale acks, {timeline['done_at'] - timeline['started_at']:.1f} s"
+    )
+    report.counts({
+        "owner": args.owner, "batches_done": done.batches_done,
+        "batches_failed": done.batches_failed, "rows_inserted": done.rows_inserted,
+        "real_tokens": done.real_tokens, "stale_acks": done.stale_acks,
+        "seconds": round(timeline["done_at"] - timeline["started_at"], 3),
+    })  # fmt: skip
     return 0
 
 
