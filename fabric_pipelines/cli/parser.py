@@ -167,10 +167,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     workers = sub.add_parser(
         "workers",
-        help="the warm engine pool: start its workers for a manifest, stop them, show them",
+        help="the warm engine pool: start its workers for a manifest, stop them, show them; "
+        "pod-spec: print the Kubernetes pod a worker would get (a dry run)",
     )
-    workers.add_argument("action", choices=["start", "stop", "status"])
+    workers.add_argument("action", choices=["start", "stop", "status", "pod-spec"])
     workers.add_argument("--json", action="store_true", help="status: machine-readable output")
+    workers.add_argument(
+        "--pod-config", help="pod-spec: the worker pods' settings (default deploy/k8s/workers.yaml)"
+    )
+    workers.add_argument("--task-set", default="TASK_SET", help="pod-spec: the set it would run")
     engine_options(workers)
     workers.set_defaults(func=cmd_workers)
 

@@ -27,6 +27,8 @@ def cmd_workers(args: argparse.Namespace) -> int:
     from fabric_pipelines.cli.warm_client import runner_states, stop_runners
     from fabric_pipelines.lib.worker.pool.client import describe, pool_states, stop_pool
 
+    if args.action == "pod-spec":
+        return _print_pod_spec(args)
     root = prepare_environment()
     if args.action == "status":
         states = pool_states(root)
@@ -119,4 +121,26 @@ def _start_pool(root: Path, args: argparse.Namespace) -> int:
             return 1
     for state in pool_states(root):
         print(describe(state))
+    return 0
+
+
+def _print_pod_spec(args: argparse.Namespace) -> int:
+    """The pod worker 0 of a set would get on Kubernetes, as YAML; nothing is sent anywhere."""
+    import yaml
+
+    from fabric_pipelines.defs.k8s_workers import pod_manifest, worker_pod
+    from fabric_pipelines.lib.worker.launch import LaunchSettings, worker_invocation
+    from fabric_pipelines.lib.worker.pods import DEFAULT_CONFIG, PodConfigError, WorkerPods
+
+    try:
+        pods = WorkerPods.load(Path(args.pod_config) if args.pod_config else DEFAULT_CONFIG)
+    except PodConfigError as exc:
+        print(f"fabric workers pod-spec: {exc}", file=sys.stderr)
+        return 2
+    root = Path(pods.data_root)
+    folder = root / "workers" / f"{args.task_set}-RUN"  # a run's folder, named when it starts
+    settings = LaunchSettings(args.task_set, folder / "engine.json", root, "(from the Secret)")
+    invocation = worker_invocation(settings, 0, folder, threads=8, python=pods.python)
+    pod = worker_pod(pods, invocation, f"fabric-worker-{args.task_set}-0".lower())
+    print(yaml.safe_dump(pod_manifest(pod), sort_keys=False), end="")
     return 0

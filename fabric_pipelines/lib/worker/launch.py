@@ -146,6 +146,58 @@ def launch_workers(
     return workers
 
 
+@dataclass(frozen=True)
+class WorkerInvocation:
+    """How worker `owner` is run, wherever it runs: its command line, the variables it adds to
+    its host's environment (Pipes' files), and the files it writes into the run's folder."""
+
+    owner: str
+    command: list[str]
+    env: dict[str, str]
+    report: Path
+    log: Path
+    alive: Path
+    pipes_files: tuple[Path, Path]
+
+
+def worker_invocation(
+    settings: LaunchSettings,
+    index: int,
+    folder: Path,
+    *,
+    threads: int,
+    generation: int = 0,
+    go_file: Path | None = None,
+    python: str = sys.executable,
+    parent_pid: int | None = None,
+) -> WorkerInvocation:
+    """Worker `index` (its `generation`-th stand-in when > 0) with `threads` CPU threads; with
+    `parent_pid`, it exits when that process does (a worker of this host)."""
+    every = heartbeat_interval(settings.lease_seconds, settings.heartbeat_seconds)
+    name = f"w{index}" if generation == 0 else f"w{index}.{generation}"
+    owner = f"{socket.gethostname()}:{os.getpid()}:{name}"
+    stem = f"worker-{index}" if generation == 0 else f"worker-{index}.{generation}"
+    report, log, alive = (folder / f"{stem}{suffix}" for suffix in (".json", ".log", ".alive"))
+    files = pipes_files(folder, stem)  # it reports through them once a step listens
+    command = [
+        python, "-m", MAIN_MODULE,
+        settings.task_set,
+        "--manifest", str(settings.manifest_path),
+        "--owner", owner,
+        "--lease-seconds", str(settings.lease_seconds),
+        "--heartbeat-seconds", str(every),
+        "--max-attempts", str(settings.max_attempts),
+        "--report", str(report),
+        "--alive-file", str(alive),
+        "--threads", str(threads),
+    ]  # fmt: skip
+    if parent_pid is not None:
+        command += ["--parent-pid", str(parent_pid)]
+    if go_file is not None:
+        command += ["--go-file", str(go_file)]
+    return WorkerInvocation(owner, command, pipes_env(*files), report, log, alive, files)
+
+
 def launch_worker(
     settings: LaunchSettings,
     index: int,
@@ -157,53 +209,38 @@ def launch_worker(
     threads_of: int = 1,
     generation: int = 0,
 ) -> WorkerProcess:
-    """Start worker `index` (its `generation`-th replacement when > 0), sharing the cores with
-    `threads_of` workers. The database URL goes in its environment, never on its command line
-    (where a password would show in `ps`)."""
-    every = heartbeat_interval(settings.lease_seconds, settings.heartbeat_seconds)
+    """Start worker `index` of this host (its `generation`-th stand-in when > 0), sharing the
+    cores with `threads_of` workers. The database URL goes in its environment, never on its
+    command line (where a password would show in `ps`)."""
     folder.mkdir(parents=True, exist_ok=True)
-    name = f"w{index}" if generation == 0 else f"w{index}.{generation}"
-    owner = f"{socket.gethostname()}:{os.getpid()}:{name}"
+    run = worker_invocation(
+        settings, index, folder, threads=max(1, (os.cpu_count() or 1) // threads_of),
+        generation=generation, go_file=go_file, parent_pid=os.getpid(),
+    )  # fmt: skip
     env = {
         **os.environ,
         "FABRIC_DATABASE_URL": settings.database_url,
         "FABRIC_HOME": str(settings.data_root),
         "HF_HUB_OFFLINE": "1",
+        **run.env,
     }
     if device is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(device)  # the device lease: one GPU each
-    stem = f"worker-{index}" if generation == 0 else f"worker-{index}.{generation}"
-    report, log, alive = (folder / f"{stem}{suffix}" for suffix in (".json", ".log", ".alive"))
-    # Pipes' files: the worker reports through them once a step listens (reporting.py).
-    files = pipes_files(folder, stem)
-    env.update(pipes_env(*files))
-    command = [
-        sys.executable, "-m", MAIN_MODULE,
-        settings.task_set,
-        "--manifest", str(settings.manifest_path),
-        "--owner", owner,
-        "--lease-seconds", str(settings.lease_seconds),
-        "--heartbeat-seconds", str(every),
-        "--max-attempts", str(settings.max_attempts),
-        "--report", str(report),
-        "--alive-file", str(alive),
-        "--threads", str(max(1, (os.cpu_count() or 1) // threads_of)),
-        "--parent-pid", str(os.getpid()),
-    ]  # fmt: skip
-    if go_file is not None:
-        command += ["--go-file", str(go_file)]
     opened = ExitStack()
     try:
         if channel is not None:
-            opened.enter_context(channel(owner, *files))
-        with open(log, "wb") as out:
+            opened.enter_context(channel(run.owner, *run.pipes_files))
+        with open(run.log, "wb") as out:
             process = subprocess.Popen(
-                command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
+                run.command, env=env, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
     except BaseException:
         opened.close()
         raise
-    return WorkerProcess(owner, process, report, log, index, alive, files, opened)
+    return WorkerProcess(
+        run.owner, process, run.report, run.log, index, run.alive, run.pipes_files, opened
+    )
 
 
 def _signal_group(process: subprocess.Popen[bytes], sig: int) -> None:

