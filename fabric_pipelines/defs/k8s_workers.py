@@ -4,15 +4,16 @@ Pipes variables. `fabric workers pod-spec` prints it; nothing here talks to a cl
 
 from typing import Any
 
-from dagster_k8s.pipes import build_pod_body
-
 from fabric_pipelines.lib.worker.launch import WorkerInvocation
 from fabric_pipelines.lib.worker.pods import WorkerPods
 
 
 def worker_pod(pods: WorkerPods, invocation: WorkerInvocation, pod_name: str) -> Any:
     """The V1Pod of one worker (kubernetes' model: built field by field from the API schema,
-    so a misspelt or misplaced field is refused here, not by a cluster)."""
+    so a misspelt or misplaced field is refused here, not by a cluster). dagster-k8s is imported
+    here, not with the definitions: every run loads those, and it brings the Kubernetes client."""
+    from dagster_k8s.pipes import build_pod_body
+
     return build_pod_body(
         pod_name=pod_name,
         image=None,  # the base spec's container names it
