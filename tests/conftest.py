@@ -30,6 +30,35 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.xdist_group("pgvector"))
 
 
+POSTGRES_FIXTURES = {"postgres_server_url", "own_postgres_database"}
+
+
+@pytest.fixture(autouse=True)
+def _postgres_server_turns(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[None]:
+    """The tests on the local PostgreSQL server share it across the xdist workers; the one test
+    that restarts it (marked `restarts_postgres`) must not cut the others' connections: it holds
+    the server alone (an exclusive flock on a file all the workers see), the others share it."""
+    import fcntl
+
+    exclusive = request.node.get_closest_marker("restarts_postgres") is not None
+    uses = request.node.get_closest_marker("postgres") is not None or bool(
+        POSTGRES_FIXTURES & set(request.fixturenames)
+    )
+    if not (exclusive or uses):
+        yield
+        return
+    # The parent of this worker's base temp folder is the whole run's (all workers').
+    path = tmp_path_factory.getbasetemp().parent / "postgres-server.lock"
+    with open(path, "a") as turn:
+        fcntl.flock(turn, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(turn, fcntl.LOCK_UN)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """The suite does not depend on the signal dispositions it inherited: started in the
     background with SIGINT ignored (`nohup make test &`), Dagster would copy that onto SIGTERM
@@ -67,10 +96,17 @@ def postgres_server_url() -> Iterator[str]:
     """URL of a scratch database on the PostgreSQL server, for the whole session."""
     from sqlalchemy import create_engine, text
 
+    from fabric_pipelines.lib.core.retry import retry
+
     admin = create_engine(POSTGRES_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    try:
+
+    def probe() -> None:
         with admin.connect() as conn:
             conn.execute(text("select 1"))
+
+    try:
+        # A few seconds' grace: the server may be restarting (a test restarts it).
+        retry("reaching the test PostgreSQL server", probe, budget_s=20 if IN_CI else 3)
     except Exception as exc:
         if IN_CI:
             pytest.fail(f"PostgreSQL at {POSTGRES_ADMIN_URL} is required in CI: {exc}")

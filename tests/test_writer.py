@@ -219,6 +219,7 @@ def test_terminating_the_writer_backend_mid_write_loses_and_doubles_nothing(
 
 
 @pytest.mark.postgres
+@pytest.mark.restarts_postgres
 @pytest.mark.skipif(shutil.which("pg_ctlcluster") is None, reason="pg_ctlcluster is not installed")
 def test_restarting_the_server_mid_run_loses_and_doubles_nothing(postgres_server_url: str) -> None:
     db = _fresh(postgres_server_url)
