@@ -26,7 +26,7 @@ from fabric_gpu.manifest import HookSpec, manifest_for_model
 from fabric_gpu.profile import ConsumerProfile
 from fabric_pipelines.lib.store.db import make_engine
 from fabric_pipelines.lib.store.models import Batch, Embedding
-from fabric_pipelines.lib.worker import MAIN_MODULE
+from fabric_testing.fault_drill import wait_until, worker_pids
 
 FABRIC = str(Path(sys.executable).parent / "fabric")
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
@@ -74,31 +74,6 @@ def _finish(process: Any, tmp_path: Path, timeout: float = 240) -> str:
     output = (tmp_path / "run.log").read_text(errors="replace")
     assert code == 0, output[-6000:]
     return output
-
-
-def _workers(home: Path) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            command = (entry / "cmdline").read_bytes()
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if MAIN_MODULE.encode() in command and str(home).encode() in command and state != "Z":
-            found.append(int(entry.name))
-    return sorted(found)
-
-
-def _wait_for(what: str, check: Any, timeout: float = 120) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = check()
-        if found:
-            return found
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _completed_batches(url: str) -> int:
@@ -175,9 +150,11 @@ def test_a_worker_that_dies_or_is_lost_is_replaced_and_the_set_completes_exactly
     home = tmp_path / "home"
     process = _start(tmp_path, tiny_model_dir, own_postgres_database, n, lease_s)
     try:
-        workers = _wait_for("three workers", lambda: len(_workers(home)) == 3 and _workers(home))
-        _wait_for("batches completed", lambda: _completed_batches(own_postgres_database) >= 20)
-        victim = workers[1]
+        wait_until(lambda: len(worker_pids(home)) == 3, 120, "three workers")
+        wait_until(
+            lambda: _completed_batches(own_postgres_database) >= 20, 120, "batches completed"
+        )
+        victim = sorted(worker_pids(home))[1]
         if fault == "sigkill":
             os.kill(victim, signal.SIGKILL)
         else:
@@ -199,4 +176,4 @@ def test_a_worker_that_dies_or_is_lost_is_replaced_and_the_set_completes_exactly
     # The stand-in reported through Pipes like the others.
     stand_in = replaced[0].split()[1]
     assert stand_in.endswith(".1") and any(o["worker"] == stand_in for o in observations)
-    assert not _workers(home)  # nothing of the run is left running
+    assert not worker_pids(home)  # nothing of the run is left running

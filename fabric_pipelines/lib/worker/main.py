@@ -136,6 +136,7 @@ def _work(args: argparse.Namespace, main_at: float) -> int:
     from fabric_gpu.manifest import EngineManifest
     from fabric_pipelines.lib.core.settings import FabricPaths, database_url, default_root
     from fabric_pipelines.lib.store.db import make_engine
+    from fabric_pipelines.lib.worker.loop import run_worker
 
     paths = FabricPaths(default_root()).ensure()
     db = make_engine(database_url(paths))
@@ -145,62 +146,48 @@ def _work(args: argparse.Namespace, main_at: float) -> int:
     engine = create_engine(manifest)  # first: the slow part a warm worker does ahead of its plan
     timeline["engine_created_at"] = time.time()
     early: EarlyTaskSet | None = None  # the task set, read while waiting for the go
+    # The reporter, opened after the go, is closed on every way out.
     with contextlib.ExitStack() as stack:
-        return _run(args, db, paths, manifest, engine, timeline, early, stack)
-
-
-def _run(
-    args: argparse.Namespace,
-    db: Any,
-    paths: Any,
-    manifest: Any,
-    engine: Any,
-    timeline: dict[str, float],
-    early: EarlyTaskSet | None,
-    stack: contextlib.ExitStack,
-) -> int:
-    from fabric_pipelines.lib.worker.loop import run_worker
-
-    try:
-        if args.go_file:
-            prewarm(engine)
-            timeline["engine_ready_at"] = time.time()
-            _import_job_modules()  # while the plan is still being made, not after the go
-            early = read_task_set_before_go(db, args.task_set, Path(args.go_file))
-        timeline["go_at"] = time.time()
-        job = load_job(db, paths, args.task_set, manifest, early)
-        timeline["job_loaded_at"] = time.time()
-        # After the go: where the step listens through Pipes, its session is open by now.
-        report = stack.enter_context(reporter())
+        try:
+            if args.go_file:
+                prewarm(engine)
+                timeline["engine_ready_at"] = time.time()
+                _import_job_modules()  # while the plan is still being made, not after the go
+                early = read_task_set_before_go(db, args.task_set, Path(args.go_file))
+            timeline["go_at"] = time.time()
+            job = load_job(db, paths, args.task_set, manifest, early)
+            timeline["job_loaded_at"] = time.time()
+            # After the go: where the step listens through Pipes, its session is open by now.
+            report = stack.enter_context(reporter())
+            report.info(
+                f"worker {args.owner} started (pid {os.getpid()}, device "
+                f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'cpu')}): pulling batches of plan "
+                f"{job.plan_id}"
+            )
+            done = run_worker(
+                db, engine, job, owner=args.owner, lease_seconds=args.lease_seconds,
+                heartbeat_seconds=args.heartbeat_seconds, max_attempts=args.max_attempts,
+            )  # fmt: skip
+            timeline["done_at"] = time.time()
+        finally:
+            engine.close()
+        timeline["closed_at"] = time.time()
+        summary = {"owner": args.owner, **asdict(done), "errors": done.errors[:20], **timeline}
+        summary.pop("runtime", None)
+        if args.report:
+            write_bytes(Path(args.report), json.dumps(summary).encode())
+        print(json.dumps({k: v for k, v in summary.items() if k != "errors"}))
         report.info(
-            f"worker {args.owner} started (pid {os.getpid()}, device "
-            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'cpu')}): pulling batches of plan "
-            f"{job.plan_id}"
+            f"worker {args.owner} done: {done.batches_done} batches, {done.rows_inserted} rows, "
+            f"{done.real_tokens} real tokens, {done.batches_failed} batches failed, "
+            f"{done.stale_acks} stale acks, {timeline['done_at'] - timeline['started_at']:.1f} s"
         )
-        done = run_worker(
-            db, engine, job, owner=args.owner, lease_seconds=args.lease_seconds,
-            heartbeat_seconds=args.heartbeat_seconds, max_attempts=args.max_attempts,
-        )  # fmt: skip
-        timeline["done_at"] = time.time()
-    finally:
-        engine.close()
-    timeline["closed_at"] = time.time()
-    summary = {"owner": args.owner, **asdict(done), "errors": done.errors[:20], **timeline}
-    summary.pop("runtime", None)
-    if args.report:
-        write_bytes(Path(args.report), json.dumps(summary).encode())
-    print(json.dumps({k: v for k, v in summary.items() if k != "errors"}))
-    report.info(
-        f"worker {args.owner} done: {done.batches_done} batches, {done.rows_inserted} rows, "
-        f"{done.real_tokens} real tokens, {done.batches_failed} batches failed, "
-        f"{done.stale_acks} stale acks, {timeline['done_at'] - timeline['started_at']:.1f} s"
-    )
-    report.counts({
-        "owner": args.owner, "batches_done": done.batches_done,
-        "batches_failed": done.batches_failed, "rows_inserted": done.rows_inserted,
-        "real_tokens": done.real_tokens, "stale_acks": done.stale_acks,
-        "seconds": round(timeline["done_at"] - timeline["started_at"], 3),
-    })  # fmt: skip
+        report.counts({
+            "owner": args.owner, "batches_done": done.batches_done,
+            "batches_failed": done.batches_failed, "rows_inserted": done.rows_inserted,
+            "real_tokens": done.real_tokens, "stale_acks": done.stale_acks,
+            "seconds": round(timeline["done_at"] - timeline["started_at"], 3),
+        })  # fmt: skip
     return 0
 
 
