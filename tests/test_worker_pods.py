@@ -121,3 +121,23 @@ def test_loading_the_definitions_does_not_import_the_kubernetes_client() -> None
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_workers_pod_label_is_a_valid_label_value_of_its_own() -> None:
+    """The label the step deletes a lost worker's pod by: valid for Kubernetes, one per owner."""
+    import re
+
+    from fabric_pipelines.lib.worker.pods import worker_label
+
+    valid = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+    owners = [
+        "orchestrator-7d9f:4121:w0",
+        "orchestrator-7d9f:4121:w0.1",
+        "node.example.com:99:w12.3",
+        "a" * 70 + ":1:w0",
+        "a" * 70 + ":1:w1",
+    ]
+    labels = [worker_label(owner) for owner in owners]
+    assert all(valid.match(label) for label in labels), labels
+    assert len(set(labels)) == len(owners)
+    assert labels[0] == "orchestrator-7d9f-4121-w0"  # readable where it fits

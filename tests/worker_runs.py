@@ -28,6 +28,7 @@ def start(
     n: int,
     lease_s: float,
     extra: list[str] | None = None,
+    env_extra: dict[str, str] | None = None,
 ) -> Any:
     """`fabric submit --run` of `n` tasks on 3 workers of the CPU engine, in the background."""
     engine = tmp_path / "engine.json"
@@ -48,6 +49,7 @@ def start(
         "HF_HUB_OFFLINE": "1",
         "FABRIC_WARM_RUNNER": "0",
         "FABRIC_POOL_IDLE_SECONDS": "0",
+        **(env_extra or {}),
     }
     env.pop("DAGSTER_HOME", None)
     command = [
@@ -58,6 +60,7 @@ def start(
     log = open(tmp_path / "run.log", "wb")  # noqa: SIM115 - closed with the process below
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
     process.log_file = log  # type: ignore[attr-defined]
+    process.fabric_env = env  # type: ignore[attr-defined]
     return process
 
 

@@ -81,6 +81,18 @@ def build_parser() -> argparse.ArgumentParser:
             "--workers", type=int, help="worker processes (default 1; 0: in this process)"
         )
         g.add_argument(
+            "--launcher",
+            choices=("local", "kubernetes", "pipes-subprocess"),
+            help="where the workers run: processes of this host (local, the default), a pod "
+            "each through Dagster Pipes (kubernetes; needs PostgreSQL), or this host's "
+            "processes through PipesSubprocessClient (pipes-subprocess)",
+        )
+        g.add_argument(
+            "--worker-pods",
+            metavar="FILE",
+            help="kubernetes: the worker pods' settings (default deploy/k8s/workers.yaml)",
+        )
+        g.add_argument(
             "--long-inputs",
             choices=("chunk", "truncate", "fail"),
             help=(

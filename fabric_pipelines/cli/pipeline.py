@@ -36,7 +36,10 @@ def engine_config(args: argparse.Namespace) -> dict[str, Any]:
         config["hook_layers"] = [int(x) for x in args.hook_layers.split(",") if x.strip()]
     if getattr(args, "manifest", None):
         config["manifest_path"] = str(Path(args.manifest).resolve())
-    for name in ("workers", "lease_seconds", "heartbeat_seconds", "pool_idle_seconds"):
+    for name in (
+        "workers", "lease_seconds", "heartbeat_seconds", "pool_idle_seconds", "launcher",
+        "worker_pods",
+    ):  # fmt: skip
         value = getattr(args, name, None)
         if value is not None:
             config[name] = value
@@ -138,7 +141,8 @@ def prestart_for_run(task_set: str, args: argparse.Namespace) -> Any:
     """Start the run's extraction workers first thing (lib/worker/prestart.py), so that Python,
     torch, the CUDA context and the weights load while the CLI imports Dagster and the set is
     submitted, ingested and planned. A no-op when the engine settings cannot be read here (the
-    run's own step reports why); the step takes the workers over only if its settings match."""
+    run's own step reports why) or the workers are not this host's; the step takes the workers
+    over only if its settings match."""
     from fabric_pipelines.cli.run_clock import mark
     from fabric_pipelines.lib.broker.ledger import DEFAULT_LEASE_SECONDS
     from fabric_pipelines.lib.core.settings import FabricPaths, database_url
@@ -146,6 +150,8 @@ def prestart_for_run(task_set: str, args: argparse.Namespace) -> Any:
     from fabric_pipelines.lib.worker.pool.client import idle_seconds_setting
     from fabric_pipelines.lib.worker.prestart import prestart_workers
 
+    if getattr(args, "launcher", None) not in (None, "local"):  # other hosts' workers: the step's
+        return contextlib.nullcontext()
     try:
         manifest = engine_manifest(args)
         pool_idle_seconds = idle_seconds_setting(getattr(args, "pool_idle_seconds", None))

@@ -140,7 +140,7 @@ def _print_pod_spec(args: argparse.Namespace) -> int:
     root = Path(pods.data_root)
     folder = root / "workers" / f"{args.task_set}-RUN"  # a run's folder, named when it starts
     settings = LaunchSettings(args.task_set, folder / "engine.json", root, "(from the Secret)")
-    invocation = worker_invocation(settings, 0, folder, threads=8, python=pods.python)
+    invocation = worker_invocation(settings, 0, folder, threads=0, python=pods.python)
     pod = worker_pod(pods, invocation, f"fabric-worker-{args.task_set}-0".lower())
     print(yaml.safe_dump(pod_manifest(pod), sort_keys=False), end="")
     return 0

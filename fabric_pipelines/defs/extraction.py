@@ -19,7 +19,7 @@ from fabric_pipelines.defs.gpu_pool import GPU_POOL, sync_gpu_pool
 from fabric_pipelines.defs.metadata import dagster_metadata
 from fabric_pipelines.defs.partitions import TASK_SET_PARTITIONS, task_sets
 from fabric_pipelines.defs.resources import ArtifactStore, Database, EngineConfig
-from fabric_pipelines.defs.worker_pipes import pipes_channel
+from fabric_pipelines.defs.worker_pipes import worker_launcher
 from fabric_pipelines.lib.broker.ledger import Accounting
 from fabric_pipelines.lib.broker.plans import plan_task_set
 from fabric_pipelines.lib.core.alerts import (
@@ -34,6 +34,7 @@ from fabric_pipelines.lib.tasks.catalog import ingest_task_set
 from fabric_pipelines.lib.tasks.inbox import record_first_seen, scan
 from fabric_pipelines.lib.tasks.ingest import SubmissionError
 from fabric_pipelines.lib.tasks.prompts import set_prompt
+from fabric_pipelines.lib.worker.client_launch import SharedDatabaseRequired
 
 
 @dg.asset(
@@ -145,14 +146,21 @@ def extraction_outputs(
 ) -> dg.MaterializeResult:
     task_set = context.partition_key
     try:
+        launcher = worker_launcher(
+            context, engine.launcher, engine.worker_pods, store.paths().root,
+            database.resolved_url(),
+        )  # fmt: skip
+    except (ValueError, OSError) as exc:  # a launcher or pod setting to fix: a retry cannot
+        raise dg.Failure(description=str(exc), allow_retries=False) from exc
+    try:
         step = run_extraction_step(
             database.engine(), store.paths(), task_set, engine.manifest(),
             engine.worker_options(database.resolved_url()), database_name=database.describe(),
             devices=lambda: engine.devices(store.paths(), lambda: _waiting(context, engine), task_set),
             on_progress=lambda counts: _progress(context, task_set, counts),
-            channel=pipes_channel(context), on_event=context.log.warning,
+            launcher=launcher, on_event=context.log.warning,
         )  # fmt: skip
-    except LookupError as exc:  # no plan: shape_batches has not run for this set
+    except (LookupError, SharedDatabaseRequired) as exc:  # no plan; SQLite for other hosts
         raise dg.Failure(description=str(exc), allow_retries=False) from exc
     except StopRequested as exc:  # SIGINT/SIGTERM: the user stopped it; a retry would undo that
         raise dg.Failure(

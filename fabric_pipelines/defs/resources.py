@@ -108,6 +108,12 @@ class EngineConfig(dg.ConfigurableResource):
     # Workers started in place of ones that died or were lost (silent for a lease), for the
     # whole step; the step fails only when no worker is left and work remains.
     max_worker_restarts: int = DEFAULT_MAX_RESTARTS
+    # Where the workers run: "local", processes of this host (the default); "kubernetes", a pod
+    # per worker through dagster-k8s's PipesK8sClient, set up by `worker_pods` (a file like
+    # deploy/k8s/workers.yaml, the default; PostgreSQL required); "pipes-subprocess", this
+    # host's processes through Dagster's PipesSubprocessClient, the pods' seam on one host.
+    launcher: str = "local"
+    worker_pods: str = ""
     # The warm engine pool (lib/worker/pool/client.py): worker processes that keep the model loaded
     # for this long after their last job, for the next run. None: FABRIC_POOL_IDLE_SECONDS,
     # else 300 s; 0: no pool (each run starts its own workers).
@@ -131,9 +137,10 @@ class EngineConfig(dg.ConfigurableResource):
         self, paths: FabricPaths, on_wait: Callable[[], None], task_set: str = ""
     ) -> Iterator[list[int] | None]:
         """GPU per worker for GPU backends (worker i -> the i-th leased device), held for the
-        block so concurrent steps never share a GPU; None for the CPU engine and in-process runs.
+        block so concurrent steps never share a GPU; None for the CPU engine, in-process runs
+        and workers of other hosts (a pod asks its scheduler for its GPU).
         Workers started early for `task_set` (lib/worker/prestart.py) hold theirs already."""
-        if self.manifest().backend == "cpu" or self.workers == 0:
+        if self.manifest().backend == "cpu" or self.workers == 0 or self.launcher != "local":
             yield None
             return
         held = prestarted_devices(task_set)

@@ -35,7 +35,7 @@ from fabric_pipelines.lib.steps.run_extraction import (
 )
 from fabric_pipelines.lib.store.settle import settle_embeddings, settling_meanwhile
 from fabric_pipelines.lib.tasks.catalog import get_task_set
-from fabric_pipelines.lib.worker.launch import WorkerChannel
+from fabric_pipelines.lib.worker.launch import Launcher
 
 
 @dataclass(frozen=True)
@@ -78,12 +78,13 @@ def run_extraction_step(
     database_name: str,
     devices: Callable[[], AbstractContextManager[list[int] | None]],
     on_progress: Callable[[Accounting], None],
-    channel: WorkerChannel | None = None,
+    launcher: Launcher | None = None,
     on_event: Callable[[str], None] | None = None,
 ) -> ExtractionStep:
     """LookupError if the set has no plan (shape_batches has not run). `devices()`: the GPUs
     the workers may use, held for the step; `on_progress`: the set's counts as they move;
-    `channel`: what each worker reports through (the step's Pipes sessions); `on_event`: each
+    `launcher`: where the workers run and what they report through (this host's processes and the
+    step's Pipes sessions, a Kubernetes pod per worker, ...); `on_event`: each
     worker that died, was lost or was replaced."""
     started_at = time.time()  # the wall clock: the workers' timelines are on it too
     plan = current_plan(db, task_set)
@@ -108,7 +109,7 @@ def run_extraction_step(
                 db, paths, task_set, manifest, database_url=options.database_url,
                 workers=options.workers, lease_seconds=options.lease_seconds,
                 heartbeat_seconds=options.heartbeat_seconds, devices=gpus, on_progress=progress,
-                pool_idle_seconds=options.pool_idle_seconds, channel=channel,
+                pool_idle_seconds=options.pool_idle_seconds, launcher=launcher,
                 max_restarts=options.max_restarts, on_event=on_event,
             )  # fmt: skip
     finally:

@@ -20,12 +20,12 @@ from fabric_pipelines.lib.broker.reuse import copy_pending_of
 from fabric_pipelines.lib.core.retry import unit_of_work
 from fabric_pipelines.lib.results.documents import combine_task_set
 from fabric_pipelines.lib.worker.launch import (
+    Launcher,
     LaunchSettings,
+    LocalLauncher,
     Replacement,
-    WorkerChannel,
     WorkerProcess,
     launch_settings,
-    launch_worker,
     launch_workers,
     read_accounting,
     stop_workers,
@@ -97,15 +97,15 @@ def extract_task_set(
     on_progress: Callable[[Accounting], None] | None = None,
     progress_every_s: float = 5.0,
     pool_idle_seconds: float = 0.0,
-    channel: WorkerChannel | None = None,
+    launcher: Launcher | None = None,
     max_restarts: int = DEFAULT_MAX_RESTARTS,
     on_event: Callable[[str], None] | None = None,
 ) -> ExtractionSummary:
     """Run the task set's current plan: in this process (workers == 0) or in worker processes,
     on the warm engine pool when `pool_idle_seconds` > 0 (pool_run.py; workers it starts stay
-    that long after their last job). Workers this call starts report through `channel` (the
-    step's Pipes sessions) and are replaced, up to `max_restarts` times, when they die or are
-    lost (`supervise`); `on_event` hears of each.
+    that long after their last job). Workers this call starts are started by `launcher` (this
+    host's processes by default; only those may be prestarted or pooled) and replaced, up to
+    `max_restarts` times, when they die or are lost (`supervise`); `on_event` hears of each.
 
     With worker processes, none of the run's own is left running when this returns or raises
     (call it inside the device lease, which must outlive the workers)."""
@@ -119,15 +119,22 @@ def extract_task_set(
             )
         ]  # fmt: skip
     else:
-        warm = take_prestarted(
-            task_set, manifest, workers, database_url=database_url,
-            lease_seconds=lease_seconds, heartbeat_seconds=heartbeat_seconds,
-        )  # fmt: skip
+        starter: Launcher = launcher or LocalLauncher()
+        channel = starter.channel if isinstance(starter, LocalLauncher) else None
+        warm = None
+        if starter.on_this_host:
+            warm = take_prestarted(
+                task_set, manifest, workers, database_url=database_url,
+                lease_seconds=lease_seconds, heartbeat_seconds=heartbeat_seconds,
+            )  # fmt: skip
         if warm is not None:  # started while the set was ingested and planned: let them go
             with warm:
                 if channel is not None:
                     for worker in warm.workers:
                         worker.open_channel(channel)
+                    if warm.pool_run is not None:
+                        for i in range(len(warm.pool_run.jobs)):
+                            warm.pool_run.listen(i, channel)
                 started_workers = warm.go()
                 if warm.pool_run is not None:
                     reports = supervise_pool_run(
@@ -137,7 +144,7 @@ def extract_task_set(
                     reports = supervise(
                         started_workers, db, task_set, on_progress, progress_every_s,
                         replacement=_replacement(
-                            warm.settings, warm.count, warm.devices, channel, max_restarts
+                            warm.settings, warm.count, warm.devices, starter, max_restarts
                         ),
                         on_event=on_event,
                     )  # fmt: skip
@@ -145,15 +152,20 @@ def extract_task_set(
             settings = launch_settings(
                 paths, task_set, manifest, database_url, lease_seconds, heartbeat_seconds
             )
-            if pool_idle_seconds > 0:
-                run = open_pool_run(settings, manifest, workers, devices, pool_idle_seconds)
+            if pool_idle_seconds > 0 and starter.on_this_host:
+                run = open_pool_run(
+                    settings, manifest, workers, devices, pool_idle_seconds, channel=channel
+                )
                 reports = supervise_pool_run(run, db, task_set, on_progress, progress_every_s)
             else:
-                free_devices(paths.root, devices)
-                with _running(settings, workers, devices, channel) as started_workers:
+                if starter.on_this_host:
+                    free_devices(paths.root, devices)
+                with _running(settings, workers, devices, starter) as started_workers:
                     reports = supervise(
                         started_workers, db, task_set, on_progress, progress_every_s,
-                        replacement=_replacement(settings, workers, devices, channel, max_restarts),
+                        replacement=_replacement(
+                            settings, workers, devices, starter, max_restarts
+                        ),
                         on_event=on_event,
                     )  # fmt: skip
     superseded = next((r for r in reports if r.get("superseded_by")), None)
@@ -212,19 +224,19 @@ def _replacement(
     settings: LaunchSettings,
     count: int,
     devices: list[int] | None,
-    channel: WorkerChannel | None,
+    launcher: Launcher,
     max_restarts: int,
 ) -> Replacement | None:
-    """A dead or lost worker's stand-in: the same place (and device), the same channel. None
+    """A dead or lost worker's stand-in: the same place (and device), the same launcher. None
     with `max_restarts` 0: a worker that fails fails the stage, and a silent one is waited for."""
     if max_restarts <= 0:
         return None
 
     def launch(replaced: WorkerProcess, generation: int) -> WorkerProcess:
         device = devices[replaced.index] if devices is not None else None
-        return launch_worker(
-            settings, replaced.index, settings.folder, device, channel=channel,
-            threads_of=count, generation=generation,
+        return launcher.start(
+            settings, replaced.index, settings.folder, device, threads_of=count,
+            generation=generation,
         )  # fmt: skip
 
     return Replacement(launch, lost_after_s=settings.lease_seconds, max_restarts=max_restarts)
@@ -235,9 +247,9 @@ def _running(
     settings: LaunchSettings,
     count: int,
     devices: list[int] | None,
-    channel: WorkerChannel | None,
+    launcher: Launcher,
 ) -> Iterator[list[WorkerProcess]]:
-    workers = launch_workers(settings, count, settings.folder, devices, channel=channel)
+    workers = launch_workers(settings, count, settings.folder, devices, launcher=launcher)
     try:
         yield workers
     finally:  # supervise stops them too; this covers an exit between launch and supervise

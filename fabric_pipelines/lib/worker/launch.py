@@ -8,9 +8,12 @@ owns one device. `supervise` waits for them, reporting progress from the databas
 each worker's JSON report. A worker that dies leaves its batch leased; its lease expires and a
 surviving worker (or the next run) takes it over.
 
-Each worker reports through a channel the caller may open for it (`WorkerChannel`: the step's
-Dagster Pipes session, whose bootstrap variables go into the worker's environment, so its log
-lines and counts land in the run's event log). With a `Replacement`, `supervise` starts a worker
+Where a worker runs is the caller's `Launcher`: `LocalLauncher` starts processes of this host (the
+default), `worker/client_launch.py` starts each through any Dagster Pipes client (a Kubernetes
+pod, a process) in a thread that looks like a process to `supervise`. A local worker reports
+through a channel the caller may open for it (`WorkerChannel`: the step's Dagster Pipes session,
+whose bootstrap variables go into the worker's environment, so its log lines and counts land in
+the run's event log); a client's worker through the client's own session. With a `Replacement`, `supervise` starts a worker
 in place of one that died, or that was lost (stopped, its host gone: its alive file, touched every
 heartbeat, older than its lease), after a back-off and up to a bound; the stage fails only when
 no worker is left and work remains, naming what failed.
@@ -38,7 +41,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from fabric_pipelines.lib.broker.ledger import (
     DEFAULT_LEASE_SECONDS,
@@ -76,10 +79,25 @@ class LaunchSettings:
         return self.manifest_path.parent
 
 
+class RemoteProcess(Protocol):
+    """A worker `supervise` cannot signal as a process group of this host (worker/client_launch.py:
+    a Pipes client's run): it asks it to stop, or ends it at once."""
+
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def stop(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+
 @dataclass
 class WorkerProcess:
     owner: str
-    process: subprocess.Popen[bytes]
+    process: subprocess.Popen[bytes] | RemoteProcess
     report_path: Path
     log_path: Path
     index: int = 0  # its place among the run's workers (its device, where there are GPUs)
@@ -119,26 +137,76 @@ class Replacement:
     backoff_s: float = 1.0
 
 
+class Launcher(Protocol):
+    """Where and how a step starts its workers: the one seam every worker start goes through."""
+
+    @property
+    def on_this_host(self) -> bool:
+        """Its workers are processes of this host: they may be prestarted, pooled and handed
+        GPUs by CUDA_VISIBLE_DEVICES; a launcher of other hosts' workers gets none of that."""
+        ...
+
+    def start(
+        self,
+        settings: LaunchSettings,
+        index: int,
+        folder: Path,
+        device: int | None,
+        *,
+        threads_of: int,
+        generation: int = 0,
+        go_file: Path | None = None,
+    ) -> WorkerProcess:
+        """Start worker `index` (its `generation`-th stand-in when > 0) on `device`, its files
+        in `folder`, sharing its host with `threads_of` workers."""
+        ...
+
+
+@dataclass(frozen=True)
+class LocalLauncher:
+    """Worker processes of this host, each reporting through `channel` when one is given."""
+
+    channel: WorkerChannel | None = None
+    on_this_host: bool = True
+
+    def start(
+        self,
+        settings: LaunchSettings,
+        index: int,
+        folder: Path,
+        device: int | None,
+        *,
+        threads_of: int,
+        generation: int = 0,
+        go_file: Path | None = None,
+    ) -> WorkerProcess:
+        return launch_worker(
+            settings, index, folder, device, go_file, self.channel,
+            threads_of=threads_of, generation=generation,
+        )  # fmt: skip
+
+
 def launch_workers(
     settings: LaunchSettings,
     count: int,
     folder: Path,
     devices: list[int] | None = None,
     go_file: Path | None = None,
-    channel: WorkerChannel | None = None,
+    launcher: Launcher | None = None,
 ) -> list[WorkerProcess]:
-    """Start `count` worker processes; worker i gets GPU devices[i] when devices are given.
-    With `go_file`, each loads its engine and then waits for that file before reading the plan;
-    with `channel`, each reports through the channel opened for it.
+    """Start `count` workers through `launcher` (this host's processes by default); worker i
+    gets GPU devices[i] when devices are given. With `go_file`, each loads its engine and then
+    waits for that file before reading the plan.
 
-    Each is the leader of a new process group (stop them with `stop_workers`) and dies with the
-    thread that starts it: start them from the thread that supervises them."""
+    A local worker is the leader of a new process group (stop them with `stop_workers`) and dies
+    with the thread that starts it: start them from the thread that supervises them."""
+    starter = launcher or LocalLauncher()
     workers: list[WorkerProcess] = []
     try:
         for i in range(count):
             device = devices[i] if devices is not None else None
             workers.append(
-                launch_worker(settings, i, folder, device, go_file, channel, threads_of=count)
+                starter.start(settings, i, folder, device, threads_of=count, go_file=go_file)
             )
     except BaseException:
         stop_workers(workers)
@@ -243,7 +311,13 @@ def launch_worker(
     )
 
 
-def _signal_group(process: subprocess.Popen[bytes], sig: int) -> None:
+def _signal_group(process: subprocess.Popen[bytes] | RemoteProcess, sig: int) -> None:
+    if not isinstance(process, subprocess.Popen):  # another host's: ask its launcher
+        if sig == signal.SIGTERM:
+            process.stop()
+        elif sig == signal.SIGKILL:
+            process.kill()
+        return
     # The group outlives its leader while anything the worker started still runs in it.
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, sig)
@@ -370,7 +444,9 @@ def supervise(
 
 def _log_tail(worker: WorkerProcess) -> str:
     path = worker.log_path
-    return path.read_text(errors="replace")[-4000:] if path.exists() else ""
+    if path.exists():
+        return path.read_text(errors="replace")[-4000:]
+    return str(getattr(worker.process, "error", "") or "")[-4000:]  # a client's: what it raised
 
 
 def _work_remains(db: Any, task_set: str) -> bool:

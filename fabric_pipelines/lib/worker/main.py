@@ -29,7 +29,7 @@ from fabric_pipelines.lib.broker.ledger import DEFAULT_LEASE_SECONDS, heartbeat_
 from fabric_pipelines.lib.core.files import write_bytes
 from fabric_pipelines.lib.core.retry import retry
 from fabric_pipelines.lib.core.signals import stop_on_signals
-from fabric_pipelines.lib.worker.reporting import reporter
+from fabric_pipelines.lib.worker.reporting import announce_done, announce_start, reporter
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -109,9 +109,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def keep_alive(path: Path, every_s: float) -> None:
-    """Touch `path` now and every `every_s` seconds, from a thread of its own, while this
-    process runs (a stopped process stops touching it)."""
-    path.touch()
+    """Write `path` (this host and pid: a launcher that did not start the process itself ends it
+    by them) and touch it every `every_s` seconds, from a thread of its own, while this process
+    runs (a stopped process stops touching it)."""
+    write_bytes(path, f"{socket.gethostname()} {os.getpid()}\n".encode())
 
     def touch() -> None:
         while True:
@@ -159,11 +160,7 @@ def _work(args: argparse.Namespace, main_at: float) -> int:
             timeline["job_loaded_at"] = time.time()
             # After the go: where the step listens through Pipes, its session is open by now.
             report = stack.enter_context(reporter())
-            report.info(
-                f"worker {args.owner} started (pid {os.getpid()}, device "
-                f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'cpu')}): pulling batches of plan "
-                f"{job.plan_id}"
-            )
+            announce_start(report, args.owner, job.plan_id)
             done = run_worker(
                 db, engine, job, owner=args.owner, lease_seconds=args.lease_seconds,
                 heartbeat_seconds=args.heartbeat_seconds, max_attempts=args.max_attempts,
@@ -177,17 +174,7 @@ def _work(args: argparse.Namespace, main_at: float) -> int:
         if args.report:
             write_bytes(Path(args.report), json.dumps(summary).encode())
         print(json.dumps({k: v for k, v in summary.items() if k != "errors"}))
-        report.info(
-            f"worker {args.owner} done: {done.batches_done} batches, {done.rows_inserted} rows, "
-            f"{done.real_tokens} real tokens, {done.batches_failed} batches failed, "
-            f"{done.stale_acks} stale acks, {timeline['done_at'] - timeline['started_at']:.1f} s"
-        )
-        report.counts({
-            "owner": args.owner, "batches_done": done.batches_done,
-            "batches_failed": done.batches_failed, "rows_inserted": done.rows_inserted,
-            "real_tokens": done.real_tokens, "stale_acks": done.stale_acks,
-            "seconds": round(timeline["done_at"] - timeline["started_at"], 3),
-        })  # fmt: skip
+        announce_done(report, args.owner, done, timeline["done_at"] - timeline["started_at"])
     return 0
 
 

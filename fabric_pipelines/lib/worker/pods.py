@@ -11,6 +11,8 @@ Kubernetes API writes it); nothing here talks to a cluster.
 
 from __future__ import annotations
 
+import hashlib
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,8 @@ from typing import Any
 import yaml
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[3] / "deploy" / "k8s" / "workers.yaml"
+# The label naming a worker's pod: how the step deletes the pod of a lost worker.
+WORKER_LABEL = "inference-fabric/worker"
 REQUIRED = ("namespace", "image", "database_url_secret", "data_volume")
 
 
@@ -116,3 +120,12 @@ class WorkerPods:
         if self.tolerations:
             spec["tolerations"] = self.tolerations
         return spec
+
+
+def worker_label(owner: str) -> str:
+    """A worker's owner name as a label value (at most 63 of [A-Za-z0-9-_.], alphanumeric at
+    both ends): readable where it fits, else its start and a hash of the whole."""
+    value = re.sub(r"[^A-Za-z0-9_.-]", "-", owner).strip("-_.")
+    if len(value) > 63:
+        value = f"{value[:50].rstrip('-_.')}-{hashlib.sha256(owner.encode()).hexdigest()[:12]}"
+    return value or hashlib.sha256(owner.encode()).hexdigest()[:12]

@@ -78,20 +78,55 @@ def pipes_env(context_path: Path, messages_path: Path) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def reporter() -> Iterator[Reporter]:
-    """The worker's reporter, through Pipes when a session listens (its context file is there),
-    else printing; Pipes' channel is closed on the way out."""
+def reporter(bootstrap: Mapping[str, str] | None = None) -> Iterator[Reporter]:
+    """The worker's reporter, through Pipes when a session listens (a client's variables, or its
+    context file is there), else printing; Pipes' channel is closed on the way out. `bootstrap`:
+    Pipes' variables for this job (a pool worker's, handed with each job), else the
+    environment's. A context of its own each time, not Pipes' process-wide one: a pool worker
+    reports to a new session for every job."""
     from dagster_pipes import (
         DAGSTER_PIPES_CONTEXT_ENV_VAR,
+        PipesContext,
         PipesDefaultContextLoader,
+        PipesDefaultMessageWriter,
+        PipesMappingParamsLoader,
         decode_env_var,
-        open_dagster_pipes,
     )
 
-    raw = os.environ.get(DAGSTER_PIPES_CONTEXT_ENV_VAR)
-    path = decode_env_var(raw).get(PipesDefaultContextLoader.FILE_PATH_KEY) if raw else None
-    if path is None or not Path(path).exists():
+    variables = os.environ if bootstrap is None else bootstrap
+    raw = variables.get(DAGSTER_PIPES_CONTEXT_ENV_VAR)
+    if not raw:  # no Pipes client started it (a fault drill, a run outside Dagster)
         yield _Printed()
         return
-    with open_dagster_pipes() as pipes:
+    # A context file this host's launcher named but no step opened a session on: nobody listens.
+    # A client's own injection (its context in the variable, a file it wrote) is always heard.
+    path = decode_env_var(raw).get(PipesDefaultContextLoader.FILE_PATH_KEY)
+    if path is not None and not Path(path).exists():
+        yield _Printed()
+        return
+    params = PipesMappingParamsLoader(dict(variables))
+    with PipesContext(params, PipesDefaultContextLoader(), PipesDefaultMessageWriter()) as pipes:
         yield _Piped(pipes)
+
+
+def announce_start(report: Reporter, owner: str, plan_id: str) -> None:
+    """A worker's first line to its step, once it has its job."""
+    report.info(
+        f"worker {owner} started (pid {os.getpid()}, device "
+        f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'cpu')}): pulling batches of plan {plan_id}"
+    )
+
+
+def announce_done(report: Reporter, owner: str, done: Any, seconds: float) -> None:
+    """A worker's last line and its counts (`done`: its loop's report)."""
+    report.info(
+        f"worker {owner} done: {done.batches_done} batches, {done.rows_inserted} rows, "
+        f"{done.real_tokens} real tokens, {done.batches_failed} batches failed, "
+        f"{done.stale_acks} stale acks, {seconds:.1f} s"
+    )
+    report.counts({
+        "owner": owner, "batches_done": done.batches_done,
+        "batches_failed": done.batches_failed, "rows_inserted": done.rows_inserted,
+        "real_tokens": done.real_tokens, "stale_acks": done.stale_acks,
+        "seconds": round(seconds, 3),
+    })  # fmt: skip

@@ -17,7 +17,8 @@ The protocol, one JSON object per line:
     worker -> run   {"hello": {"pid", "slot", "manifest_sha256", "jobs_done", "busy"}}
     run -> worker   {"job": {"task_set", "database_url", "lease_seconds", "heartbeat_seconds",
                              "max_attempts", "owner", "go_file",
-                             "identity": {"root", "database"}}}
+                             "identity": {"root", "database"},
+                             "pipes": {Pipes' bootstrap variables: where it reports}}}
     worker -> run   {"report": {...}} when the plan is done, {"error": "..."}, or
                     {"refused": "..."} when the job's data root or database is not the one the
                     worker is bound to (then it exits)

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,8 @@ from fabric_pipelines.lib.core.signals import stop_requests
 from fabric_pipelines.lib.store.identity import database_identity_at
 from fabric_pipelines.lib.worker.launch import (
     LaunchSettings,
+    LocalLauncher,
+    WorkerChannel,
     WorkerProcess,
     launch_workers,
     read_accounting,
@@ -44,6 +47,7 @@ from fabric_pipelines.lib.worker.pool.client import (
     stop_pool,
     worker_threads,
 )
+from fabric_pipelines.lib.worker.reporting import pipes_env, pipes_files
 
 
 @dataclass
@@ -53,7 +57,10 @@ class PoolRun:
 
     settings: LaunchSettings
     go_file: Path | None = None
+    channel: WorkerChannel | None = None  # the step's Pipes sessions, one per job and stand-in
     jobs: list[PoolJob] = field(default_factory=list)
+    sessions: list[ExitStack] = field(default_factory=list)  # each job's, closed once it ends
+    pipes: list[tuple[str, tuple[Path, Path]]] = field(default_factory=list)  # (owner, files)
     own: list[WorkerProcess] = field(default_factory=list)
     stand_ins: dict[str, str] = field(default_factory=dict)  # slot -> why it has one
 
@@ -63,6 +70,15 @@ class PoolRun:
         stop_workers(self.own)
         for job in self.jobs:
             job.close()
+        for session in self.sessions:
+            session.close()
+
+    def listen(self, index: int, channel: WorkerChannel) -> None:
+        """Open the step's Pipes session for job `index` (before the job reads its plan: at
+        its hand-over, or before a prestarted run's go); its stand-ins report through it too."""
+        self.channel = channel
+        owner, files = self.pipes[index]
+        self.sessions[index].enter_context(channel(owner, *files))
 
     def stand_in(self, job: PoolJob) -> None:
         """A worker of the run's own in the slot of `job` (started from the thread that
@@ -70,8 +86,9 @@ class PoolRun:
         device = device_of(job.slot)
         folder = self.settings.folder / f"{job.slot}-{len(self.stand_ins)}"
         self.own += launch_workers(
-            self.settings, 1, folder, [device] if device is not None else None, self.go_file
-        )
+            self.settings, 1, folder, [device] if device is not None else None, self.go_file,
+            LocalLauncher(self.channel),
+        )  # fmt: skip
         self.stand_ins[job.slot] = job.error
 
 
@@ -98,10 +115,12 @@ def open_pool_run(
     devices: list[int] | None,
     idle_seconds: float,
     go_file: Path | None = None,
+    channel: WorkerChannel | None = None,
 ) -> PoolRun:
     """Start handing the run's job to a pool worker on each of its slots (starting the missing
     ones); returns at once. With `go_file`, every worker waits for that file before it reads the
-    plan (the run started them before its plan existed)."""
+    plan (the run started them before its plan existed); with `channel`, each job reports
+    through a session opened for it (`listen`; a prestarted run's go comes before that)."""
     root = settings.data_root
     sha = manifest_sha256(manifest)
     # What the pool's workers must be bound to (made here first after a fresh start, before
@@ -112,7 +131,7 @@ def open_pool_run(
     }
     live = {state.slot: state for state in pool_states(root)}
     threads = worker_threads(manifest, count)
-    run = PoolRun(settings, go_file)
+    run = PoolRun(settings, go_file, channel)
     for slot in slots_for(manifest, devices, count):
         state, starting = live.get(slot), None
         if state is not None and state.manifest_sha256 == sha:
@@ -137,6 +156,13 @@ def open_pool_run(
             "go_file": str(go_file) if go_file is not None else None,
             "identity": identity,
         }
+        # Where it reports through Pipes (lib/worker/reporting.py); heard once a session opens.
+        files = pipes_files(settings.folder, f"pool-{slot}")
+        job["pipes"] = pipes_env(*files)
+        run.sessions.append(ExitStack())
+        run.pipes.append((str(job["owner"]), files))
+        if channel is not None:
+            run.listen(len(run.jobs), channel)
         run.jobs.append(PoolJob(root, slot, sha, job, starting).start())
     return run
 
@@ -161,6 +187,7 @@ def supervise_pool_run(
                     if i in handled or not job.done.is_set():
                         continue
                     handled.add(i)
+                    run.sessions[i].close()  # its last messages are read
                     if job.state == "failed":
                         raise RuntimeError(job.error)
                     if job.state in ("refused", "lost"):

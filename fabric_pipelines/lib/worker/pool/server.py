@@ -80,6 +80,11 @@ def check_job(job: object) -> dict[str, Any]:
         raise ValueError("job field 'heartbeat_seconds': a number of seconds or null")
     if job.get("go_file") is not None and not isinstance(job["go_file"], str):
         raise ValueError("job field 'go_file': a path or null")
+    pipes = job.get("pipes")
+    if pipes is not None and not (
+        isinstance(pipes, dict) and all(isinstance(v, str) for v in pipes.values())
+    ):
+        raise ValueError("job field 'pipes': Dagster Pipes' bootstrap variables, or null")
     identity = job.get("identity")
     if not isinstance(identity, dict) or not all(
         isinstance(identity.get(name), str) for name in ("root", "database")
@@ -320,6 +325,7 @@ class PoolWorker:
     def _run_job(self, job: dict[str, Any], engine: Any, conn: socket.socket) -> dict[str, Any]:
         from fabric_pipelines.lib.worker.loop import run_worker
         from fabric_pipelines.lib.worker.main import load_job, read_task_set_before_go
+        from fabric_pipelines.lib.worker.reporting import announce_done, announce_start, reporter
 
         timeline = {"started_at": time.time(), "main_at": self.started_at}
         db = self._database(job["database_url"])
@@ -337,16 +343,22 @@ class PoolWorker:
         timeline["job_loaded_at"] = time.time()
         finished = threading.Event()
         threading.Thread(target=self._watch, args=(conn, finished), daemon=True).start()
-        try:
-            report = run_worker(
-                db, engine, extraction, owner=job["owner"], lease_seconds=job["lease_seconds"],
-                heartbeat_seconds=job.get("heartbeat_seconds"), max_attempts=job["max_attempts"],
-            )  # fmt: skip
-        except Exception as exc:
-            raise _EngineFailed(f"{type(exc).__name__}: {exc}") from exc
-        finally:
-            finished.set()
-        timeline["done_at"] = timeline["closed_at"] = time.time()
+        # The run's step listens through Pipes on the files the job names (lib/worker/reporting.py).
+        with reporter(job.get("pipes") or {}) as said:
+            announce_start(said, job["owner"], extraction.plan_id)
+            try:
+                report = run_worker(
+                    db, engine, extraction, owner=job["owner"],
+                    lease_seconds=job["lease_seconds"],
+                    heartbeat_seconds=job.get("heartbeat_seconds"),
+                    max_attempts=job["max_attempts"],
+                )  # fmt: skip
+            except Exception as exc:
+                raise _EngineFailed(f"{type(exc).__name__}: {exc}") from exc
+            finally:
+                finished.set()
+            timeline["done_at"] = timeline["closed_at"] = time.time()
+            announce_done(said, job["owner"], report, timeline["done_at"] - timeline["started_at"])
         summary = {
             "owner": job["owner"], **asdict(report), "errors": report.errors[:20], **timeline,
             "pool_slot": self.slot, "pool_pid": os.getpid(), "pool_jobs_before": self.jobs_done,
