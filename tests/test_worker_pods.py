@@ -141,3 +141,44 @@ def test_a_workers_pod_label_is_a_valid_label_value_of_its_own() -> None:
     assert all(valid.match(label) for label in labels), labels
     assert len(set(labels)) == len(owners)
     assert labels[0] == "orchestrator-7d9f-4121-w0"  # readable where it fits
+
+
+def test_the_code_location_example_passes_the_api_schema_and_agrees_with_the_worker_pods() -> None:
+    """deploy/k8s/code-location.yaml: every object is one the API's models read back whole; the
+    runs' service account may do what PipesK8sClient and the step do with worker pods; the data
+    root is the same path in the code location, the runs (dagster.yaml) and the worker pods."""
+    import kubernetes
+
+    deploy = DEFAULT_CONFIG.parent
+    objects = list(yaml.safe_load_all((deploy / "code-location.yaml").read_text()))
+    api = kubernetes.client.ApiClient()
+    kinds = {}
+    for obj in objects:
+        model = f"V1{obj['kind']}"
+
+        class Response:
+            data = json.dumps(obj)
+
+        assert api.sanitize_for_serialization(api.deserialize(Response(), model)) == obj, model
+        kinds[obj["kind"]] = obj
+    assert set(kinds) == {"ServiceAccount", "Role", "RoleBinding", "Deployment", "Service"}
+    granted = {
+        (resource, verb)
+        for rule in kinds["Role"]["rules"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+    needed = {("pods", v) for v in ("create", "get", "list", "watch", "delete", "deletecollection")}
+    assert needed | {("pods/log", "get")} <= granted
+    (container,) = kinds["Deployment"]["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    pods = WorkerPods.load(DEFAULT_CONFIG)
+    assert env["FABRIC_HOME"] == pods.data_root
+    assert {m["mountPath"] for m in container["volumeMounts"]} == {pods.data_root}
+    assert env["FABRIC_WORKER_LAUNCHER"] == "kubernetes"
+    instance = yaml.safe_load((deploy / "dagster.yaml").read_text())
+    assert f"FABRIC_HOME={pods.data_root}" in instance["run_launcher"]["config"]["env_vars"]
+    executor = yaml.safe_load((deploy / "executor.yaml").read_text())
+    assert f"FABRIC_HOME={pods.data_root}" in executor["env_vars"]
+    dockerfile = (deploy.parents[1] / "deploy" / "docker" / "Dockerfile").read_text()
+    assert env["FABRIC_WORKER_PODS"] in dockerfile  # the image carries the pods' settings

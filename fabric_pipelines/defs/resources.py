@@ -112,6 +112,7 @@ class EngineConfig(dg.ConfigurableResource):
     # per worker through dagster-k8s's PipesK8sClient, set up by `worker_pods` (a file like
     # deploy/k8s/workers.yaml, the default; PostgreSQL required); "pipes-subprocess", this
     # host's processes through Dagster's PipesSubprocessClient, the pods' seam on one host.
+    # A deployment sets them with FABRIC_WORKER_LAUNCHER and FABRIC_WORKER_PODS.
     launcher: str = "local"
     worker_pods: str = ""
     # The warm engine pool (lib/worker/pool/client.py): worker processes that keep the model loaded
@@ -191,6 +192,10 @@ def resources() -> dg.Definitions:
         resources={
             "store": store,
             "database": Database(store=store, url=_from_environment("FABRIC_DATABASE_URL")),
-            "engine": EngineConfig(manifest_path=_from_environment("FABRIC_ENGINE_MANIFEST")),
+            "engine": EngineConfig(
+                manifest_path=_from_environment("FABRIC_ENGINE_MANIFEST"),
+                launcher=_from_environment("FABRIC_WORKER_LAUNCHER") or "local",
+                worker_pods=_from_environment("FABRIC_WORKER_PODS"),
+            ),
         }
     )
