@@ -77,9 +77,11 @@ def test_k8s_instance_config_parses_and_the_launcher_config_validates(
     assert checked.value["instance_config_map"] == "dagster-instance"
 
 
-def test_k8s_executor_puts_the_extraction_step_on_a_gpu_node(
+def test_k8s_executor_runs_each_step_in_a_pod_and_the_workers_get_the_gpus(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Every step a pod; the extraction step orchestrates worker pods (the launcher the runs'
+    environment names), which ask for the GPUs, so the step's own pod asks for none."""
     from dagster_k8s import k8s_job_executor
 
     from fabric_pipelines.definitions import defs
@@ -91,9 +93,14 @@ def test_k8s_executor_puts_the_extraction_step_on_a_gpu_node(
     config = yaml.safe_load((DEPLOY / "k8s" / "executor.yaml").read_text())
     checked = process_config(k8s_job_executor.config_schema.config_type, config)
     assert checked.success, checked.errors
-    gpu_step = checked.value["per_step_k8s_config"]["extraction_outputs"]
-    assert gpu_step["container_config"]["resources"]["limits"]["nvidia.com/gpu"] == 1
-    assert gpu_step["pod_spec_config"]["node_selector"] == {"nvidia.com/gpu.present": "true"}
+    step = checked.value["per_step_k8s_config"]["extraction_outputs"]
+    assert "nvidia.com/gpu" not in step["container_config"]["resources"]["limits"]
+    instance = yaml.safe_load((DEPLOY / "k8s" / "dagster.yaml").read_text())
+    assert "FABRIC_WORKER_LAUNCHER=kubernetes" in instance["run_launcher"]["config"]["env_vars"]
+    from fabric_pipelines.lib.worker.pods import DEFAULT_CONFIG, WorkerPods
+
+    pods = WorkerPods.load(DEFAULT_CONFIG)
+    assert pods.gpus == 1 and pods.node_selector == {"nvidia.com/gpu.present": "true"}
 
 
 def test_dagster_validates_the_workspace_with_the_k8s_executor(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ from fabric_pipelines.lib.store.db import create_schema, make_engine
 from fabric_pipelines.lib.store.models import Embedding
 from fabric_pipelines.lib.tasks.catalog import ingest_task_set
 from fabric_pipelines.lib.tasks.inbox import submit
-from fabric_pipelines.lib.worker.client_launch import alive_pid
+from fabric_pipelines.lib.worker.client_launch import alive_pid, runs_worker
 from fabric_pipelines.lib.worker.pods import DEFAULT_CONFIG, WORKER_LABEL, WorkerPods
 from fabric_testing.fault_drill import wait_until, worker_pids
 from tests.worker_runs import completed_batches, events, exactly_once, finish, start
@@ -49,9 +50,10 @@ def test_pipes_subprocess_client_workers_report_and_a_killed_one_is_replaced(
     tmp_path: Path, tiny_model_dir: Path, own_postgres_database: str
 ) -> None:
     n, home = 3000, tmp_path / "home"
+    # The warm pool on, as by default: these workers are the client's, never the pool's.
     process = start(
         tmp_path, tiny_model_dir, own_postgres_database, n, lease_s=2.0,
-        extra=["--launcher", "pipes-subprocess"],
+        extra=["--launcher", "pipes-subprocess"], env_extra={"FABRIC_POOL_IDLE_SECONDS": "60"},
     )  # fmt: skip
     try:
         wait_until(lambda: len(worker_pids(home)) == 3, 120, "three workers")
@@ -72,6 +74,7 @@ def test_pipes_subprocess_client_workers_report_and_a_killed_one_is_replaced(
     assert len(owners) == 3, owners  # the two that lived and the stand-in, each through Pipes
     for owner in owners:
         assert any(m.startswith(f"worker {owner} started (pid ") for m in messages), owner
+        assert ":pool-" not in owner
     assert sum(int(o["rows_inserted"]) for o in observations) <= n
     assert not worker_pids(home)
 
@@ -79,6 +82,11 @@ def test_pipes_subprocess_client_workers_report_and_a_killed_one_is_replaced(
 def test_workers_of_other_hosts_refuse_sqlite_naming_what_to_set(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
+    """Refused by `fabric submit --run` before anything is submitted, and by the step itself
+    (a run launched from the UI, say) before any pod is asked for."""
+    from fabric_pipelines.defs.worker_pipes import worker_launcher
+    from fabric_pipelines.lib.worker.client_launch import SharedDatabaseRequired
+
     process = start(
         tmp_path, tiny_model_dir, f"sqlite:///{tmp_path / 'results.db'}", 20, lease_s=30,
         extra=["--launcher", "kubernetes"],
@@ -86,9 +94,85 @@ def test_workers_of_other_hosts_refuse_sqlite_naming_what_to_set(
     with pytest.raises(AssertionError) as failed:
         finish(process, tmp_path)
     output = str(failed.value)
-    assert "workers on other hosts need a results database they can reach" in output
+    assert "fabric submit: task set 's': workers on other hosts need a results database" in output
     assert "Set FABRIC_DATABASE_URL to a PostgreSQL URL" in output
-    assert not worker_pids(tmp_path / "home")
+    assert "submitted" not in output and not worker_pids(tmp_path / "home")
+    context = dg.build_asset_context(partition_key="s")
+    missing_pods = tmp_path / "no-such-workers.yaml"  # the database is refused first
+    with pytest.raises(SharedDatabaseRequired, match="Set FABRIC_DATABASE_URL"):
+        worker_launcher(context, "kubernetes", str(missing_pods), tmp_path, "sqlite:///x.db")
+
+
+def test_a_client_run_is_asked_again_to_end_until_it_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first ask can come before the pod or process exists (and can fail): it is asked
+    again while the step waits, and what it returned is kept."""
+    from fabric_pipelines.lib.worker import client_launch
+
+    monkeypatch.setattr(client_launch, "CANCEL_AGAIN_S", 0.05)
+    exists, ended, asks = threading.Event(), threading.Event(), []
+
+    def run() -> str:
+        exists.set()
+        ended.wait(30)
+        return "completed"
+
+    def cancel(graceful: bool) -> None:
+        asks.append(graceful)
+        if len(asks) == 1:
+            raise ConnectionError("the cluster did not answer")  # logged, asked again
+        ended.set()
+
+    worker = client_launch.ClientRun("w0", run, cancel)
+    worker.start()
+    exists.wait(5)
+    worker.stop()  # the first ask fails
+    assert worker.wait() == 0 and worker.result == "completed"
+    assert asks[:2] == [True, True]
+    assert worker.wait() == 0  # at once, however often asked
+
+
+def test_client_runs_that_never_end_are_given_up_on_together(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Pods a cluster never ends (still pending when deleted, say) cost the step one reap window
+    together, however many and however often they are named, not one each."""
+    from fabric_pipelines.lib.worker import client_launch, launch
+
+    monkeypatch.setattr(launch, "REMOTE_REAP_S", 0.5)
+    monkeypatch.setattr(client_launch, "CANCEL_AGAIN_S", 0.05)
+    forever = threading.Event()
+    runs = [
+        client_launch.ClientRun(f"w{i}", lambda: forever.wait(60), lambda graceful: None)
+        for i in range(4)
+    ]
+    for run in runs:
+        run.start()
+    workers = [
+        launch.WorkerProcess(f"w{i}", run, tmp_path / f"{i}.json", tmp_path / f"{i}.log")
+        for i, run in enumerate(runs)
+    ]
+    started = time.monotonic()
+    launch.stop_workers([*workers, *workers], grace_s=0.2)
+    assert time.monotonic() - started < 3
+    assert all(run.returncode == 137 for run in runs)
+    forever.set()
+
+
+def test_a_pod_that_never_starts_counts_as_silent_after_its_start_grace(tmp_path: Path) -> None:
+    """A worker of this host writes its alive file within seconds; a pod may wait for its node
+    and image, so its silence counts only from the end of its start grace."""
+    from fabric_pipelines.lib.worker.launch import WorkerProcess
+
+    alive = tmp_path / "w0.alive"  # never written
+    local = WorkerProcess("w0", None, tmp_path / "r", tmp_path / "l", alive_path=alive)  # type: ignore[arg-type]
+    pod = WorkerProcess(
+        "w0", None, tmp_path / "r", tmp_path / "l", alive_path=alive,  # type: ignore[arg-type]
+        start_grace_s=5.0, started_at=time.time() - 20.0,
+    )  # fmt: skip
+    assert local.silent_for() == 0.0
+    assert 14.0 < pod.silent_for() < 16.0
+    alive.write_text("host 1\n")
+    assert pod.silent_for() < 2.0  # written: its age from now on
 
 
 class FakeCluster:
@@ -134,8 +218,9 @@ class FakeCluster:
         self.deleted.append(value)
         pod = self.pods[value]
         command = pod.spec.containers[0].command
-        pid = alive_pid(Path(command[command.index("--alive-file") + 1]))
-        if pid is not None:
+        alive = Path(command[command.index("--alive-file") + 1])
+        pid = alive_pid(alive)
+        if pid is not None and runs_worker(pid, alive):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
                 os.kill(pid, signal.SIGTERM if grace_period_seconds is None else signal.SIGKILL)
@@ -199,8 +284,8 @@ def test_kubernetes_workers_run_as_pods_report_through_pipes_and_a_lost_one_is_r
             result = dg.materialize([extracted], instance=instance)
             assert result.success
             entries = instance.all_logs(result.run_id)
-    finally:
-        for pid in stopped:
+    finally:  # the stopped worker, if the step did not end it (and its pid is still its own)
+        for pid in set(stopped) & set(worker_pids(paths.root)):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
                 os.kill(pid, signal.SIGKILL)

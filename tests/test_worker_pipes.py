@@ -61,8 +61,9 @@ def test_a_worker_that_dies_or_is_lost_is_replaced_and_the_set_completes_exactly
         else:
             os.kill(victim, signal.SIGSTOP)
             time.sleep(3 * lease_s)  # past its lease: its batches go to the others
-            with contextlib.suppress(ProcessLookupError):  # the step ended it already
-                os.kill(victim, signal.SIGCONT)
+            if victim in worker_pids(home):  # not ended by the step yet (nor its pid reused)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(victim, signal.SIGCONT)
     except BaseException:
         process.kill()
         raise

@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -312,3 +313,23 @@ def _index_rows(index: dict[str, Any]) -> list[tuple[str, str]]:
         ("recall@10", f"{index.get('recall_at_10', 0):.4f}"),
         ("receipt sha256", f"{index.get('receipt_sha256', '')}"),
     ]
+
+
+def refuse_unreachable_database(args: argparse.Namespace, command: str) -> bool:
+    """Workers on other hosts with the SQLite default: say what to set before any work is done
+    (the extraction step would refuse it too, after ingest and planning). True: refused."""
+    from fabric_pipelines.lib.core.settings import FabricPaths, database_url
+    from fabric_pipelines.lib.worker.client_launch import (
+        SharedDatabaseRequired,
+        require_shared_database,
+    )
+
+    launcher = getattr(args, "launcher", None) or os.environ.get("FABRIC_WORKER_LAUNCHER")
+    if launcher != "kubernetes":
+        return False
+    try:
+        require_shared_database(database_url(FabricPaths(prepare_environment())), args.task_set)
+    except SharedDatabaseRequired as exc:
+        print(f"fabric {command}: {exc}", file=sys.stderr)
+        return True
+    return False

@@ -23,6 +23,7 @@ from fabric_pipelines.cli.pipeline import (
     engine_manifest,
     prestart_for_run,
     print_summary,
+    refuse_unreachable_database,
     run_pipeline,
     write_report,
 )
@@ -57,6 +58,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
         validate_task_set_name(args.task_set)
     except InvalidNameError as exc:
         print(f"fabric submit: {exc}", file=sys.stderr)
+        return 2
+    if args.run and refuse_unreachable_database(args, "submit"):
         return 2
     # With --run, the engine's workers start loading first, while the rest of this runs; then
     # Dagster's definitions and instance are made on a thread while the file is submitted.
@@ -119,6 +122,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         validate_task_set_name(args.task_set)
     except InvalidNameError as exc:
         print(f"fabric run: {exc}", file=sys.stderr)
+        return 2
+    if refuse_unreachable_database(args, "run"):
         return 2
     with prestart_for_run(args.task_set, args):
         from fabric_pipelines.cli.prepare import prepare_pipeline

@@ -58,7 +58,7 @@ def kubernetes_launcher(
     kube config as `PipesK8sClient` loads them."""
     task_set = context.partition_key if context.has_partition_key else "(unpartitioned)"
     require_shared_database(database_url, task_set)  # first: the setting most likely missed
-    if str(data_root) != pods.data_root:
+    if not same_path(pods.data_root, data_root):
         raise PodConfigError(
             f"data_volume.mount_path ({pods.data_root}) is not this run's data root "
             f"({data_root}): a worker reads and writes the run's files at the paths the step "
@@ -86,6 +86,13 @@ def kubernetes_launcher(
     return PipesClientLauncher(
         run, cancel, on_this_host=False, python=pods.python, finished=finished
     )  # fmt: skip
+
+
+def same_path(mount_path: str, data_root: Path) -> bool:
+    """The pods' mount path names the run's data root (as given, or resolved: FABRIC_HOME may
+    be a link to the volume's mount)."""
+    mount = os.path.normpath(mount_path)
+    return mount in (os.path.normpath(data_root), os.path.normpath(data_root.resolve()))
 
 
 def _cluster_api() -> Any:

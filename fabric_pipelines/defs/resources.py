@@ -141,7 +141,7 @@ class EngineConfig(dg.ConfigurableResource):
         block so concurrent steps never share a GPU; None for the CPU engine, in-process runs
         and workers of other hosts (a pod asks its scheduler for its GPU).
         Workers started early for `task_set` (lib/worker/prestart.py) hold theirs already."""
-        if self.manifest().backend == "cpu" or self.workers == 0 or self.launcher != "local":
+        if self.manifest().backend == "cpu" or self.workers == 0 or self.launcher == "kubernetes":
             yield None
             return
         held = prestarted_devices(task_set)

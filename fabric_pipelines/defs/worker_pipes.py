@@ -26,6 +26,7 @@ from fabric_pipelines.lib.worker.client_launch import (
     PipesClientLauncher,
     end_local_worker,
     local_worker_env,
+    require_shared_database,
 )
 from fabric_pipelines.lib.worker.launch import (
     Launcher,
@@ -55,6 +56,7 @@ def worker_launcher(
         from fabric_pipelines.defs.k8s_workers import kubernetes_launcher
         from fabric_pipelines.lib.worker.pods import DEFAULT_CONFIG, WorkerPods
 
+        require_shared_database(database_url, context.partition_key)  # before the pods' file
         pods = WorkerPods.load(Path(worker_pods) if worker_pods else DEFAULT_CONFIG)
         return kubernetes_launcher(
             context, pods, data_root, database_url, finished=_counts_logger(context)

@@ -122,7 +122,9 @@ def extract_task_set(
         starter: Launcher = launcher or LocalLauncher()
         channel = starter.channel if isinstance(starter, LocalLauncher) else None
         warm = None
-        if starter.on_this_host:
+        # Prestarted and pooled workers are this host's own processes: the local launcher's.
+        pooled = isinstance(starter, LocalLauncher)
+        if pooled:
             warm = take_prestarted(
                 task_set, manifest, workers, database_url=database_url,
                 lease_seconds=lease_seconds, heartbeat_seconds=heartbeat_seconds,
@@ -152,7 +154,7 @@ def extract_task_set(
             settings = launch_settings(
                 paths, task_set, manifest, database_url, lease_seconds, heartbeat_seconds
             )
-            if pool_idle_seconds > 0 and starter.on_this_host:
+            if pool_idle_seconds > 0 and pooled:
                 run = open_pool_run(
                     settings, manifest, workers, devices, pool_idle_seconds, channel=channel
                 )

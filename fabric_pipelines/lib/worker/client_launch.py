@@ -13,12 +13,14 @@ client sets.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,8 +34,15 @@ from fabric_pipelines.lib.worker.launch import (
 )
 
 # How long a killed client run may take to return before the step stops waiting for it (its
-# thread is a daemon: a client stuck in a cluster call does not hold the step).
+# thread is a daemon: a client stuck in a cluster call does not hold the step), and how often it
+# is asked again meanwhile.
 KILL_WAIT_S = 60.0
+CANCEL_AGAIN_S = 2.0
+# A worker of another host that has not written its alive file this long after its start (a pod
+# not scheduled, its image not pulled) counts as silent from then on: lost after its lease.
+DEFAULT_START_GRACE_S = 900.0
+
+log = logging.getLogger(__name__)
 
 
 class SharedDatabaseRequired(ValueError):
@@ -53,7 +62,11 @@ def require_shared_database(url: str, task_set: str) -> None:
 
 class ClientRun:
     """A Pipes client's `run` of one worker, in a thread, seen as a process: returncode 0 when
-    it returned, 1 when it raised (`error` says what), None while it runs."""
+    it returned, 1 when it raised (`error` says what), None while it runs.
+
+    Stopping it asks its launcher to end it (`cancel`) and asks again while the thread runs: a
+    first ask can come before the pod or process exists. A run that does not return within
+    KILL_WAIT_S of the kill is given up on (137): its thread is a daemon."""
 
     def __init__(self, name: str, run: Callable[[], Any], cancel: Callable[[bool], None]):
         self.name = name
@@ -62,6 +75,7 @@ class ClientRun:
         self.error: BaseException | None = None
         self._run = run
         self._cancel = cancel
+        self._graceful: bool | None = None  # how it was asked to end, once it was
         self._thread = threading.Thread(target=self._main, name=f"fabric-{name}", daemon=True)
 
     def start(self) -> None:
@@ -74,26 +88,47 @@ class ClientRun:
         except BaseException as exc:  # the client's error is the worker's failure, named
             self.error = exc
             code = 1
-        self.returncode = code
+        if self.returncode is None:  # not given up on meanwhile
+            self.returncode = code
 
     def poll(self) -> int | None:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        self._thread.join(KILL_WAIT_S if timeout is None else timeout)
+        if self.returncode is not None:
+            return self.returncode
+        deadline = time.monotonic() + (KILL_WAIT_S if timeout is None else timeout)
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            self._thread.join(min(CANCEL_AGAIN_S, max(0.0, deadline - time.monotonic())))
+            if self._thread.is_alive() and self._graceful is not None:
+                self._ask(self._graceful)  # the pod or process may exist only now
         if self.returncode is None:
             if timeout is not None:
                 raise subprocess.TimeoutExpired(self.name, timeout)
-            self.returncode = 137  # given up on: its client did not return after the kill
+            self.give_up()  # its client did not return after the kill
+        assert self.returncode is not None
         return self.returncode
 
     def stop(self) -> None:
         if self.returncode is None:
-            self._cancel(True)
+            self._graceful = True if self._graceful is None else self._graceful
+            self._ask(self._graceful)
 
     def kill(self) -> None:
         if self.returncode is None:
-            self._cancel(False)
+            self._graceful = False
+            self._ask(False)
+
+    def give_up(self) -> None:
+        if self.returncode is None:
+            log.warning("worker %s did not end when asked: no longer waited for", self.name)
+            self.returncode = 137
+
+    def _ask(self, graceful: bool) -> None:
+        try:
+            self._cancel(graceful)
+        except Exception as exc:  # a cluster that does not answer: asked again while waiting
+            log.warning("ending worker %s: %s: %s", self.name, type(exc).__name__, exc)
 
 
 @dataclass(frozen=True)
@@ -109,6 +144,7 @@ class PipesClientLauncher:
     on_this_host: bool
     finished: Callable[[str, Any], None] | None = None
     python: str = sys.executable
+    start_grace_s: float = DEFAULT_START_GRACE_S
 
     def start(
         self,
@@ -135,8 +171,9 @@ class PipesClientLauncher:
             lambda graceful: self.cancel(invocation, graceful),
         )
         worker = WorkerProcess(
-            invocation.owner, run, invocation.report, invocation.log, index, invocation.alive
-        )
+            invocation.owner, run, invocation.report, invocation.log, index, invocation.alive,
+            start_grace_s=None if self.on_this_host else self.start_grace_s,
+        )  # fmt: skip
         if self.finished is not None:
             finished = self.finished
             worker.channel.callback(
@@ -160,9 +197,10 @@ def local_worker_env(settings: LaunchSettings, device: int | None) -> dict[str, 
 
 def end_local_worker(invocation: WorkerInvocation, graceful: bool) -> None:
     """End a worker process of this host by the pid it wrote in its alive file (a client that
-    runs it, such as `PipesSubprocessClient`, keeps its process to itself)."""
+    runs it, such as `PipesSubprocessClient`, keeps its process to itself), if that pid is still
+    the worker's."""
     pid = alive_pid(invocation.alive)
-    if pid is not None:
+    if pid is not None and runs_worker(pid, invocation.alive):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             if not graceful:
                 os.kill(pid, signal.SIGCONT)  # a stopped one cannot act on SIGTERM
@@ -177,3 +215,23 @@ def alive_pid(path: Path) -> int | None:
     except (FileNotFoundError, ValueError):
         return None
     return int(pid) if host == socket.gethostname() else None
+
+
+def runs_worker(pid: int, alive: Path) -> bool:
+    """`pid` is still the worker that writes `alive` (not a process that took its pid since it
+    exited: pids come round again within a long run)."""
+    if not Path("/proc/self").exists():  # no /proc to ask: a live pid is taken as the worker
+        return _alive(pid)
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:  # gone
+        return False
+    return str(alive).encode() in args
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True

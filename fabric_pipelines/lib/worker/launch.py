@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import random
 import signal
@@ -56,6 +57,9 @@ from fabric_pipelines.lib.worker import MAIN_MODULE
 from fabric_pipelines.lib.worker.reporting import pipes_env, pipes_files
 
 STOP_GRACE_S = 5.0  # SIGTERM to SIGKILL
+REMOTE_REAP_S = 60.0  # a killed client run's (pod's) time to return, for all of them together
+
+log = logging.getLogger(__name__)
 
 # A worker's channel to the step that runs it, given its owner name and its Pipes files (context,
 # messages: lib/worker/reporting.py): opened before the worker reads its job, closed once it has
@@ -93,6 +97,10 @@ class RemoteProcess(Protocol):
 
     def kill(self) -> None: ...
 
+    def give_up(self) -> None:
+        """Stop waiting for it (returncode 137): what it runs in is left to end on its own."""
+        ...
+
 
 @dataclass
 class WorkerProcess:
@@ -104,6 +112,10 @@ class WorkerProcess:
     alive_path: Path | None = None  # touched every heartbeat while it runs
     pipes_files: tuple[Path, Path] | None = None  # its Pipes context and messages
     channel: ExitStack = field(default_factory=ExitStack)  # closed once it is reaped
+    # Another host's worker with no alive file this long after its start counts as silent
+    # (never scheduled, say); None: one of this host, which writes it within seconds.
+    start_grace_s: float | None = None
+    started_at: float = field(default_factory=time.time)
 
     def open_channel(self, channel: WorkerChannel) -> None:
         """Listen to this worker through `channel` (before it reads its job: at its start, or
@@ -112,16 +124,24 @@ class WorkerProcess:
             self.channel.enter_context(channel(self.owner, *self.pipes_files))
 
     def close_channel(self) -> None:
-        self.channel.close()
+        try:
+            self.channel.close()
+        except Exception as exc:  # its last counts were not logged; the rest still stops
+            log.warning(
+                "closing the channel of worker %s: %s: %s", self.owner, type(exc).__name__, exc
+            )
 
     def silent_for(self) -> float:
-        """Seconds since the worker last touched its alive file (0 where it has none yet)."""
+        """Seconds since the worker last touched its alive file (0 where it has none yet, but
+        for another host's worker past its start grace)."""
         if self.alive_path is None:
             return 0.0
         try:
             return max(0.0, time.time() - self.alive_path.stat().st_mtime)
-        except FileNotFoundError:  # not written yet: still loading its engine
-            return 0.0
+        except FileNotFoundError:  # not written yet: still starting
+            if self.start_grace_s is None:
+                return 0.0
+            return max(0.0, time.time() - self.started_at - self.start_grace_s)
 
 
 @dataclass(frozen=True)
@@ -312,11 +332,14 @@ def launch_worker(
 
 
 def _signal_group(process: subprocess.Popen[bytes] | RemoteProcess, sig: int) -> None:
-    if not isinstance(process, subprocess.Popen):  # another host's: ask its launcher
-        if sig == signal.SIGTERM:
-            process.stop()
-        elif sig == signal.SIGKILL:
-            process.kill()
+    if not isinstance(process, subprocess.Popen):  # a client's: ask its launcher
+        try:
+            if sig == signal.SIGTERM:
+                process.stop()
+            elif sig == signal.SIGKILL:
+                process.kill()
+        except Exception as exc:  # one that cannot be asked must not keep the rest running
+            log.warning("signalling a worker: %s: %s", type(exc).__name__, exc)
         return
     # The group outlives its leader while anything the worker started still runs in it.
     with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -326,6 +349,7 @@ def _signal_group(process: subprocess.Popen[bytes] | RemoteProcess, sig: int) ->
 def stop_workers(workers: list[WorkerProcess], grace_s: float = STOP_GRACE_S) -> None:
     """Terminate every worker's process group, give it `grace_s` to go, kill what is left and
     reap the workers. A no-op for workers that already exited on their own."""
+    workers = list({id(w): w for w in workers}.values())  # each once, however often named
     for w in workers:
         _signal_group(w.process, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
@@ -334,8 +358,17 @@ def stop_workers(workers: list[WorkerProcess], grace_s: float = STOP_GRACE_S) ->
             w.process.wait(timeout=max(0.0, deadline - time.monotonic()))
     for w in workers:
         _signal_group(w.process, signal.SIGKILL)
+    # A client's run that does not return (a cluster that does not answer) is given up on, all
+    # of them within one reap window, not one window each.
+    reap_deadline = time.monotonic() + REMOTE_REAP_S
     for w in workers:
-        w.process.wait()
+        if isinstance(w.process, subprocess.Popen):
+            w.process.wait()
+        else:
+            try:
+                w.process.wait(timeout=max(0.0, reap_deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                w.process.give_up()
         w.close_channel()
 
 

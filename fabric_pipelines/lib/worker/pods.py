@@ -51,6 +51,8 @@ class WorkerPods:
             raw = yaml.safe_load(path.read_text(encoding="utf-8"))
         except FileNotFoundError as exc:
             raise PodConfigError(f"no worker pod configuration at {path}: {exc}") from exc
+        except yaml.YAMLError as exc:
+            raise PodConfigError(f"{path} is not valid YAML: {exc}") from exc
         if not isinstance(raw, dict):
             raise PodConfigError(f"{path}: a mapping of settings expected")
         missing = [key for key in REQUIRED if not raw.get(key)]

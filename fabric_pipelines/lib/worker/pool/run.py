@@ -132,38 +132,42 @@ def open_pool_run(
     live = {state.slot: state for state in pool_states(root)}
     threads = worker_threads(manifest, count)
     run = PoolRun(settings, go_file, channel)
-    for slot in slots_for(manifest, devices, count):
-        state, starting = live.get(slot), None
-        if state is not None and state.manifest_sha256 == sha:
-            if not state.ready:  # another run started it: wait for its engine, as for ours
-                starting = starting_pid(state.pid)
-        elif state is None or not state.busy_with:
-            if state is not None:
-                stop_pool(root, [slot])  # idle, with another model: the slot is this run's now
-            process = start_pool_worker(
-                root, slot, settings.manifest_path, idle_seconds=idle_seconds,
-                device=device_of(slot), threads=threads,
-            )  # fmt: skip
-            starting = process_starting(process)
-        # else: busy with another model's run (a CPU slot): it refuses, a stand-in takes over
-        job = {
-            "task_set": settings.task_set,
-            "database_url": settings.database_url,
-            "lease_seconds": settings.lease_seconds,
-            "heartbeat_seconds": settings.heartbeat_seconds,
-            "max_attempts": settings.max_attempts,
-            "owner": f"{socket.gethostname()}:{os.getpid()}:pool-{slot}:{time.time_ns()}",
-            "go_file": str(go_file) if go_file is not None else None,
-            "identity": identity,
-        }
-        # Where it reports through Pipes (lib/worker/reporting.py); heard once a session opens.
-        files = pipes_files(settings.folder, f"pool-{slot}")
-        job["pipes"] = pipes_env(*files)
-        run.sessions.append(ExitStack())
-        run.pipes.append((str(job["owner"]), files))
-        if channel is not None:
-            run.listen(len(run.jobs), channel)
-        run.jobs.append(PoolJob(root, slot, sha, job, starting).start())
+    try:
+        for slot in slots_for(manifest, devices, count):
+            state, starting = live.get(slot), None
+            if state is not None and state.manifest_sha256 == sha:
+                if not state.ready:  # another run started it: wait for its engine, as for ours
+                    starting = starting_pid(state.pid)
+            elif state is None or not state.busy_with:
+                if state is not None:
+                    stop_pool(root, [slot])  # idle, with another model: the slot is this run's now
+                process = start_pool_worker(
+                    root, slot, settings.manifest_path, idle_seconds=idle_seconds,
+                    device=device_of(slot), threads=threads,
+                )  # fmt: skip
+                starting = process_starting(process)
+            # else: busy with another model's run (a CPU slot): it refuses, a stand-in takes over
+            job = {
+                "task_set": settings.task_set,
+                "database_url": settings.database_url,
+                "lease_seconds": settings.lease_seconds,
+                "heartbeat_seconds": settings.heartbeat_seconds,
+                "max_attempts": settings.max_attempts,
+                "owner": f"{socket.gethostname()}:{os.getpid()}:pool-{slot}:{time.time_ns()}",
+                "go_file": str(go_file) if go_file is not None else None,
+                "identity": identity,
+            }
+            # Where it reports through Pipes (lib/worker/reporting.py); heard once a session opens.
+            files = pipes_files(settings.folder, f"pool-{slot}")
+            job["pipes"] = pipes_env(*files)
+            run.sessions.append(ExitStack())
+            run.pipes.append((str(job["owner"]), files))
+            if channel is not None:
+                run.listen(len(run.jobs), channel)
+            run.jobs.append(PoolJob(root, slot, sha, job, starting).start())
+    except BaseException:  # the jobs handed over and the sessions opened so far
+        run.close()
+        raise
     return run
 
 
