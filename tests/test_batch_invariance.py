@@ -23,7 +23,7 @@ import random
 
 import numpy as np
 import pytest
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine
 
 from fabric_gpu.engines import create_engine
 from fabric_gpu.engines.base import PaddedBatch
@@ -34,10 +34,9 @@ from fabric_gpu.profile import ConsumerProfile
 from fabric_pipelines.lib.broker.plans import plan_task_set
 from fabric_pipelines.lib.core.settings import FabricPaths
 from fabric_pipelines.lib.steps.run_extraction import extract_task_set
-from fabric_pipelines.lib.store.keys import model_id, task_set_id
-from fabric_pipelines.lib.store.models import Embedding, Task
 from fabric_pipelines.lib.tasks.catalog import ingest_task_set
 from fabric_pipelines.lib.tasks.inbox import submit
+from tests.pipeline_helpers import stored_embeddings
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -150,22 +149,6 @@ def _submit_ids(paths: FabricPaths, name: str, tasks: list[tuple[str, list[int]]
     submit(source, paths.inbox, name)
 
 
-def _stored(db: Engine, task_set: str, model_key: str) -> dict[str, bytes]:
-    """The set's vectors by task id."""
-    with db.connect() as conn:
-        set_id, model = task_set_id(conn, task_set), model_id(conn, model_key)
-        rows = conn.execute(
-            select(Task.task_id, Embedding.vector)
-            .join(
-                Task,
-                (Task.task_set_id == Embedding.task_set_id)
-                & (Task.record_no == Embedding.record_no),
-            )
-            .where(Embedding.task_set_id == set_id, Embedding.model_id == model)
-        ).all()
-    return {r.task_id: bytes(r.vector) for r in rows}
-
-
 def test_a_text_has_the_same_bytes_in_another_set_and_another_run(
     db: Engine,
     db_url: str,
@@ -188,8 +171,8 @@ def test_a_text_has_the_same_bytes_in_another_set_and_another_run(
         db, paths, "second", manifest, database_url=db_url, workers=1, pool_idle_seconds=0
     )
     first, second = (
-        _stored(db, "first", manifest.model_key),
-        _stored(db, "second", manifest.model_key),
+        {task: v.tobytes() for task, v in stored_embeddings(db, name, manifest.model_key).items()}
+        for name in ("first", "second")
     )
     assert len(first) == 200 and len(second) == 300
     for i in range(len(ids)):

@@ -39,8 +39,14 @@ from fabric_pipelines.lib.tasks.catalog import ingest_task_set
 from fabric_pipelines.lib.tasks.inbox import submit
 from fabric_pipelines.lib.worker.client_launch import alive_pid, runs_worker
 from fabric_pipelines.lib.worker.pods import DEFAULT_CONFIG, WORKER_LABEL, WorkerPods
-from fabric_testing.fault_drill import wait_until, worker_pids
-from tests.worker_runs import completed_batches, events, exactly_once, finish, start
+from fabric_testing.fault_drill import worker_pids
+from tests.worker_runs import (
+    events,
+    exactly_once,
+    finish,
+    start,
+    workers_mid_set,
+)
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
@@ -56,9 +62,7 @@ def test_pipes_subprocess_client_workers_report_and_a_killed_one_is_replaced(
         extra=["--launcher", "pipes-subprocess"], env_extra={"FABRIC_POOL_IDLE_SECONDS": "60"},
     )  # fmt: skip
     try:
-        wait_until(lambda: len(worker_pids(home)) == 3, 120, "three workers")
-        wait_until(lambda: completed_batches(own_postgres_database) >= 20, 120, "batches completed")
-        os.kill(sorted(worker_pids(home))[1], signal.SIGKILL)
+        os.kill(workers_mid_set(home, own_postgres_database)[1], signal.SIGKILL)
     except BaseException:
         process.kill()
         raise
@@ -259,8 +263,7 @@ def test_kubernetes_workers_run_as_pods_report_through_pipes_and_a_lost_one_is_r
     stopped: list[int] = []
 
     def stop_one_past_its_lease() -> None:
-        wait_until(lambda: completed_batches(url) >= 20, 120, "batches completed")
-        pid = sorted(worker_pids(paths.root))[0]
+        pid = workers_mid_set(paths.root, url, workers=2)[0]
         os.kill(pid, signal.SIGSTOP)
         stopped.append(pid)
 

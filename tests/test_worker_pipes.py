@@ -18,8 +18,15 @@ from pathlib import Path
 
 import pytest
 
-from fabric_testing.fault_drill import wait_until, worker_pids
-from tests.worker_runs import completed_batches, events, exactly_once, finish, start
+from fabric_testing.fault_drill import worker_pids
+from tests.worker_runs import (
+    completed_batches,
+    events,
+    exactly_once,
+    finish,
+    start,
+    workers_mid_set,
+)
 
 FABRIC = str(Path(sys.executable).parent / "fabric")
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
@@ -53,9 +60,7 @@ def test_a_worker_that_dies_or_is_lost_is_replaced_and_the_set_completes_exactly
     home = tmp_path / "home"
     process = start(tmp_path, tiny_model_dir, own_postgres_database, n, lease_s)
     try:
-        wait_until(lambda: len(worker_pids(home)) == 3, 120, "three workers")
-        wait_until(lambda: completed_batches(own_postgres_database) >= 20, 120, "batches completed")
-        victim = sorted(worker_pids(home))[1]
+        victim = workers_mid_set(home, own_postgres_database)[1]
         if fault == "sigkill":
             os.kill(victim, signal.SIGKILL)
         else:

@@ -121,3 +121,13 @@ def events(home: Path) -> tuple[list[str], list[dict[str, Any]]]:
             if "worker" in metadata:
                 observations.append({k: v.value for k, v in metadata.items()})
     return messages, observations
+
+
+def workers_mid_set(home: Path, url: str, workers: int = 3) -> list[int]:
+    """Wait until the run's `workers` worker processes are up and 20 batches are done (a fault
+    then lands mid-set); their pids, in order."""
+    from fabric_testing.fault_drill import wait_until, worker_pids
+
+    wait_until(lambda: len(worker_pids(home)) == workers, 120, f"{workers} workers")
+    wait_until(lambda: completed_batches(url) >= 20, 120, "batches completed")
+    return sorted(worker_pids(home))

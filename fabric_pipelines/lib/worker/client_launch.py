@@ -30,6 +30,7 @@ from fabric_pipelines.lib.worker.launch import (
     LaunchSettings,
     WorkerInvocation,
     WorkerProcess,
+    share_of_cores,
     worker_invocation,
 )
 
@@ -160,7 +161,7 @@ class PipesClientLauncher:
         if not self.on_this_host:
             require_shared_database(settings.database_url, settings.task_set)
         folder.mkdir(parents=True, exist_ok=True)
-        threads = max(1, (os.cpu_count() or 1) // threads_of) if self.on_this_host else 0
+        threads = share_of_cores(threads_of) if self.on_this_host else 0  # 0: the pod's all
         invocation = worker_invocation(
             settings, index, folder, threads=threads, generation=generation, go_file=go_file,
             python=self.python, parent_pid=os.getpid() if self.on_this_host else None,

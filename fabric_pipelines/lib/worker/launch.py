@@ -162,8 +162,9 @@ class Launcher(Protocol):
 
     @property
     def on_this_host(self) -> bool:
-        """Its workers are processes of this host: they may be prestarted, pooled and handed
-        GPUs by CUDA_VISIBLE_DEVICES; a launcher of other hosts' workers gets none of that."""
+        """Its workers are processes of this host: they share its cores, are handed its leased
+        GPUs by CUDA_VISIBLE_DEVICES and may use SQLite; a launcher of other hosts' workers gets
+        none of that. (Only `LocalLauncher`'s are prestarted or pooled.)"""
         ...
 
     def start(
@@ -286,6 +287,11 @@ def worker_invocation(
     return WorkerInvocation(owner, command, pipes_env(*files), report, log, alive, files)
 
 
+def share_of_cores(workers: int) -> int:
+    """CPU threads for each of `workers` workers sharing this host's cores (at least one)."""
+    return max(1, (os.cpu_count() or 1) // workers)
+
+
 def launch_worker(
     settings: LaunchSettings,
     index: int,
@@ -302,7 +308,7 @@ def launch_worker(
     command line (where a password would show in `ps`)."""
     folder.mkdir(parents=True, exist_ok=True)
     run = worker_invocation(
-        settings, index, folder, threads=max(1, (os.cpu_count() or 1) // threads_of),
+        settings, index, folder, threads=share_of_cores(threads_of),
         generation=generation, go_file=go_file, parent_pid=os.getpid(),
     )  # fmt: skip
     env = {

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fabric_pipelines.lib.worker.launch import share_of_cores
 from fabric_pipelines.lib.worker.pool import SERVER_MODULE
 from fabric_pipelines.lib.worker.procs import (
     abstract_socket,
@@ -99,7 +100,7 @@ def slots_for(manifest: Any, devices: list[int] | None, count: int) -> list[str]
 def worker_threads(manifest: Any, count: int) -> int:
     """CPU threads for each of `count` pool workers: the cores shared out on the CPU engine (as a
     run's own workers get them); 0, torch's default, for GPU engines."""
-    return max(1, (os.cpu_count() or 1) // count) if manifest.backend == "cpu" else 0
+    return share_of_cores(count) if manifest.backend == "cpu" else 0
 
 
 def slot_address(root: Path, slot: str) -> str:
