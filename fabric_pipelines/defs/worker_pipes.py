@@ -25,7 +25,6 @@ import dagster as dg
 from fabric_pipelines.lib.worker.client_launch import (
     PipesClientLauncher,
     end_local_worker,
-    local_worker_env,
     require_shared_database,
 )
 from fabric_pipelines.lib.worker.launch import (
@@ -34,6 +33,7 @@ from fabric_pipelines.lib.worker.launch import (
     LocalLauncher,
     WorkerChannel,
     WorkerInvocation,
+    worker_env,
 )
 from fabric_pipelines.lib.worker.reporting import COUNTS, pipes_env
 
@@ -120,7 +120,7 @@ def subprocess_client_launcher(context: dg.AssetExecutionContext) -> PipesClient
             *invocation.command,
         ]
         return client.run(
-            context=context, command=command, env=local_worker_env(settings, device),
+            context=context, command=command, env=worker_env(settings, device),
             extras={"owner": invocation.owner},
         )  # fmt: skip
 

@@ -33,6 +33,7 @@ from fabric_pipelines.lib.worker.launch import (
     share_of_cores,
     worker_invocation,
 )
+from fabric_pipelines.lib.worker.procs import pid_alive, runs_module
 
 # How long a killed client run may take to return before the step stops waiting for it (its
 # thread is a daemon: a client stuck in a cluster call does not hold the step), and how often it
@@ -184,18 +185,6 @@ class PipesClientLauncher:
         return worker
 
 
-def local_worker_env(settings: LaunchSettings, device: int | None) -> dict[str, str]:
-    """What a worker on this host adds to the environment a client starts it with."""
-    env = {
-        "FABRIC_DATABASE_URL": settings.database_url,
-        "FABRIC_HOME": str(settings.data_root),
-        "HF_HUB_OFFLINE": "1",
-    }
-    if device is not None:
-        env["CUDA_VISIBLE_DEVICES"] = str(device)
-    return env
-
-
 def end_local_worker(invocation: WorkerInvocation, graceful: bool) -> None:
     """End a worker process of this host by the pid it wrote in its alive file (a client that
     runs it, such as `PipesSubprocessClient`, keeps its process to itself), if that pid is still
@@ -221,18 +210,4 @@ def alive_pid(path: Path) -> int | None:
 def runs_worker(pid: int, alive: Path) -> bool:
     """`pid` is still the worker that writes `alive` (not a process that took its pid since it
     exited: pids come round again within a long run)."""
-    if not Path("/proc/self").exists():  # no /proc to ask: a live pid is taken as the worker
-        return _alive(pid)
-    try:
-        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:  # gone
-        return False
-    return str(alive).encode() in args
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    return True
+    return pid_alive(pid) and runs_module(pid, str(alive))

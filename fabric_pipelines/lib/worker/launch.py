@@ -292,6 +292,18 @@ def share_of_cores(workers: int) -> int:
     return max(1, (os.cpu_count() or 1) // workers)
 
 
+def worker_env(settings: LaunchSettings, device: int | None) -> dict[str, str]:
+    """What a worker of this host adds to the environment it is started with."""
+    env = {
+        "FABRIC_DATABASE_URL": settings.database_url,
+        "FABRIC_HOME": str(settings.data_root),
+        "HF_HUB_OFFLINE": "1",
+    }
+    if device is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(device)  # the device lease: one GPU each
+    return env
+
+
 def launch_worker(
     settings: LaunchSettings,
     index: int,
@@ -311,15 +323,7 @@ def launch_worker(
         settings, index, folder, threads=share_of_cores(threads_of),
         generation=generation, go_file=go_file, parent_pid=os.getpid(),
     )  # fmt: skip
-    env = {
-        **os.environ,
-        "FABRIC_DATABASE_URL": settings.database_url,
-        "FABRIC_HOME": str(settings.data_root),
-        "HF_HUB_OFFLINE": "1",
-        **run.env,
-    }
-    if device is not None:
-        env["CUDA_VISIBLE_DEVICES"] = str(device)  # the device lease: one GPU each
+    env = {**os.environ, **worker_env(settings, device), **run.env}
     opened = ExitStack()
     try:
         if channel is not None:
