@@ -74,6 +74,25 @@ if HAVE_TRITON:
         h += tl.load(TYPE0 + cols, mask=mask, other=0.0).to(tl.float32)
         _layer_norm_store(h, Y, W, B, row, cols, mask, n_cols, eps)
 
+    @triton.jit
+    def _segment_mean_kernel(X, CU, Y, n_cols, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+        """Mean of one item's tokens over one block of columns, in float32. The tiles start at
+        the item's first token and are summed one after another, so an item's sum is added in
+        the same order wherever it sits in the pack (what makes its vector batch-invariant)."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        col_ok = cols < n_cols
+        start = tl.load(CU + row).to(tl.int64)
+        end = tl.load(CU + row + 1).to(tl.int64)
+        acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        for first in range(start, end, BLOCK_T):
+            tokens = first + tl.arange(0, BLOCK_T)
+            ok = (tokens < end)[:, None] & col_ok[None, :]
+            tile = tl.load(X + tokens[:, None] * n_cols + cols[None, :], mask=ok, other=0.0)
+            acc += tl.sum(tile.to(tl.float32), axis=0)
+        count = tl.maximum(end - start, 1).to(tl.float32)
+        tl.store(Y + row * n_cols + cols, acc / count, mask=col_ok)
+
 
 def _use_triton(t: torch.Tensor) -> bool:
     return HAVE_TRITON and t.is_cuda
@@ -121,4 +140,29 @@ def embed_layer_norm(
         ids, positions, word, position, token_type, y, weight, bias, cols, eps,
         BLOCK=block, num_warps=warps,
     )  # fmt: skip
+    return y
+
+
+def segment_mean_reference(x: torch.Tensor, cu_seqlens: torch.Tensor, rows: int) -> torch.Tensor:
+    """Each item's tokens summed one by one in order (index_add_ on the CPU is a loop in token
+    order), then divided by its length; float32."""
+    lengths = (cu_seqlens[1 : rows + 1] - cu_seqlens[:rows]).long()
+    seq_ids = torch.repeat_interleave(torch.arange(rows, device=x.device), lengths)
+    sums = torch.zeros((rows, x.shape[1]), dtype=torch.float32, device=x.device)
+    sums.index_add_(0, seq_ids, x[: seq_ids.shape[0]].float())
+    return sums / lengths.clamp(min=1).to(torch.float32)[:, None]
+
+
+def segment_mean(x: torch.Tensor, cu_seqlens: torch.Tensor, rows: int) -> torch.Tensor:
+    """The mean of x[cu[i]:cu[i+1]] for each of `rows` items of a [tokens, hidden] pack, summed
+    in a fixed order per item (no atomics): the same bits for an item at any offset, in any
+    batch. No host sync, so it runs inside a captured CUDA graph."""
+    if not _use_triton(x):
+        return segment_mean_reference(x, cu_seqlens, rows)
+    cols = x.shape[1]
+    y = torch.empty((rows, cols), dtype=torch.float32, device=x.device)
+    block_h = 128
+    _segment_mean_kernel[(rows, triton.cdiv(cols, block_h))](
+        x, cu_seqlens, y, cols, BLOCK_T=32, BLOCK_H=block_h, num_warps=4
+    )
     return y

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from fabric_gpu.engines.fused import segment_mean
+
 
 def pool_padded(last: torch.Tensor, mask: torch.Tensor, pooling: str) -> torch.Tensor:
     """`last` [items, seq_len, hidden], `mask` [items, seq_len] (1 on real tokens)."""
@@ -24,12 +26,16 @@ def pool_packed(
 ) -> torch.Tensor:
     """`x` [capacity, hidden]: the items' tokens back to back; `seq_ids` each token's item;
     `cu_seqlens` where each item starts; `rows` the items pooled (padding tokens belong to row
-    `rows`, which is dropped)."""
+    `rows`, which is dropped). On the GPU, mean pooling sums each item's tokens in a fixed
+    order (fused.segment_mean, no atomics), so an item's vector does not depend on where it sits
+    in the pack or what rides with it; the CPU's index_add_ is a loop in token order already."""
     end = x.shape[0] - 1
     if pooling == "cls":
         return x[cu_seqlens[:rows].long().clamp(max=end)].float()
     if pooling == "last":
         return x[(cu_seqlens[1 : rows + 1].long() - 1).clamp(min=0, max=end)].float()
+    if x.is_cuda:
+        return segment_mean(x, cu_seqlens, rows)
     sums = torch.zeros((rows, x.shape[1]), dtype=torch.float32, device=x.device)
     sums.index_add_(0, seq_ids, x.float())
     counts = (cu_seqlens[1 : rows + 1] - cu_seqlens[:rows]).clamp(min=1).to(torch.float32)
