@@ -41,6 +41,7 @@ from fabric_pipelines.lib.store.models import (
     Task,
     TaskFailure,
     TaskSet,
+    task_embeddings,
 )
 from fabric_pipelines.lib.worker import MAIN_MODULE
 
@@ -614,7 +615,7 @@ class Outcome:
     """What the database says became of a task set's tasks."""
 
     tasks: int  # records submitted (good and bad)
-    completed: int  # distinct tasks with a result row
+    completed: int  # distinct tasks with a result: their own row or one they reused
     failed: int  # distinct records with a failure
     lost: int  # tasks with neither a result nor a failure
     duplicated: int  # result or failure rows beyond one per key
@@ -644,6 +645,16 @@ def outcome(db: Engine, task_set: str) -> Outcome:
                 select(*key).where(Embedding.task_set_id == ts.id).distinct().subquery()
             )
         ).scalar_one()
+        # A task's result is its own row or the one it reused (the view task_embeddings).
+        view = task_embeddings.c
+        completed = conn.execute(
+            select(func.count()).select_from(
+                select(view.task_set_id, view.record_no, view.model_id)
+                .where(view.task_set_id == ts.id)
+                .distinct()
+                .subquery()
+            )
+        ).scalar_one()
         failure_rows = conn.execute(
             select(func.count())
             .select_from(TaskFailure)
@@ -655,8 +666,9 @@ def outcome(db: Engine, task_set: str) -> Outcome:
             )
         ).scalar_one()
         has_result = (
-            select(Embedding.record_no)
-            .where(Embedding.task_set_id == ts.id, Embedding.record_no == Task.record_no)
+            select(view.record_no)
+            .select_from(task_embeddings)
+            .where(view.task_set_id == ts.id, view.record_no == Task.record_no)
             .exists()
         )
         has_failure = (
@@ -684,7 +696,7 @@ def outcome(db: Engine, task_set: str) -> Outcome:
         ).scalar_one()
     return Outcome(
         tasks=int(ts.n_records),
-        completed=int(distinct),
+        completed=int(completed),
         failed=int(failed),
         lost=int(lost),
         duplicated=int(rows - distinct) + int(failure_rows - failed),

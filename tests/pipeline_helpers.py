@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine, func, literal_column, select
 
 from fabric_gpu.engines import Engine as ExtractionEngine
 from fabric_gpu.engines import input_layout
@@ -16,7 +16,7 @@ from fabric_gpu.manifest import EngineManifest
 from fabric_pipelines.lib.broker.plans import load_plan_order, plan_task_set
 from fabric_pipelines.lib.core.settings import FabricPaths
 from fabric_pipelines.lib.steps.run_extraction import finish_task_set
-from fabric_pipelines.lib.store.models import Embedding, Model, Task, TaskSet
+from fabric_pipelines.lib.store.models import Embedding, Model, Task, TaskSet, task_embeddings
 from fabric_pipelines.lib.tasks.arrow_files import read_table
 from fabric_pipelines.lib.tasks.catalog import IngestSummary, ingest_task_set
 from fabric_pipelines.lib.tasks.inbox import submit
@@ -62,17 +62,16 @@ def run_stages(
 
 
 def stored_embeddings(db: Engine, task_set: str, model_key: str) -> dict[str, np.ndarray]:
-    """task id -> its stored pooled embedding."""
+    """task id -> its pooled embedding: its own row, or the one it reused (the view
+    `task_embeddings`)."""
+    view = task_embeddings.c
     with db.connect() as conn:
         rows = conn.execute(
-            select(Task.task_id, Embedding.vector)
-            .join(TaskSet, TaskSet.id == Embedding.task_set_id)
-            .join(Model, Model.id == Embedding.model_id)
-            .join(
-                Task,
-                (Task.task_set_id == Embedding.task_set_id)
-                & (Task.record_no == Embedding.record_no),
-            )
+            select(Task.task_id, literal_column("vector"))
+            .select_from(task_embeddings)
+            .join(TaskSet, TaskSet.id == view.task_set_id)
+            .join(Model, Model.id == view.model_id)
+            .join(Task, (Task.task_set_id == view.task_set_id) & (Task.record_no == view.record_no))
             .where(TaskSet.name == task_set, Model.model_key == model_key)
         ).all()
     return {r.task_id: np.frombuffer(r.vector, dtype="<f4") for r in rows}

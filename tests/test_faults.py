@@ -192,7 +192,7 @@ def test_killing_the_whole_run_leaves_no_worker_and_the_next_run_redoes_only_una
     assert plan.outstanding + plan.deferred + plan.reused == outstanding, (
         f"only unacknowledged work runs again {seeded}"
     )
-    assert summary.rows_inserted + summary.copied_after + plan.reused == outstanding, (
+    assert summary.rows_inserted + summary.duplicates_after + plan.reused == outstanding, (
         f"{summary} {seeded}"
     )
     after = _ledger(db)

@@ -25,7 +25,7 @@ TABLES = {
 }  # fmt: skip
 
 
-HEAD = "0015"
+HEAD = "0016"
 
 
 def test_upgrade_from_empty_then_downgrade_one_step(db_url: str) -> None:
@@ -36,6 +36,12 @@ def test_upgrade_from_empty_then_downgrade_one_step(db_url: str) -> None:
     assert set(inspect(engine).get_table_names()) >= TABLES | {"int8_calibrations"}
     with engine.connect() as conn:  # 0015: one identity row, made with the schema
         assert len(conn.execute(text("SELECT id FROM database_identity")).all()) == 1
+        # 0016: a row per task, reused or not, in the view pgvector users query
+        assert conn.execute(text("SELECT count(*) FROM task_embeddings")).scalar_one() == 0
+    downgrade(engine, "-1")
+    assert current_revision(engine) == "0015"
+    with engine.connect() as conn:
+        assert "task_embeddings" not in set(inspect(conn).get_view_names())
     downgrade(engine, "-1")
     assert current_revision(engine) == "0014"
     assert "database_identity" not in set(inspect(engine).get_table_names())

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from sqlalchemy import Engine, func, select, text, update
+from sqlalchemy import Engine, delete, func, select, text
 
 from fabric_gpu.manifest import EngineManifest, HookSpec, manifest_for_model
 from fabric_gpu.model import DEFAULT_MODEL_ID
@@ -22,8 +22,9 @@ from fabric_pipelines.lib.broker.plans import plan_task_set
 from fabric_pipelines.lib.broker.reuse import content_keys, reuse_enabled
 from fabric_pipelines.lib.core.settings import FabricPaths
 from fabric_pipelines.lib.maintenance.verify import verify
+from fabric_pipelines.lib.results.export import export_task_set
 from fabric_pipelines.lib.steps.run_extraction import extract_task_set
-from fabric_pipelines.lib.store.models import ContentKey, Embedding, ReusedResult
+from fabric_pipelines.lib.store.models import Embedding, ResultKey, ReusedResult
 from fabric_pipelines.lib.tasks.catalog import forget_task_set, ingest_task_set
 from fabric_pipelines.lib.tasks.inbox import submit
 from tests.pipeline_helpers import stored_embeddings
@@ -117,6 +118,9 @@ def test_an_edited_set_computes_only_its_edits_and_new_texts(
         0,
     ), a
     assert first_counts.balanced and first_counts.finished and first_counts.reused == 0
+    # By reference: the second set stores only what it computed, and points at the rest.
+    assert a.stored_results == expected + N_FIRST - len(edited), a
+    assert first_counts.stored_results == N_FIRST, first_counts
 
     before = stored_embeddings(db, "first", manifest.model_key)
     after = stored_embeddings(db, "second", manifest.model_key)
@@ -140,7 +144,7 @@ def test_an_edited_set_computes_only_its_edits_and_new_texts(
     assert again.outstanding == 0 and again.reused == 0
 
 
-def test_reuse_off_computes_everything_and_a_changed_copy_is_named(
+def test_reuse_off_computes_everything_and_a_lost_source_is_named_then_mended(
     db: Engine, db_url: str, paths: FabricPaths, tmp_path: Path, tiny_model_dir: Path
 ) -> None:
     manifest = _manifest(str(tiny_model_dir))
@@ -153,34 +157,59 @@ def test_reuse_off_computes_everything_and_a_changed_copy_is_named(
     assert plan.reused == 300 and summary.engine_items == 0  # type: ignore[attr-defined]
     with db.connect() as conn:
         c = accounting(conn, "c", manifest.model_key)
-    assert c.balanced and c.finished and (c.completed, c.reused) == (0, 300), c
-    assert verify(db, paths).clean
-
-    # A copy changed after it was stored no longer equals its source: verify says so.
-    with db.begin() as conn:
-        set_c = conn.execute(text("SELECT id FROM task_sets WHERE name = 'c'")).scalar_one()
-        conn.execute(
-            update(Embedding)
-            .where(Embedding.task_set_id == set_c, Embedding.record_no == 3)
-            .values(vector=b"\0" * 16)
+        set_a, set_c = (
+            conn.execute(text(f"SELECT id FROM task_sets WHERE name = '{n}'")).scalar_one()
+            for n in "ac"
         )
-    findings = [f for f in verify(db, paths).findings if "reused rows differ" in f.problem]
-    assert len(findings) == 1 and "1 of 300" in findings[0].problem, findings
+    assert c.balanced and c.finished and (c.completed, c.reused) == (0, 300), c
+    # By reference: "c" stores nothing of its own and points at 300 of "a"'s rows.
+    assert c.stored_results == 300 and _own_rows(db, set_c) == 0
+    assert verify(db, paths).clean
+    exported = export_task_set(db, "c", tmp_path / "c.parquet")
+    assert exported.rows == 300
 
-    # Forgetting the source set leaves the copies whole, and their keys go with their own set.
+    # A source row deleted by hand: verify names the links that lost it; running "c" again
+    # drops that link and computes the task ("b" ran with reuse off: it stored no keys).
+    with db.begin() as conn:
+        conn.execute(
+            delete(Embedding).where(Embedding.task_set_id == set_a, Embedding.record_no == 3)
+        )
+    findings = [f for f in verify(db, paths).findings if "reused results name" in f.problem]
+    assert len(findings) == 1 and "1 of 300" in findings[0].problem, findings
+    plan, summary = _run(db, db_url, paths, manifest, source, "c")
+    assert plan.reused == 0 and summary.engine_items == 1, (plan, summary)  # type: ignore[attr-defined]
+    with db.connect() as conn:
+        c = accounting(conn, "c", manifest.model_key)
+    assert c.balanced and c.finished and (c.completed, c.reused, c.stored_results) == (1, 299, 300)
+    left = [f.problem for f in verify(db, paths).findings]
+    assert not [p for p in left if "reused results name" in p] and len(left) == 2, left  # "a"'s
+
+    # Forgetting the source set hands its rows over to the tasks that read them: "c" adopts
+    # them as its own, every vector unchanged, and owns their keys now.
+    before = stored_embeddings(db, "c", manifest.model_key)
     forget_task_set(db, paths, "a")
     with db.connect() as conn:
-        assert (
+        owners = conn.execute(
+            select(ResultKey.task_set_id, func.count()).group_by(ResultKey.task_set_id)
+        ).all()
+        c = accounting(conn, "c", manifest.model_key)
+    # "c" owns the keys of the 299 rows it adopted. The one it computed had a key "a" still
+    # owned then (its row deleted by hand, not its key): that key went with "a". "b" ran with
+    # reuse off: it claimed none.
+    assert owners == [(set_c, 299)], owners
+    assert _own_rows(db, set_c) == 300 and c.balanced and c.finished, c
+    after = stored_embeddings(db, "c", manifest.model_key)
+    assert {k: v.tobytes() for k, v in after.items()} == {k: v.tobytes() for k, v in before.items()}
+    assert verify(db, paths).clean
+
+
+def _own_rows(db: Engine, set_id: int) -> int:
+    with db.connect() as conn:
+        return int(
             conn.execute(
-                select(func.count()).select_from(Embedding).where(Embedding.task_set_id == set_c)
+                select(func.count()).select_from(Embedding).where(Embedding.task_set_id == set_id)
             ).scalar_one()
-            == 300
         )
-        keys_left = conn.execute(
-            select(func.count(func.distinct(ContentKey.task_set_id)))
-        ).scalar_one()
-        links = conn.execute(select(func.count()).select_from(ReusedResult)).scalar_one()
-    assert keys_left == 1 and links == 300  # "b" ran with reuse off: no keys
 
 
 # ---- with worker processes: a run killed mid-set, and two sets sharing content at once -------
@@ -249,15 +278,16 @@ def test_a_run_killed_mid_set_with_reuse_in_play_still_does_each_task_once(
     assert not run.orphans(5.0)
     with db.connect() as conn:
         killed = accounting(conn, "set", manifest.model_key)
-    assert killed.reused == 900 and 0 < killed.completed < 900, killed
+    # Reused: the 900 unedited tasks, and the repeats whose first the killed run stored.
+    assert 900 <= killed.reused <= 950 and 0 < killed.completed < 900, killed
 
     plan = plan_task_set(db, paths, "set", manifest)
     summary = extract_task_set(db, paths, "set", manifest, database_url=db_url, workers=0)
     left = 900 - killed.completed  # edited + new, less what the killed run stored
-    # Repeats whose first copy the killed run stored were copied by this planning; the others
-    # waited for this run's workers.
+    # The repeats stay linked to their firsts from the killed run's planning: none is planned;
+    # those whose first the killed run did not store wait for this run's workers.
     assert plan.outstanding == left and plan.deferred <= 50, plan
-    assert summary.rows_inserted == left and summary.copied_after == plan.deferred, summary
+    assert summary.rows_inserted == left and summary.duplicates_after == plan.deferred, summary
     counts = _exactly_once(db, paths, "set", manifest)
     assert (counts.completed, counts.reused) == (900, 950), counts
     before = stored_embeddings(db, "base", manifest.model_key)
@@ -299,25 +329,33 @@ def test_two_sets_sharing_content_extracted_at_once_store_each_task_once(
     counts_x = _exactly_once(db, paths, "x", manifest)
     counts_y = _exactly_once(db, paths, "y", manifest)
     assert counts_x.reused == 0 and counts_y.reused > 0, (counts_x, counts_y)
-    with db.connect() as conn:  # by SQL: one row per task, shared texts equal across the sets
+    # By SQL, through the view of a row per task (its own or the one it reused): one row per
+    # task, shared texts equal across the sets.
+    with db.connect() as conn:
         rows = conn.execute(
             text(
-                "SELECT s.name, count(*), count(DISTINCT e.record_no) FROM embeddings e "
+                "SELECT s.name, count(*), count(DISTINCT e.record_no) FROM task_embeddings e "
                 "JOIN task_sets s ON s.id = e.task_set_id GROUP BY s.name ORDER BY s.name"
             )
         ).all()
         differing = conn.execute(
             text(
-                "SELECT count(*) FROM embeddings a JOIN task_sets sa ON sa.id = a.task_set_id "
-                "JOIN embeddings b ON b.record_no = a.record_no AND b.model_id = a.model_id "
+                "SELECT count(*) FROM task_embeddings a JOIN task_sets sa ON sa.id = a.task_set_id "
+                "JOIN task_embeddings b ON b.record_no = a.record_no AND b.model_id = a.model_id "
                 "JOIN task_sets sb ON sb.id = b.task_set_id "
                 "WHERE sa.name = 'x' AND sb.name = 'y' AND a.record_no < 800 "
                 "AND a.vector <> b.vector"
             )
         ).scalar_one()
         links = conn.execute(select(func.count()).select_from(ReusedResult)).scalar_one()
+        own_y = conn.execute(
+            text(
+                "SELECT count(*) FROM embeddings e JOIN task_sets s ON s.id = e.task_set_id "
+                "WHERE s.name = 'y'"
+            )
+        ).scalar_one()
     assert [tuple(r) for r in rows] == [("x", 900, 900), ("y", 900, 900)], rows
-    assert links == counts_y.reused
+    assert links == counts_y.reused and own_y == 900 - counts_y.reused  # reused: not stored
     # The same text computed by both sets gave the same bytes (one engine, one model).
     assert differing == 0
 
@@ -364,11 +402,11 @@ def test_keys_ending_in_zero_bytes_keep_all_32_bytes() -> None:
     assert key_bytes(keys)[7] == expected.digest()
 
 
-def test_planning_one_set_from_several_threads_at_once_stores_its_keys_and_links_once(
+def test_planning_one_set_from_several_threads_at_once_claims_its_keys_and_links_once(
     db: Engine, db_url: str, paths: FabricPaths, tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    """Two runs of one set started together both plan it: each must find the keys the other
-    stored (or wait for them), never store them twice; every link is made once."""
+    """Two runs of one set started together both plan it: each must find the keys and links the
+    other stored (or wait for them), never store them twice; every link is made once."""
     import threading
 
     from fabric_pipelines.lib.broker.reuse import link_before_planning
@@ -408,8 +446,8 @@ def test_planning_one_set_from_several_threads_at_once_stores_its_keys_and_links
         thread.join(120)
     assert errors == [], errors
     with db.connect() as conn:
-        stored = conn.execute(
-            select(func.count()).select_from(ContentKey).where(ContentKey.task_set_id == ts.id)
+        claimed = conn.execute(
+            select(func.count()).select_from(ResultKey).where(ResultKey.task_set_id == ts.id)
         ).scalar_one()
         links = conn.execute(
             select(func.count(), func.count(func.distinct(ReusedResult.record_no))).where(
@@ -419,6 +457,103 @@ def test_planning_one_set_from_several_threads_at_once_stores_its_keys_and_links
         copies = conn.execute(
             select(func.count()).select_from(Embedding).where(Embedding.task_set_id == ts.id)
         ).scalar_one()
-    assert stored == record_no.size
-    # 200 linked to set a (and copied), 30 repeats waiting for the first of their text.
-    assert tuple(links) == (230, 230) and copies == 200, (links, copies)
+    # The 10 repeated texts' firsts own their keys; the 200 shared ones are owned by "a".
+    assert claimed == 10
+    # 200 linked to set a (by reference: no row), 30 repeats waiting for the first of their text.
+    assert tuple(links) == (230, 230) and copies == 0, (links, copies)
+
+
+def test_a_set_with_duplicates_stores_each_result_once(
+    db: Engine,
+    db_url: str,
+    paths: FabricPaths,
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """1,000 texts of which 300 repeat others: 700 results stored, 1,000 rows exported."""
+    from fabric_pipelines.cli import main
+
+    manifest = _manifest(str(tiny_model_dir))
+    distinct = [(f"d{i}", _text(i)) for i in range(700)]
+    rng = np.random.default_rng(3)
+    repeats = [(f"again{j}", distinct[k][1]) for j, k in enumerate(rng.integers(0, 700, 300))]
+    records = distinct + repeats
+    order = rng.permutation(len(records))
+    _, summary = _run(
+        db, db_url, paths, manifest,
+        _write(tmp_path / "dup.jsonl", [records[i] for i in order]), "dup",
+    )  # fmt: skip
+    assert summary.engine_items == 700, summary  # type: ignore[attr-defined]
+    monkeypatch.setenv("FABRIC_HOME", str(paths.root))
+    monkeypatch.setenv("FABRIC_DATABASE_URL", db_url)
+    capsys.readouterr()
+    assert main(["status", "dup", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["task_sets"]
+    assert (row["tasks"], row["completed"], row["reused"], row["stored_results"]) == (
+        1000, 700, 300, 700,
+    ), row  # fmt: skip
+    out = tmp_path / "dup.parquet"
+    assert main(["export", "dup", "--out", str(out)]) == 0
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(out)
+    assert table.num_rows == 1000
+    vectors = dict(zip(table.column("id").to_pylist(), table.column("vector").to_pylist(),
+                       strict=True))  # fmt: skip
+    first_of = {t: i for i, t in distinct}
+    for task_id, text_ in repeats:
+        assert vectors[task_id] == vectors[first_of[text_]], task_id
+    assert verify(db, paths).clean
+
+
+def test_0016_moves_a_filled_database_to_references_and_every_receipt_stays_valid(
+    db: Engine, db_url: str, paths: FabricPaths, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """A database in 0015's shape (every reused task a copy of its source's row: made here by
+    0016's downgrade, which writes the copies 0015's planning wrote) moves to references in
+    place: the copies go, the index's tasks and vectors do not change, its receipt is still
+    fresh and rebuilds the same index."""
+    from fabric_pipelines.lib.index.build import IndexSpec
+    from fabric_pipelines.lib.index.publish import build_and_publish
+    from fabric_pipelines.lib.index.rebuild import rebuild_from_receipt
+    from fabric_pipelines.lib.index.staleness import staleness
+    from fabric_pipelines.lib.index.vectors import load_vectors
+    from fabric_pipelines.lib.store.schema import downgrade, upgrade
+
+    manifest = _manifest(str(tiny_model_dir))
+    records = [(f"t{i}", _text(i)) for i in range(400)]
+    _run(db, db_url, paths, manifest, _write(tmp_path / "a.jsonl", records), "a")
+    twice = records[:300] + [(f"u{i}", _text(i + 1000)) for i in range(100)]
+    _run(db, db_url, paths, manifest, _write(tmp_path / "b.jsonl", twice), "b")
+    downgrade(db, "0015")
+    with db.connect() as conn:
+        set_b = conn.execute(text("SELECT id FROM task_sets WHERE name = 'b'")).scalar_one()
+    assert _own_rows(db, set_b) == 400  # 0015's shape: 300 copies and 100 computed
+
+    published = build_and_publish(
+        db, model_key=manifest.model_key, model={"model_id": "tiny", "weights_sha256": "w"},
+        spec=IndexSpec(factory="IVF8,Flat", nprobe=8, shards=4), index_folder=paths.indexes,
+        receipt_folder=paths.receipts, inputs=[],
+    )  # fmt: skip
+    with db.connect() as conn:
+        before = load_vectors(conn, manifest.model_key)
+
+    upgrade(db)
+    assert _own_rows(db, set_b) == 100  # the copies went
+    with db.connect() as conn:
+        after = load_vectors(conn, manifest.model_key)
+        stale = staleness(conn, manifest.model_key, paths.indexes)
+        b = accounting(conn, "b", manifest.model_key)
+    assert (
+        np.array_equal(after.ids, before.ids)
+        and after.vectors.tobytes() == before.vectors.tobytes()
+    )
+    assert stale is not None and not stale.stale, stale
+    assert (
+        b.balanced and b.finished and (b.completed, b.reused, b.stored_results) == (100, 300, 400)
+    )
+    rebuilt = rebuild_from_receipt(db, published.receipt, paths.indexes, repair=False)
+    assert rebuilt.matches and rebuilt.rebuilt_sha256 == published.receipt["index_sha256"], rebuilt
+    assert verify(db, paths).clean

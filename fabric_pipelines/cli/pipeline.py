@@ -253,7 +253,7 @@ def _reused_rows(reused: int) -> list[tuple[str, str]]:
     """Tasks given a copy of a stored result instead of being computed (lib/broker/reuse.py)."""
     if not reused:
         return []
-    return [("reused", f"{reused:,} tasks (a stored result of the same content copied)")]
+    return [("reused", f"{reused:,} tasks (linked to a stored result of the same content)")]
 
 
 def print_summary(summary: dict[str, Any]) -> None:

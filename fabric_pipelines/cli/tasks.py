@@ -270,7 +270,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                     "task_set": name,
                     "tasks": a.tasks,
                     "completed": a.completed,
-                    # Copies of stored results of the same content (lib/broker/reuse.py).
+                    # Tasks linked to a stored result of the same content (lib/broker/reuse.py).
                     "reused": a.reused,
                     "failed": a.failed,
                     "in_flight": a.in_flight,
@@ -284,6 +284,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                         ).scalar_one_or_none()
                         or 0
                     ),
+                    # The distinct stored results the set's tasks point at (reused ones once).
+                    "stored_results": a.stored_results,
                     # Chunked documents: their windows are the tasks above; counted by document.
                     **(_document_columns(a.documents) if a.documents is not None else {}),
                 }

@@ -26,7 +26,6 @@ from fabric_pipelines.lib.broker.ledger import (
 from fabric_pipelines.lib.broker.reuse import (
     content_keys,
     link_before_planning,
-    pending_record_nos,
     reuse_enabled,
 )
 from fabric_pipelines.lib.core.retry import unit_of_work
@@ -102,7 +101,7 @@ def plan_task_set(
     reuse: bool | None = None,
 ) -> PlanSummary:
     """Plan the set's outstanding items for the manifest's engine, which takes `layout` input.
-    Items whose content key has a stored result get a copy of it instead (lib/broker/reuse.py; `reuse`
+    Items whose content key has a stored result are linked to it instead (lib/broker/reuse.py; `reuse`
     None: FABRIC_REUSE decides, on by default)."""
     ts = get_task_set(db, task_set)
     tok_sha = tokenizer_sha256(resolve_model_dir(manifest.model_id))
@@ -135,17 +134,14 @@ def plan_task_set(
             rows = outstanding_rows(conn, task_set, manifest.model_key, record_no)
             mid = model_id(conn, manifest.model_key)
     reused = None
-    if content is not None and rows.size:
+    if content is not None:  # also with none outstanding: a broken link is dropped there
         reused = link_before_planning(db, ts.id, mid, record_no, content, rows)
         rows = reused.rows
     plan = plan_batches(lengths, profile, rows, keys=keys)
 
     def plannable(conn: Connection) -> np.ndarray:
-        """The items with neither a result nor a failure, less those waiting for a copy."""
-        now = outstanding_rows(conn, task_set, manifest.model_key, record_no)
-        if content is None:
-            return now
-        return now[~np.isin(record_no[now], pending_record_nos(conn, ts.id, mid))]
+        """The items with neither a result, nor a link to one, nor a failure."""
+        return outstanding_rows(conn, task_set, manifest.model_key, record_no)
 
     if rows.size == 0:
         kept = _kept_plan_summary(db, ts, manifest.model_key)
@@ -158,7 +154,7 @@ def plan_task_set(
         )  # fmt: skip
         if reused is None:
             return stored
-        return dataclasses.replace(stored, reused=reused.copied, deferred=reused.deferred)
+        return dataclasses.replace(stored, reused=reused.linked, deferred=reused.deferred)
     except _NothingLeft:
         # Another run finished the rest while this plan was computed: its plan stays current.
         kept = _kept_plan_summary(db, get_task_set(db, task_set), manifest.model_key)

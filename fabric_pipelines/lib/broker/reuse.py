@@ -1,22 +1,30 @@
-"""Never compute the same thing twice: results reused by content key.
+"""Never compute the same thing twice: results reused by content key, stored once.
 
 A task's content key is the sha256 of what decides its result: the model key (model, weights,
 pooling, normalisation, output variant), the hook layers, and the task's final token ids (its
-prompt's tokens included). When a set is planned, its keys are stored (`content_keys`), and
-each outstanding task whose key already has a stored result, in any set, is linked to it
-(`reused_results`) and gets a copy of that row instead of a place in a batch. Duplicates inside
-the set are planned once: the first (by record number) runs, the others are linked to it and
-copied from it once it is stored (`copy_pending`, after the workers; a rerun's planning copies
-any left), or fail with its reason if it failed.
+prompt's tokens included). Each key has one owner (`result_keys`): the first task planned to
+compute it. When a set is planned, each outstanding task whose key's owner has a stored row, in
+any set, is linked to that row (`reused_results`) instead of getting a place in a batch; the
+tasks left claim their keys. Duplicates inside the set are planned once: the first (by record
+number) runs, the others are linked to it and read its row once it is stored, or fail with its
+reason if it failed (`fail_pending`, after the workers). Planning writes a link per reused task
+and a key per computed one: the outstanding keys travel in one temporary table, and linking and
+claiming are one INSERT ... SELECT each.
+
+By reference (migration 0016): a link is the reused task's result. `embeddings` holds each result
+once, under the task that computed it; readers that want a row per task read the view
+`task_embeddings` or follow the links (index/vectors.py, results/export.py). A task with a row of
+its own is never read through a link. Forgetting a set hands each of its rows that other sets'
+tasks point at over to one of them (tasks/catalog.forget_task_set), so a link never dangles.
 
 Accounting: tasks = completed + reused + failed + in_flight + queued, where `reused` counts
-linked tasks whose copy is stored and a linked task still waiting for its source counts as
+linked tasks whose source is stored and a linked task still waiting for its source counts as
 queued (broker/ledger.py).
 
-Concurrency: a copy is inserted only where the task has no row yet (PostgreSQL: ON CONFLICT DO
-NOTHING; SQLite: under the write lock), and the writer ignores rows already there, so a task
-computed and copied at once still has one row. Two sets planned at once with shared content
-may both compute a key (neither has a result to link yet); each task is still stored once.
+Concurrency: links are inserted only where the task has none (PostgreSQL: ON CONFLICT DO
+NOTHING; SQLite: under the write lock), and planning leaves linked tasks out of its batches. Two
+sets planned at once with shared content may both compute a key (neither has a result to link
+yet); each task still has one result.
 
 Not reused: windows of chunked documents (a document's vector is combined from its windows,
 lib/results/documents.py), and runs that keep hook layers (their hidden-state files are per batch).
@@ -28,47 +36,45 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from sqlalchemy import (
-    BigInteger,
     Connection,
-    DateTime,
     Engine,
     Exists,
-    Integer,
     and_,
-    cast,
+    delete,
     func,
     insert,
-    literal,
     select,
     text,
 )
 from sqlalchemy.orm import aliased
 
+from fabric_pipelines.lib.broker.ledger import record_nos_of
+from fabric_pipelines.lib.core.retry import unit_of_work
 from fabric_pipelines.lib.store.db import insert_ignoring_duplicates
 from fabric_pipelines.lib.store.keys import model_id, task_set_id
 from fabric_pipelines.lib.store.models import (
     WINDOW_BASE,
-    ContentKey,
     Embedding,
+    Model,
+    ResultKey,
     ReusedResult,
     Task,
     TaskFailure,
     utcnow,
 )
 from fabric_pipelines.lib.store.pgcopy import HEADER, TRAILER
-from fabric_pipelines.lib.store.vector_columns import BITS, BYTES, FLOAT32, HALF, VectorColumns
 from fabric_pipelines.lib.store.watermarks import count_inserted
 
 KEY_BYTES = 32
-# A (set id, record number) pair as one integer, for MIN() over sources: record numbers stay
-# below WINDOW_BASE (2**39) here, so 2**40 keeps them apart.
-PAIR_STRIDE = 2**40
+PLANNING_CACHE_KIB = 512 * 1024  # SQLite's page cache while a set is linked and claimed
+ROWS_PER_INSERT = 1000  # SQLite: planned keys bound per statement (2,000 of its 32,766 variables)
 OFF_VALUES = {"0", "off", "false", "no"}
 
 
@@ -111,8 +117,7 @@ class Reuse:
     """What planning a set took from stored results instead of the engine."""
 
     linked: int  # tasks linked to a stored result of another task (this planning)
-    copied: int  # rows copied from their sources (this planning)
-    deferred: int  # duplicates inside the set, waiting for their first copy to be stored
+    deferred: int  # duplicates inside the set, linked to their first, which is still to run
     rows: np.ndarray  # the task rows left to plan
 
 
@@ -124,65 +129,111 @@ def link_before_planning(
     keys: np.ndarray,
     outstanding: np.ndarray,
 ) -> Reuse:
-    """Store the set's keys (once), copy stored results to the outstanding tasks whose key has
-    one, and defer the set's own duplicates to their first copy; the rows left to plan."""
+    """Link the outstanding tasks whose key has a stored result to it, link the set's own
+    duplicates to their first, and claim the keys the set will compute (`result_keys`); the rows
+    left to plan. No vector bytes move: a link is the task's result. One transaction; what it
+    writes is a row per linked task and a key per task to compute, nothing per reused one."""
     eligible = record_no < WINDOW_BASE
-    with db.begin() as conn:
+    with db.begin() as conn, _page_cache(conn):
         _lock_planning(conn, set_id)
-        _store_keys(conn, set_id, model_id, record_no[eligible], keys[eligible])
-        linked = _link_stored(conn, set_id, model_id)
-        # Also copies to links left waiting by an earlier run whose sources are stored now.
-        copied = _copy_linked(conn, set_id, model_id)
-    rows = outstanding[~np.isin(record_no[outstanding], np.union1d(linked, copied))]
-    # Among what is left, the first of each key runs; the others wait for its row.
-    candidates = rows[eligible[rows]]
-    order = candidates[np.argsort(record_no[candidates], kind="stable")]
-    _, first = np.unique(keys[order], return_index=True)
-    is_first = np.zeros(order.size, dtype=bool)
-    is_first[first] = True
-    duplicates = order[~is_first]
-    if duplicates.size:
-        first_of_key = dict(zip(key_bytes(keys[order[first]]), order[first].tolist(), strict=True))
-        sources = np.fromiter(
-            (first_of_key[k] for k in key_bytes(keys[duplicates])), np.int64, duplicates.size
-        )
-        with db.begin() as conn:
-            _insert_links(conn, set_id, model_id, record_no[duplicates], set_id, record_no[sources])
-        rows = rows[~np.isin(rows, duplicates)]
-    return Reuse(
-        linked=int(linked.size), copied=int(copied.size), deferred=int(duplicates.size), rows=rows
-    )
+        # A link to another set's row that is gone (deleted, or requeued by a repair) is dropped:
+        # its task is outstanding again, to be linked anew or computed.
+        unlinked = _drop_broken_links(conn, set_id, model_id)
+        if unlinked.size:
+            outstanding = np.union1d(outstanding, np.flatnonzero(np.isin(record_no, unlinked)))
+        # Tasks a run of the same set planned just before this one linked (under this lock).
+        already = record_nos_of(conn, "reused_results", set_id, model_id)
+        if already.size:
+            outstanding = outstanding[~np.isin(record_no[outstanding], already)]
+        candidates = outstanding[eligible[outstanding]]
+        candidates = candidates[np.argsort(record_no[candidates], kind="stable")]
+        with _planned_keys(conn, record_no[candidates], keys[candidates]):
+            linked = _link_stored(conn, set_id, model_id)
+            rows = outstanding[~np.isin(record_no[outstanding], linked)]
+            # Among what is left, the first of each key runs; the others wait for its row.
+            order = candidates[~np.isin(record_no[candidates], linked)]
+            _, first = np.unique(keys[order], return_index=True)
+            is_first = np.zeros(order.size, dtype=bool)
+            is_first[first] = True
+            duplicates = order[~is_first]
+            if duplicates.size:
+                first_of_key = dict(
+                    zip(key_bytes(keys[order[first]]), order[first].tolist(), strict=True)
+                )
+                sources = np.fromiter(
+                    (first_of_key[k] for k in key_bytes(keys[duplicates])), np.int64,
+                    duplicates.size,
+                )  # fmt: skip
+                _insert_links(
+                    conn, set_id, model_id, record_no[duplicates], set_id, record_no[sources]
+                )
+                rows = rows[~np.isin(rows, duplicates)]
+            firsts = order[first]
+            _claim_keys(conn, set_id, model_id, record_no[firsts], keys[firsts])
+        # Repeats linked by this planning or an earlier one that still wait for their first
+        # (links to other sets' rows are made only to stored ones).
+        waiting = conn.execute(
+            select(func.count())
+            .select_from(ReusedResult)
+            .where(
+                ReusedResult.task_set_id == set_id,
+                ReusedResult.model_id == model_id,
+                ReusedResult.from_task_set_id == set_id,
+                ~_source_stored(ReusedResult),
+                ~_target_stored(ReusedResult),
+                ~_target_failed(ReusedResult),
+            )
+        ).scalar_one()
+    return Reuse(linked=int(linked.size), deferred=int(waiting), rows=rows)
 
 
-def pending_record_nos(conn: Connection, set_id: int, model_id: int) -> np.ndarray:
-    """The set's linked tasks with neither their copy nor a failure yet."""
+def linked_record_nos(conn: Connection, set_id: int, model_id: int) -> np.ndarray:
+    """Every linked task of the set: none is planned (its result is its source's)."""
     return np.fromiter(
         conn.execute(
             select(ReusedResult.record_no).where(
-                ReusedResult.task_set_id == set_id,
-                ReusedResult.model_id == model_id,
-                ~_target_stored(ReusedResult),
-                ~_target_failed(ReusedResult),
+                ReusedResult.task_set_id == set_id, ReusedResult.model_id == model_id
             )
         ).scalars(),
         dtype=np.int64,
     )
 
 
-def copy_pending(db: Engine, set_id: int, model_id: int) -> tuple[int, int]:
-    """After the workers: copy each waiting linked task's row from its source, now stored, or
-    fail it with its source's reason; (copied, failed)."""
+def fail_pending(db: Engine, set_id: int, model_id: int) -> int:
+    """After the workers: each linked task of the set whose source failed fails too, naming
+    it; how many."""
     with db.begin() as conn:
-        copied = _copy_linked(conn, set_id, model_id)
-        failed = _fail_linked(conn, set_id, model_id)
-    return int(copied.size), failed
+        return _fail_linked(conn, set_id, model_id)
 
 
-def copy_pending_of(db: Engine, task_set: str, model_key: str) -> tuple[int, int]:
-    """`copy_pending` by names."""
+def fail_pending_of(db: Engine, task_set: str, model_key: str) -> int:
+    """`fail_pending` by names."""
     with db.begin() as conn:
         set_id, mid = task_set_id(conn, task_set), model_id(conn, model_key)
-    return copy_pending(db, set_id, mid)
+    return fail_pending(db, set_id, mid)
+
+
+@unit_of_work("reading the duplicates of task set {task_set!r} still waiting for their first")
+def waiting_duplicates_of(db: Engine, task_set: str, model_key: str) -> np.ndarray:
+    """The set's linked tasks whose source has neither its row nor a failure yet: repeats
+    inside the set waiting for their first (record numbers)."""
+    with db.connect() as conn:
+        set_id = task_set_id(conn, task_set)
+        mid = conn.execute(select(Model.id).where(Model.model_key == model_key)).scalar()
+        if mid is None:
+            return np.zeros(0, np.int64)
+        return np.fromiter(
+            conn.execute(
+                select(ReusedResult.record_no).where(
+                    ReusedResult.task_set_id == set_id,
+                    ReusedResult.model_id == mid,
+                    ~_source_stored(ReusedResult),
+                    ~_target_stored(ReusedResult),
+                    ~_target_failed(ReusedResult),
+                )
+            ).scalars(),
+            dtype=np.int64,
+        )
 
 
 def stored_keys(conn: Connection, model_id: int, keys: np.ndarray) -> np.ndarray:
@@ -195,40 +246,86 @@ def stored_keys(conn: Connection, model_id: int, keys: np.ndarray) -> np.ndarray
     for start in range(0, wanted.size, step):
         chunk = key_bytes(wanted[start : start + step])
         found += conn.execute(
-            select(ContentKey.content_key)
+            select(ResultKey.content_key)
             .join(
                 Embedding,
                 and_(
-                    Embedding.model_id == ContentKey.model_id,
-                    Embedding.task_set_id == ContentKey.task_set_id,
-                    Embedding.record_no == ContentKey.record_no,
+                    Embedding.model_id == ResultKey.model_id,
+                    Embedding.task_set_id == ResultKey.task_set_id,
+                    Embedding.record_no == ResultKey.record_no,
                 ),
             )
-            .where(ContentKey.model_id == model_id, ContentKey.content_key.in_(chunk))
-            .distinct()
+            .where(ResultKey.model_id == model_id, ResultKey.content_key.in_(chunk))
         ).scalars()
     return np.isin(keys, np.array(found, dtype=f"S{KEY_BYTES}"))
 
 
-def reused_copies(conn: Connection, set_id: int, model_key: str) -> tuple[int, int]:
-    """(copied rows of the set, how many of them differ from their source's row where that is
-    still stored: a forgotten set takes its rows, never the copies made of them)."""
-    differs = "IS DISTINCT FROM" if conn.dialect.name == "postgresql" else "IS NOT"
-    changed = " OR ".join(f"s.{c} {differs} t.{c}" for c in ["n_tokens", *_vector_columns(conn)])
-    row = conn.execute(
-        text(
-            f"SELECT count(*), sum(CASE WHEN s.record_no IS NOT NULL AND ({changed}) "
-            "THEN 1 ELSE 0 END) "
-            "FROM reused_results r JOIN models m ON m.id = r.model_id "
-            "JOIN embeddings t ON t.model_id = r.model_id AND t.task_set_id = r.task_set_id "
-            "AND t.record_no = r.record_no "
-            "LEFT JOIN embeddings s ON s.model_id = r.model_id "
-            "AND s.task_set_id = r.from_task_set_id AND s.record_no = r.from_record_no "
-            "WHERE r.task_set_id = :set AND m.model_key = :model"
-        ),
-        {"set": set_id, "model": model_key},
-    ).one()
-    return int(row[0] or 0), int(row[1] or 0)
+def stored_results(conn: Connection, set_id: int, model_id: int) -> int:
+    """The distinct results the set's tasks point at: its own rows, and the other sets' rows its
+    links name (in-set duplicates read one of its own rows, counted once)."""
+    own = conn.execute(
+        select(func.count())
+        .select_from(Embedding)
+        .where(Embedding.task_set_id == set_id, Embedding.model_id == model_id)
+    ).scalar_one()
+    pair = (
+        select(ReusedResult.from_task_set_id, ReusedResult.from_record_no)
+        .where(
+            ReusedResult.task_set_id == set_id,
+            ReusedResult.model_id == model_id,
+            ReusedResult.from_task_set_id != set_id,
+            _source_stored(ReusedResult),
+            ~_target_stored(ReusedResult),
+        )
+        .distinct()
+        .subquery()
+    )
+    elsewhere = conn.execute(select(func.count()).select_from(pair)).scalar_one()
+    return int(own) + int(elsewhere)
+
+
+def broken_links(conn: Connection, set_id: int, model_id: int) -> tuple[int, int, int]:
+    """(links of the set, how many name a source that is neither stored, nor failed, nor a task
+    of the set still to run: a result lost; how many are self-links: rows the set's tasks
+    adopted from a forgotten set, store/result_links.py)."""
+    total = conn.execute(
+        select(func.count())
+        .select_from(ReusedResult)
+        .where(ReusedResult.task_set_id == set_id, ReusedResult.model_id == model_id)
+    ).scalar_one()
+    broken = conn.execute(
+        select(func.count())
+        .select_from(ReusedResult)
+        .where(
+            ReusedResult.task_set_id == set_id,
+            ReusedResult.model_id == model_id,
+            ~_source_stored(ReusedResult),
+            ~_target_stored(ReusedResult),
+            ~_target_failed(ReusedResult),
+            ~_failed(ReusedResult.from_task_set_id, ReusedResult.from_record_no),
+            # An in-set duplicate's first may still be queued: only a first that is no task of
+            # the set (its set forgotten without a hand-over) breaks the link for good.
+            (ReusedResult.from_task_set_id != set_id)
+            | ~select(Task.record_no)
+            .where(
+                Task.task_set_id == ReusedResult.from_task_set_id,
+                Task.record_no == ReusedResult.from_record_no,
+            )
+            .exists(),
+        )
+    ).scalar_one()
+    adopted = conn.execute(
+        select(func.count())
+        .select_from(ReusedResult)
+        .where(
+            ReusedResult.task_set_id == set_id,
+            ReusedResult.model_id == model_id,
+            ReusedResult.from_task_set_id == ReusedResult.task_set_id,
+            ReusedResult.from_record_no == ReusedResult.record_no,
+            _target_stored(ReusedResult),
+        )
+    ).scalar_one()
+    return int(total), int(broken), int(adopted)
 
 
 # ---- inside one transaction -------------------------------------------------------------------
@@ -252,116 +349,162 @@ def _lock_planning(conn: Connection, set_id: int) -> None:
         )
 
 
-def _store_keys(
-    conn: Connection, set_id: int, model_id: int, record_no: np.ndarray, keys: np.ndarray
-) -> None:
-    """The set's keys for the model, written the first time the set is planned for it (a set
-    is immutable, so they never change)."""
-    known = conn.execute(
-        select(ContentKey.record_no)
-        .where(ContentKey.model_id == model_id, ContentKey.task_set_id == set_id)
-        .limit(1)
-    ).first()
-    if known is not None or record_no.size == 0:
-        return
-    if conn.dialect.name == "postgresql":
-        _copy_keys_postgres(conn, set_id, model_id, record_no, keys)
+@contextmanager
+def _page_cache(conn: Connection) -> Iterator[None]:
+    """SQLite: a page cache that holds the key and link indexes while planning looks a million
+    keys up in them (random lookups otherwise re-read their pages); put back after, as it
+    belongs to the pooled connection."""
+    if conn.dialect.name != "sqlite":
+        yield
         return
     cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
-    cursor.executemany(
-        "INSERT INTO content_keys (model_id, task_set_id, record_no, content_key) "
-        "VALUES (?, ?, ?, ?)",
-        zip([model_id] * record_no.size, [set_id] * record_no.size, record_no.tolist(),
-            key_bytes(keys), strict=True),
-    )  # fmt: skip
+    (cache_size,) = cursor.execute("PRAGMA cache_size").fetchone()
+    cursor.execute(f"PRAGMA cache_size = {-PLANNING_CACHE_KIB}")
+    try:
+        yield
+    finally:
+        cursor.execute(f"PRAGMA cache_size = {int(cache_size)}")
 
 
-def _copy_keys_postgres(
-    conn: Connection, set_id: int, model_id: int, record_no: np.ndarray, keys: np.ndarray
-) -> None:
-    """One binary COPY: every field has a fixed width, so the rows are one structured array."""
-    layout = np.dtype(
-        [
-            ("fields", ">i2"),
-            ("len_model", ">i4"), ("model_id", ">i4"),
-            ("len_set", ">i4"), ("task_set_id", ">i4"),
-            ("len_record", ">i4"), ("record_no", ">i8"),
-            ("len_key", ">i4"), ("content_key", f"S{KEY_BYTES}"),
-        ]
-    )  # fmt: skip
-    rows = np.empty(record_no.size, dtype=layout)
-    rows["fields"] = 4
-    rows["len_model"], rows["model_id"] = 4, model_id
-    rows["len_set"], rows["task_set_id"] = 4, set_id
-    rows["len_record"], rows["record_no"] = 8, record_no
-    rows["len_key"], rows["content_key"] = KEY_BYTES, keys
-    cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
-    statement = (
-        "COPY content_keys (model_id, task_set_id, record_no, content_key) "
-        "FROM STDIN (FORMAT BINARY)"
+@contextmanager
+def _planned_keys(conn: Connection, record_no: np.ndarray, keys: np.ndarray) -> Iterator[None]:
+    """The outstanding tasks' keys in a temporary table, `fabric_planned_keys` (record_no
+    ascending), for the statements that link and claim by joining it; gone afterwards."""
+    pg = conn.dialect.name == "postgresql"
+    conn.execute(text("DROP TABLE IF EXISTS fabric_planned_keys"))
+    conn.execute(
+        text(
+            # SQLite: INTEGER PRIMARY KEY is the rowid, scanned in order with no second index.
+            "CREATE TEMPORARY TABLE fabric_planned_keys "
+            f"(record_no {'BIGINT' if pg else 'INTEGER'} PRIMARY KEY, "
+            f"content_key {'BYTEA' if pg else 'BLOB'} NOT NULL)"
+        )
     )
-    with cursor.copy(statement) as copy:
-        copy.write(HEADER + rows.tobytes() + TRAILER)
+    cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+    if pg:
+        # One binary COPY: both fields have a fixed width, so the rows are one structured array.
+        layout = np.dtype(
+            [("fields", ">i2"), ("len_record", ">i4"), ("record_no", ">i8"),
+             ("len_key", ">i4"), ("content_key", f"S{KEY_BYTES}")]
+        )  # fmt: skip
+        rows = np.empty(record_no.size, dtype=layout)
+        rows["fields"] = 2
+        rows["len_record"], rows["record_no"] = 8, record_no
+        rows["len_key"], rows["content_key"] = KEY_BYTES, keys
+        with cursor.copy(
+            "COPY fabric_planned_keys (record_no, content_key) FROM STDIN (FORMAT BINARY)"
+        ) as copy:
+            copy.write(HEADER + rows.tobytes() + TRAILER)
+        conn.execute(text("ANALYZE fabric_planned_keys"))
+    else:
+        _insert_planned_keys_sqlite(cursor, record_no, keys)
+    try:
+        yield
+    finally:
+        conn.execute(text("DROP TABLE fabric_planned_keys"))
+
+
+def _insert_planned_keys_sqlite(cursor: Any, record_no: np.ndarray, keys: np.ndarray) -> None:
+    """SQLite: ROWS_PER_INSERT rows per statement (binding one row per statement run took
+    twice as long at a million), the rest one by one."""
+    values: list[Any] = [
+        x for pair in zip(record_no.tolist(), key_bytes(keys), strict=True) for x in pair
+    ]
+    whole = len(record_no) // ROWS_PER_INSERT * ROWS_PER_INSERT
+    statement = "INSERT INTO fabric_planned_keys (record_no, content_key) VALUES "
+    cursor.executemany(
+        statement + ", ".join(["(?, ?)"] * ROWS_PER_INSERT),
+        (values[2 * i : 2 * (i + ROWS_PER_INSERT)] for i in range(0, whole, ROWS_PER_INSERT)),
+    )
+    rest = values[2 * whole :]
+    cursor.executemany(statement + "(?, ?)", zip(rest[::2], rest[1::2], strict=True))
+
+
+def _claim_keys(
+    conn: Connection, set_id: int, model_id: int, record_no: np.ndarray, keys: np.ndarray
+) -> None:
+    """The first task of each key left to compute claims it for the model (`result_keys`), so
+    later sets link to its row once stored. A key another task claimed first stays that task's
+    (two sets planned at once may both compute it). Inserted in key order: the key's B-tree
+    fills page by page."""
+    if record_no.size == 0:
+        return
+    order = np.argsort(keys, kind="stable")
+    record_no, keys = record_no[order], keys[order]
+    if conn.dialect.name == "postgresql":
+        conn.execute(
+            insert_ignoring_duplicates(conn.engine, ResultKey),
+            [
+                {"model_id": model_id, "content_key": k, "task_set_id": set_id, "record_no": r}
+                for r, k in zip(record_no.tolist(), key_bytes(keys), strict=True)
+            ],
+        )
+        return
+    cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+    rows = [
+        (model_id, k, set_id, r) for r, k in zip(record_no.tolist(), key_bytes(keys), strict=True)
+    ]
+    cursor.executemany(
+        "INSERT OR IGNORE INTO result_keys (model_id, content_key, task_set_id, record_no) "
+        "VALUES (?, ?, ?, ?)",
+        rows,
+    )
+
+
+def _drop_broken_links(conn: Connection, set_id: int, model_id: int) -> np.ndarray:
+    """Delete the set's links to another set's row that is not stored; their record numbers."""
+    gone = delete(ReusedResult).where(
+        ReusedResult.task_set_id == set_id,
+        ReusedResult.model_id == model_id,
+        ReusedResult.from_task_set_id != set_id,
+        ~_source_stored(ReusedResult),
+        ~_target_stored(ReusedResult),
+    )
+    return np.fromiter(
+        conn.execute(gone.returning(ReusedResult.record_no)).scalars(), dtype=np.int64
+    )
 
 
 def _link_stored(conn: Connection, set_id: int, model_id: int) -> np.ndarray:
-    """Link each of the set's tasks that has no row, no failure and no link yet to one stored
-    row of the same key (the lowest set id, then record number); their record numbers. One
-    INSERT ... SELECT: the links never pass through Python (at 1 M tasks that took most of
-    planning)."""
-    mine, source = aliased(ContentKey), aliased(ContentKey)
-    stored_source = (
-        select(Embedding.record_no)
-        .where(
-            Embedding.model_id == source.model_id,
-            Embedding.task_set_id == source.task_set_id,
-            Embedding.record_no == source.record_no,
-        )
-        .exists()
-    )
-    linked_already = (
-        select(ReusedResult.record_no)
-        .where(
-            ReusedResult.model_id == mine.model_id,
-            ReusedResult.task_set_id == mine.task_set_id,
-            ReusedResult.record_no == mine.record_no,
-        )
-        .exists()
-    )
-    stride = literal(PAIR_STRIDE, BigInteger)
-    pair = func.min(cast(source.task_set_id, BigInteger) * stride + source.record_no)
+    """Link each planned task whose key's owner (`result_keys`) has a stored row, in another
+    task, to that row; their record numbers. One INSERT ... SELECT over the planned keys, in
+    record order: the links never pass through Python."""
+    params = {"model": model_id, "set": set_id, "now": utcnow()}
     links = (
-        select(
-            literal(model_id, Integer),
-            literal(set_id, Integer),
-            mine.record_no,
-            cast(pair / stride, Integer),
-            pair % stride,
-            literal(utcnow(), DateTime(timezone=True)),
-        )
-        .join(
-            source,
-            and_(source.model_id == mine.model_id, source.content_key == mine.content_key),
-        )
-        .where(
-            mine.model_id == model_id,
-            mine.task_set_id == set_id,
-            ~((source.task_set_id == mine.task_set_id) & (source.record_no == mine.record_no)),
-            stored_source,
-            ~_stored(mine.model_id, mine.task_set_id, mine.record_no),
-            ~_failed(mine.task_set_id, mine.record_no),
-            ~linked_already,
-        )
-        .group_by(mine.record_no)
+        "INSERT INTO reused_results (model_id, task_set_id, record_no, from_task_set_id, "
+        "from_record_no, created_at) "
+        "SELECT :model, :set, p.record_no, r.task_set_id, r.record_no, :now "
+        "FROM fabric_planned_keys p JOIN result_keys r "
+        "ON r.model_id = :model AND r.content_key = p.content_key "
+        "WHERE NOT (r.task_set_id = :set AND r.record_no = p.record_no) "
+        "AND EXISTS (SELECT 1 FROM embeddings s WHERE s.model_id = :model "
+        "AND s.task_set_id = r.task_set_id AND s.record_no = r.record_no) "
+        "ORDER BY p.record_no"
     )
-    columns = ["model_id", "task_set_id", "record_no", "from_task_set_id", "from_record_no",
-               "created_at"]  # fmt: skip
-    statement = (
-        insert_ignoring_duplicates(conn.engine, ReusedResult)
-        .from_select(columns, links)
-        .returning(ReusedResult.record_no)
-    )
-    return np.fromiter(conn.execute(statement).scalars(), dtype=np.int64)
+    conflict = " ON CONFLICT DO NOTHING" if conn.dialect.name == "postgresql" else ""
+    cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+    statement = f"{links}{conflict} RETURNING record_no"
+    if conn.dialect.name == "postgresql":
+        cursor.execute(statement.replace(":model", "%(model)s").replace(":set", "%(set)s")
+                       .replace(":now", "%(now)s"), params)  # fmt: skip
+    else:
+        cursor.execute(statement, params)
+    linked = np.array(cursor.fetchall(), dtype=np.int64).reshape(-1)
+    _count_links(conn, set_id, model_id, linked)
+    return linked
+
+
+def _count_links(conn: Connection, set_id: int, model_id: int, record_no: np.ndarray) -> None:
+    """A link adds its task to the model's index as a row does: SQLite's inserts are counted
+    into the shard watermarks by whoever inserts (PostgreSQL's triggers count them)."""
+    if conn.dialect.name == "sqlite" and record_no.size:
+        cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+        count_inserted(
+            cursor,
+            np.full(record_no.size, set_id, np.int64),
+            np.full(record_no.size, model_id, np.int64),
+            record_no,
+        )
 
 
 def _insert_links(
@@ -373,8 +516,8 @@ def _insert_links(
     from_record_no: np.ndarray,
 ) -> None:
     from_sets = np.broadcast_to(np.asarray(from_set_id, dtype=np.int64), record_no.shape)
-    conn.execute(
-        insert_ignoring_duplicates(conn.engine, ReusedResult),
+    inserted = conn.execute(
+        insert_ignoring_duplicates(conn.engine, ReusedResult).returning(ReusedResult.record_no),
         [
             {"model_id": model_id, "task_set_id": set_id, "record_no": r,
              "from_task_set_id": s, "from_record_no": f}
@@ -382,50 +525,7 @@ def _insert_links(
                                strict=True)
         ],
     )  # fmt: skip
-
-
-def _copy_linked(conn: Connection, set_id: int, model_id: int) -> np.ndarray:
-    """Copy the source row to every linked task of the set without a row whose source has one;
-    the record numbers of the rows inserted."""
-    columns = _vector_columns(conn)
-    where = (
-        "r.model_id = :model AND r.task_set_id = :set AND NOT EXISTS (SELECT 1 FROM embeddings t "
-        "WHERE t.model_id = r.model_id AND t.task_set_id = r.task_set_id "
-        "AND t.record_no = r.record_no)"
-    )
-    source = (
-        "FROM reused_results r JOIN embeddings e ON e.model_id = r.model_id "
-        "AND e.task_set_id = r.from_task_set_id AND e.record_no = r.from_record_no"
-    )
-    params = {"model": model_id, "set": set_id}
-    listed = ", ".join(columns)
-    selected = ", ".join(f"e.{c}" for c in columns)
-    head = f"INTO embeddings (model_id, task_set_id, record_no, n_tokens, {listed}) "
-    body = f"SELECT e.model_id, r.task_set_id, r.record_no, e.n_tokens, {selected} {source} "
-    if conn.dialect.name == "postgresql":
-        # Statement-level triggers count the rows into the shard watermarks.
-        inserted = conn.execute(
-            text(f"INSERT {head}{body}WHERE {where} ON CONFLICT DO NOTHING RETURNING record_no"),
-            params,
-        ).scalars()
-        return np.fromiter(inserted, dtype=np.int64)
-    # SQLite: inserts are counted into the watermarks by whoever inserts (store/watermarks.py);
-    # this transaction holds the write lock, so no other writer comes between.
-    targets = np.fromiter(
-        conn.execute(
-            text(f"INSERT {head}{body}WHERE {where} RETURNING record_no"), params
-        ).scalars(),
-        dtype=np.int64,
-    )
-    if targets.size:
-        cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
-        count_inserted(
-            cursor,
-            np.full(targets.size, set_id, np.int64),
-            np.full(targets.size, model_id, np.int64),
-            targets,
-        )
-    return targets
+    _count_links(conn, set_id, model_id, np.fromiter(inserted.scalars(), dtype=np.int64))
 
 
 def _fail_linked(conn: Connection, set_id: int, model_id: int) -> int:
@@ -467,15 +567,6 @@ def _fail_linked(conn: Connection, set_id: int, model_id: int) -> int:
     return len(rows)
 
 
-def _vector_columns(conn: Connection) -> list[str]:
-    have = VectorColumns.of(conn)
-    return [BYTES] + [
-        name
-        for name, present in ((FLOAT32, have.float32), (HALF, have.half), (BITS, have.bits))
-        if present
-    ]
-
-
 def _stored(model: Any, task_set: Any, record: Any) -> Exists:
     return (
         select(Embedding.record_no)
@@ -494,6 +585,10 @@ def _failed(task_set: Any, record: Any) -> Exists:
         .where(TaskFailure.task_set_id == task_set, TaskFailure.record_no == record)
         .exists()
     )
+
+
+def _source_stored(link: type[ReusedResult]) -> Exists:
+    return _stored(link.model_id, link.from_task_set_id, link.from_record_no)
 
 
 def _target_stored(link: type[ReusedResult]) -> Exists:

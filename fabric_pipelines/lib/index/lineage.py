@@ -17,10 +17,10 @@ from fabric_pipelines.lib.store.keys import model_id_of, set_id_of
 from fabric_pipelines.lib.store.models import (
     Batch,
     BatchPlanRow,
-    Embedding,
     IndexReceipt,
     Model,
     TaskSet,
+    task_embeddings,
 )
 
 
@@ -114,10 +114,11 @@ def trace(conn: Connection, receipt_sha256: str, recorded: dict[str, Any]) -> Li
         if ts is None:
             sets.append(TaskSetLineage(name, "?", "?", "?", 0, 0, 0, None, None))
             continue
+        rows = task_embeddings.c  # a row per task: its own, or the one it reused
         embeddings = conn.execute(
             select(func.count())
-            .select_from(Embedding)
-            .where(Embedding.task_set_id == ts.id, Embedding.model_id == model_row)
+            .select_from(task_embeddings)
+            .where(rows.task_set_id == ts.id, rows.model_id == model_row)
         ).scalar_one()
         run = runs.get(name, {})
         entry = TaskSetLineage(

@@ -56,6 +56,7 @@ from fabric_pipelines.lib.index.vectors import (
     memory_mapped,
     read_only_connection,
     vector_set,
+    with_linked_tasks,
 )
 from fabric_pipelines.lib.records.vector_codec import StoredCodec
 from fabric_pipelines.lib.store.keys import model_id, task_set_id
@@ -300,7 +301,9 @@ class VectorTail:
             if arrivals.vectors is None:  # no rows: the table's own read says so at no cost
                 self._error = TailGaveUp("no rows arrived")
                 return None
-            ids, vectors = arrivals.compacted()
+            # Tasks that reused a stored result hold no row: each takes its source's vector.
+            # Links move the watermarks too, so none was made since the registration.
+            ids, vectors = with_linked_tasks(conn, self._model, *arrivals.compacted())
             if self._variant:
                 # Read now, not at the start: an int8 key's first run records its calibration
                 # while it extracts. The same decoding as the table's read (vectors.py).

@@ -90,7 +90,7 @@ def load_vectors(conn: Connection, model_key: str) -> VectorSet:
     codec = StoredCodec.of_key(conn, model_key)
     if not codec.plain:  # an output variant's rows: read as values (stored_vectors.py)
         ids, vectors = _read_variant_rows(conn, model, codec)
-        return vector_set(conn, model_key, ids, vectors)
+        return vector_set(conn, model_key, *with_linked_tasks(conn, model, ids, vectors))
     pgvector = has_pgvector_column(conn)
     read = _read_in_parallel(conn, model, pgvector, extents)
     if read is None:
@@ -98,7 +98,45 @@ def load_vectors(conn: Connection, model_key: str) -> VectorSet:
     ids, vectors = read
     if len(ids) == 0:
         return empty
-    return vector_set(conn, model_key, ids, vectors)
+    return vector_set(conn, model_key, *with_linked_tasks(conn, model, ids, vectors))
+
+
+def linked_task_ids(conn: Connection, model: int) -> tuple[np.ndarray, np.ndarray]:
+    """(id of each task that reused another's result, its source's id), as index ids, for the
+    model's links whose task holds no row of its own (broker/reuse.py)."""
+    raw: Any = conn.connection.driver_connection
+    mark = "%s" if _is_postgres(conn) else "?"
+    with closing(raw.cursor()) as cursor:
+        cursor.execute(
+            f"SELECT r.task_set_id * {mark} + r.record_no, "
+            f"r.from_task_set_id * {mark} + r.from_record_no FROM reused_results r "
+            f"WHERE r.model_id = {mark} AND NOT EXISTS (SELECT 1 FROM embeddings t "
+            "WHERE t.model_id = r.model_id AND t.task_set_id = r.task_set_id "
+            "AND t.record_no = r.record_no)",
+            (ID_STRIDE, ID_STRIDE, model),
+        )
+        pairs = np.array(cursor.fetchall(), dtype=np.int64).reshape(-1, 2)
+    return pairs[:, 0], pairs[:, 1]
+
+
+def with_linked_tasks(
+    conn: Connection, model: int, ids: np.ndarray, vectors: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The stored rows (`ids` ascending) and a row for every task linked to one of them, with
+    its source's vector: one row per task, ascending by id, as the index has always held. A
+    link whose source is not stored yet (a duplicate still queued) adds nothing."""
+    targets, sources = linked_task_ids(conn, model)
+    if targets.size == 0 or ids.size == 0:
+        return ids, vectors
+    at = np.minimum(np.searchsorted(ids, sources), ids.size - 1)
+    found = ids[at] == sources
+    targets, at = targets[found], at[found]
+    if targets.size == 0:
+        return ids, vectors
+    all_ids = np.concatenate([ids, targets])
+    order = np.argsort(all_ids, kind="stable")
+    source_row = np.concatenate([np.arange(ids.size), at])[order]
+    return all_ids[order], vectors[source_row]
 
 
 def vector_set(conn: Connection, model_key: str, ids: np.ndarray, vectors: np.ndarray) -> VectorSet:

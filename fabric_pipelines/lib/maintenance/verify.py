@@ -31,7 +31,7 @@ from sqlalchemy.orm import Session
 
 from fabric_gpu.model import DEFAULT_MODEL_ID
 from fabric_pipelines.lib.broker.ledger import COMPLETED, LEASED, QUEUED, accounting
-from fabric_pipelines.lib.broker.reuse import reused_copies
+from fabric_pipelines.lib.broker.reuse import broken_links
 from fabric_pipelines.lib.core.files import sha256_file
 from fabric_pipelines.lib.core.retry import unit_of_work
 from fabric_pipelines.lib.core.settings import FabricPaths
@@ -336,15 +336,16 @@ def _verify_task_set(
                         )
                 _check_shards(ctx, paths, b, rows, shards, layers)
         _check_duplicates(ctx, model_plans, orders, by_plan, in_batches)
-        # Copies of stored results (lib/broker/reuse.py) belong to no batch: each must equal its source.
-        copies = _check_reused(ctx, conn, row.id, model_key)
-        if embedded.size - copies > completed_items and not short:
+        # Reused results are links, not rows (lib/broker/reuse.py); rows adopted from a forgotten
+        # set belong to no batch of this one.
+        adopted = _check_reused(ctx, conn, row.id, model_key)
+        if embedded.size - adopted > completed_items and not short:
             report.add(
                 "rows",
                 f"{name} ({model_key})",
-                f"{embedded.size - copies} embedding rows (besides {copies} reused) but the "
+                f"{embedded.size - adopted} embedding rows (besides {adopted} adopted) but the "
                 f"ledger's completed batches hold {completed_items} tasks: "
-                f"{embedded.size - copies - completed_items} rows belong to no completed batch",
+                f"{embedded.size - adopted - completed_items} rows belong to no completed batch",
                 _no_repair(name, "rows were written outside the ledger"),
             )
         if model_key == _plan_model(plans, ctx.current_plan):
@@ -590,19 +591,22 @@ def _check_duplicates(
 
 
 def _check_reused(ctx: _Context, conn: Connection, set_id: int, model_key: str) -> int:
-    """Every copied row of the set still equals its source's row (where the source is still
-    stored: a forgotten set takes its rows, never its copies); how many copies the set holds."""
-    n_copies, differing = reused_copies(conn, set_id, model_key)
-    ctx.report.count("reused_rows", n_copies)
-    if differing:
+    """Every link of the set names a result that is stored, failed, or still to be computed by
+    the set itself; how many rows the set's tasks adopted from a forgotten set (computed by no
+    batch of their own, store/result_links.py)."""
+    model = conn.execute(select(Model.id).where(Model.model_key == model_key)).scalar()
+    if model is None:
+        return 0
+    links, broken, adopted = broken_links(conn, set_id, int(model))
+    ctx.report.count("reused_rows", links)
+    if broken:
         ctx.report.add(
             "rows",
             f"{ctx.name} ({model_key})",
-            f"{differing} of {n_copies} reused rows differ from the stored rows they were "
-            "copied from",
-            _no_repair(ctx.name, "a copied row was changed after it was stored"),
+            f"{broken} of {links} reused results name a row that is no longer stored",
+            ctx.run(),
         )
-    return n_copies
+    return adopted
 
 
 def _check_accounting(

@@ -41,6 +41,7 @@ from fabric_pipelines.lib.store.models import (
     Model,
     Task,
     TaskSet,
+    task_embeddings,
 )
 from fabric_pipelines.lib.store.vector_columns import VectorColumns
 
@@ -195,15 +196,18 @@ def _set_and_model(db: Engine, task_set: str, model_key: str | None) -> tuple[in
 
 
 def _embeddings(set_id: int, model: int, stored: VectorColumns) -> Select[Any]:
-    """Rows (task id, record_no, n_tokens, the vector's fields: store/vector_columns.py)."""
+    """Rows (task id, record_no, n_tokens, the vector's fields: store/vector_columns.py), one
+    per task: its own row or the one it reused (the view `task_embeddings`)."""
+    rows = task_embeddings.c
     vector: list[Any] = [literal_column(field) for field in stored.fields()]
     return (
-        select(Task.task_id, Embedding.record_no, Embedding.n_tokens, *vector)
+        select(Task.task_id, rows.record_no, rows.n_tokens, *vector)
+        .select_from(task_embeddings)
         .join(
             Task,
-            (Task.task_set_id == Embedding.task_set_id) & (Task.record_no == Embedding.record_no),
+            (Task.task_set_id == rows.task_set_id) & (Task.record_no == rows.record_no),
         )
-        .where(Embedding.task_set_id == set_id, Embedding.model_id == model)
+        .where(rows.task_set_id == set_id, rows.model_id == model)
     )
 
 
@@ -213,7 +217,7 @@ def _record_order_blocks(
     with db.connect() as conn:
         result = conn.execution_options(stream_results=True, yield_per=BLOCK_ROWS)
         stored = VectorColumns.of(conn)
-        query = _embeddings(set_id, model, stored).order_by(Embedding.record_no)
+        query = _embeddings(set_id, model, stored).order_by(task_embeddings.c.record_no)
         for block in result.execute(query).partitions(BLOCK_ROWS):
             yield _block_table(block, codec, stored)
 

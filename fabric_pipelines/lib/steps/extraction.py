@@ -123,7 +123,7 @@ def run_extraction_step(
     )  # fmt: skip
     # PostgreSQL: make the fresh rows countable from the primary key alone (store/settle.py).
     settle_started = time.perf_counter()
-    if report.rows_inserted or report.copied_after:
+    if report.rows_inserted:
         settle_embeddings(db)
     settle_seconds = time.perf_counter() - settle_started
     counts = _accounting(db, task_set, manifest.model_key)

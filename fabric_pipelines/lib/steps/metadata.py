@@ -146,7 +146,7 @@ def extraction_metadata(
         "completed": counts.completed,
         "reused": counts.reused,
         "engine_items": report.engine_items,
-        "copied_after_workers": report.copied_after,
+        "duplicates_after_workers": report.duplicates_after,
         "failed": counts.failed,
         # A set with chunked documents, by document (their windows are the tasks above).
         **({"documents": Json(counts.documents.to_mapping())} if counts.documents else {}),

@@ -15,8 +15,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from fabric_pipelines.lib.broker.ledger import DEFAULT_LEASE_SECONDS, Accounting, heartbeat_interval
-from fabric_pipelines.lib.broker.reuse import copy_pending_of
+from fabric_pipelines.lib.broker.reuse import fail_pending_of, waiting_duplicates_of
 from fabric_pipelines.lib.core.retry import unit_of_work
 from fabric_pipelines.lib.results.documents import combine_task_set
 from fabric_pipelines.lib.worker.launch import (
@@ -69,10 +71,10 @@ class ExtractionSummary:
     timelines: tuple[dict[str, float], ...] = ()
     # Chunked documents whose vectors this run combined from their windows (lib/results/documents.py).
     documents_combined: int = 0
-    # Rows the engines returned (their own count, retries included), and the tasks given a copy
-    # of the same content's row once it was stored (lib/broker/reuse.py) after the workers.
+    # Rows the engines returned (their own count, retries included), and the duplicates inside
+    # the set that read their first's row, stored by this run's workers (lib/broker/reuse.py).
     engine_items: int = 0
-    copied_after: int = 0
+    duplicates_after: int = 0
     # Summed over the GPU workers (their runtimes' timing marks): seconds the GPU ran batches,
     # and each GPU's span from its first batch's start to its last batch's end. 0: no GPU.
     gpu_busy_seconds: float = 0.0
@@ -111,6 +113,7 @@ def extract_task_set(
     (call it inside the device lease, which must outlive the workers)."""
     heartbeat_interval(lease_seconds, heartbeat_seconds)  # refuse bad timing before any work
     started = time.perf_counter()
+    waiting = waiting_duplicates_of(db, task_set, manifest.model_key)
     if workers == 0:
         reports = [
             _extract_here(
@@ -171,7 +174,7 @@ def extract_task_set(
                         on_event=on_event,
                     )  # fmt: skip
     superseded = next((r for r in reports if r.get("superseded_by")), None)
-    combined, copied = finish_task_set(db, task_set, manifest)
+    combined, resolved = finish_task_set(db, task_set, manifest, waiting)
     return ExtractionSummary(
         workers=max(workers, 1),
         batches_done=sum(r["batches_done"] for r in reports),
@@ -188,20 +191,25 @@ def extract_task_set(
         timelines=tuple(_timeline(r) for r in reports if r.get("started_at")),
         documents_combined=combined,
         engine_items=sum(r.get("engine_items", 0) for r in reports),
-        copied_after=copied,
+        duplicates_after=resolved,
         gpu_busy_seconds=sum(r.get("gpu_busy_seconds", 0.0) for r in reports),
         gpu_span_seconds=sum(r.get("gpu_span_seconds", 0.0) for r in reports),
     )
 
 
-@unit_of_work("finishing task set {task_set!r} (combining documents, copying reused rows)")
-def finish_task_set(db: Engine, task_set: str, manifest: EngineManifest) -> tuple[int, int]:
+@unit_of_work("finishing task set {task_set!r} (combining documents, failing orphaned duplicates)")
+def finish_task_set(
+    db: Engine, task_set: str, manifest: EngineManifest, waiting: np.ndarray | None = None
+) -> tuple[int, int]:
     """What ends every extraction run once its workers are done: chunked documents combined from
-    their windows, then duplicates inside the set given their first copy's row (they waited for
-    it, lib/broker/reuse.py); (documents combined, rows copied)."""
+    their windows, then duplicates inside the set whose first failed failed with it (the others
+    read their first's row, lib/broker/reuse.py); (documents combined, how many of the
+    duplicates `waiting` when the workers started read their first's row now)."""
     combined = combine_task_set(db, task_set, manifest)
-    copied, _ = copy_pending_of(db, task_set, manifest.model_key)
-    return combined, copied
+    fail_pending_of(db, task_set, manifest.model_key)
+    still = waiting_duplicates_of(db, task_set, manifest.model_key)
+    resolved = 0 if waiting is None else int(np.setdiff1d(waiting, still).size)
+    return combined, resolved
 
 
 def _timeline(report: dict[str, Any]) -> dict[str, float]:

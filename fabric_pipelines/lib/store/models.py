@@ -32,7 +32,9 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    column,
     select,
+    table,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, column_property, mapped_column
 
@@ -222,7 +224,9 @@ class Batch(Base):
 
 
 class Embedding(Base):
-    """One pooled embedding per (model, task set, task): written once, never twice.
+    """One pooled embedding per (model, task set, task) that computed it: written once, never
+    twice. A task that reused another's result (`ReusedResult`) has no row here: the view
+    `task_embeddings` holds one row per task, its own or its source's (migration 0016).
 
     Every column is fixed-width (the task is its record number in the set, the set and the model
     small integers), so the writer builds PostgreSQL's binary COPY payload for a whole batch with
@@ -330,38 +334,44 @@ class CalibrationRow(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
-class ContentKey(Base):
-    """The content key of each task of a set planned for a model (migration 0014, lib/broker/reuse.py):
-    sha256 of the model key, the hook layers and the task's final token ids. A stored result
-    of one key is the result of every task with that key, in any set.
+class ResultKey(Base):
+    """Which task holds (or will compute) the result of each content key of a model (migration
+    0016, lib/broker/reuse.py): sha256 of the model key, the hook layers and the token ids. One
+    owner per key: the first task planned to compute it. A later task of the same key, in any
+    set, is linked to the owner's row once that is stored.
 
-    A bulk table like `tasks` (no foreign key: a million rows arrive at once when a set is first
-    planned); its rows go with their set in `tasks/catalog.forget_task_set`."""
+    A bulk table like `tasks` (no foreign key: a set's keys arrive at once when it is planned);
+    its rows go with their set in `tasks/catalog.forget_task_set`, after the set's rows that
+    others read were handed over (store/result_links.py)."""
 
-    __tablename__ = "content_keys"
-    __table_args__ = (Index("ix_content_keys_key", "model_id", "content_key"),)
+    __tablename__ = "result_keys"
+    __table_args__ = (
+        Index("ix_result_keys_task", "task_set_id", "record_no"),
+        {"sqlite_with_rowid": False},  # looked up by key: the row is in the key's B-tree
+    )
+
+    model_id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    content_key: Mapped[bytes] = mapped_column(LargeBinary(32), primary_key=True)
+    task_set_id: Mapped[int] = mapped_column(Integer)
+    record_no: Mapped[int] = mapped_column(BigInteger)
+
+
+class ReusedResult(Base):
+    """A task whose result is another task's, of the same content key (lib/broker/reuse.py): the
+    link is its result, read from the source's row (migration 0016: no copy). Until that row is
+    stored (a duplicate inside the set whose first is still queued) the task counts as queued.
+
+    A bulk table like `embeddings` (no foreign key: a planning links up to a million tasks at
+    once); its rows go with their set in `tasks/catalog.forget_task_set`."""
+
+    __tablename__ = "reused_results"
+    __table_args__ = ({"sqlite_with_rowid": False},)  # one B-tree entry per link
 
     model_id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
     task_set_id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
     record_no: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
-    content_key: Mapped[bytes] = mapped_column(LargeBinary(32))
-
-
-class ReusedResult(Base):
-    """A task whose result is another task's, of the same content key (lib/broker/reuse.py): its
-    embedding row is a copy of the source's, made when the source's row is stored. Until then
-    (a duplicate inside the set whose first copy is still queued) the task counts as queued."""
-
-    __tablename__ = "reused_results"
-
-    model_id: Mapped[int] = mapped_column(
-        Integer, ForeignKey("models.id"), primary_key=True, autoincrement=False
-    )
-    task_set_id: Mapped[int] = mapped_column(
-        Integer, ForeignKey("task_sets.id", ondelete="CASCADE"), primary_key=True
-    )
-    record_no: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
-    # No foreign key: a copy stays valid when its source's set is forgotten.
+    # Forgetting the source's set hands its row over to a linked task instead
+    # (tasks/catalog.forget_task_set).
     from_task_set_id: Mapped[int] = mapped_column(Integer)
     from_record_no: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
@@ -391,3 +401,15 @@ class DatabaseIdentity(Base):
     __tablename__ = "database_identity"
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
+
+
+# One row per task for a model (migration 0016's view): the task's own `embeddings` row, or its
+# source's through its `reused_results` link, under the task's own set and record number. The
+# same columns as `embeddings`; what pgvector users and readers of a set's results query.
+task_embeddings = table(
+    "task_embeddings",
+    column("model_id", Integer),
+    column("task_set_id", Integer),
+    column("record_no", BigInteger),
+    column("n_tokens", Integer),
+)

@@ -37,13 +37,15 @@ from fabric_pipelines.lib.store import task_partitions
 from fabric_pipelines.lib.store.db import sqlite_has_json
 from fabric_pipelines.lib.store.keys import set_id_of
 from fabric_pipelines.lib.store.models import (
-    ContentKey,
     DocumentWindow,
     Embedding,
+    ResultKey,
+    ReusedResult,
     Task,
     TaskFailure,
     TaskSet,
 )
+from fabric_pipelines.lib.store.result_links import hand_over_results
 from fabric_pipelines.lib.tasks.arrow_files import read_table, single_chunk, to_table, write_ipc
 from fabric_pipelines.lib.tasks.inbox import (
     forget_submitted,
@@ -648,8 +650,11 @@ def forget_task_set(db: Engine, paths: FabricPaths, task_set: str) -> None:
     with db.begin() as conn:
         set_id = conn.execute(select(TaskSet.id).where(TaskSet.name == task_set)).scalar()
         if set_id is not None:
+            # Rows other sets' tasks reuse stay, as one of those tasks' own (broker/reuse.py).
+            hand_over_results(conn, set_id)
             conn.execute(delete(Embedding).where(Embedding.task_set_id == set_id))
-            conn.execute(delete(ContentKey).where(ContentKey.task_set_id == set_id))
+            conn.execute(delete(ResultKey).where(ResultKey.task_set_id == set_id))
+            conn.execute(delete(ReusedResult).where(ReusedResult.task_set_id == set_id))
             # PostgreSQL: a set's own partition goes after the commit, rows and all.
             if conn.dialect.name != "postgresql" or not task_partitions.has_own(conn, set_id):
                 conn.execute(delete(Task).where(Task.task_set_id == set_id))
