@@ -29,6 +29,13 @@ from fabric_pipelines.lib.tasks.catalog import forget_task_set, ingest_task_set
 from fabric_pipelines.lib.tasks.inbox import submit
 from tests.pipeline_helpers import stored_embeddings
 
+
+def identity_of_cpu(manifest: EngineManifest) -> str:
+    from fabric_gpu.engines.identity import engine_identity
+
+    return engine_identity(manifest)
+
+
 N_FIRST = 20_000
 
 
@@ -409,6 +416,7 @@ def test_planning_one_set_from_several_threads_at_once_claims_its_keys_and_links
     other stored (or wait for them), never store them twice; every link is made once."""
     import threading
 
+    from fabric_gpu.engines.identity import planned_identity
     from fabric_pipelines.lib.broker.reuse import link_before_planning
     from fabric_pipelines.lib.store.keys import model_id
     from fabric_pipelines.lib.tasks.arrow_files import flat_tokens, read_table
@@ -425,7 +433,7 @@ def test_planning_one_set_from_several_threads_at_once_claims_its_keys_and_links
     table = read_table(Path(ts.path), ts.content_sha256)
     tokens, offsets = flat_tokens(table)
     record_no = table.column("record_no").to_numpy()
-    keys = content_keys(tokens, offsets, manifest.model_key)
+    keys = content_keys(tokens, offsets, manifest.model_key, engine=planned_identity(manifest))
     with db.begin() as conn:
         mid = model_id(conn, manifest.model_key)
     planners = 4
@@ -494,6 +502,8 @@ def test_a_set_with_duplicates_stores_each_result_once(
     assert (row["tasks"], row["completed"], row["reused"], row["stored_results"]) == (
         1000, 700, 300, 700,
     ), row  # fmt: skip
+    # The rows by the engine that computed them: this run's CPU engine, all 700.
+    assert row["engines"] == {identity_of_cpu(manifest): 700}, row
     out = tmp_path / "dup.parquet"
     assert main(["export", "dup", "--out", str(out)]) == 0
     import pyarrow.parquet as pq
@@ -512,9 +522,9 @@ def test_0016_moves_a_filled_database_to_references_and_every_receipt_stays_vali
     db: Engine, db_url: str, paths: FabricPaths, tmp_path: Path, tiny_model_dir: Path
 ) -> None:
     """A database in 0015's shape (every reused task a copy of its source's row: made here by
-    0016's downgrade, which writes the copies 0015's planning wrote) moves to references in
-    place: the copies go, the index's tasks and vectors do not change, its receipt is still
-    fresh and rebuilds the same index."""
+    0016's downgrade, which writes the copies 0015's planning wrote, under an index published
+    before) moves to references in place: the copies go, the index's tasks and vectors do not
+    change, its receipt is still fresh and rebuilds the same index."""
     from fabric_pipelines.lib.index.build import IndexSpec
     from fabric_pipelines.lib.index.publish import build_and_publish
     from fabric_pipelines.lib.index.rebuild import rebuild_from_receipt
@@ -527,11 +537,6 @@ def test_0016_moves_a_filled_database_to_references_and_every_receipt_stays_vali
     _run(db, db_url, paths, manifest, _write(tmp_path / "a.jsonl", records), "a")
     twice = records[:300] + [(f"u{i}", _text(i + 1000)) for i in range(100)]
     _run(db, db_url, paths, manifest, _write(tmp_path / "b.jsonl", twice), "b")
-    downgrade(db, "0015")
-    with db.connect() as conn:
-        set_b = conn.execute(text("SELECT id FROM task_sets WHERE name = 'b'")).scalar_one()
-    assert _own_rows(db, set_b) == 400  # 0015's shape: 300 copies and 100 computed
-
     published = build_and_publish(
         db, model_key=manifest.model_key, model={"model_id": "tiny", "weights_sha256": "w"},
         spec=IndexSpec(factory="IVF8,Flat", nprobe=8, shards=4), index_folder=paths.indexes,
@@ -539,6 +544,10 @@ def test_0016_moves_a_filled_database_to_references_and_every_receipt_stays_vali
     )  # fmt: skip
     with db.connect() as conn:
         before = load_vectors(conn, manifest.model_key)
+    downgrade(db, "0015")
+    with db.connect() as conn:
+        set_b = conn.execute(text("SELECT id FROM task_sets WHERE name = 'b'")).scalar_one()
+    assert _own_rows(db, set_b) == 400  # 0015's shape: 300 copies and 100 computed
 
     upgrade(db)
     assert _own_rows(db, set_b) == 100  # the copies went
@@ -557,3 +566,28 @@ def test_0016_moves_a_filled_database_to_references_and_every_receipt_stays_vali
     rebuilt = rebuild_from_receipt(db, published.receipt, paths.indexes, repair=False)
     assert rebuilt.matches and rebuilt.rebuilt_sha256 == published.receipt["index_sha256"], rebuilt
     assert verify(db, paths).clean
+    # The receipt names the engine that computed its rows (recorded with each batch's ack).
+    assert published.receipt["model"]["engines"] == [identity_of_cpu(manifest)]
+
+
+def test_a_result_of_one_engine_is_not_reused_by_another() -> None:
+    """The engine identity is part of the content key: the same token ids under the same model
+    key give other keys for another backend, dtype, device class or numerics version."""
+    from dataclasses import replace
+
+    from fabric_gpu.engines.identity import device_class, engine_identity
+
+    tokens = np.array([101, 7, 8, 102], dtype=np.int32)
+    offsets = np.array([0, 4])
+    cpu = _manifest()
+    gpu = replace(cpu, backend="torch", dtype="float16")
+    ids = {
+        engine_identity(cpu),
+        engine_identity(gpu, "NVIDIA H200"),
+        engine_identity(gpu, "NVIDIA H100 80GB HBM3"),
+        engine_identity(replace(gpu, dtype="bfloat16"), "NVIDIA H200"),
+    }
+    assert len(ids) == 4 and engine_identity(cpu).startswith("cpu/float32/cpu/n")
+    keys = {content_keys(tokens, offsets, cpu.model_key, engine=e)[0] for e in ids}
+    assert len(keys) == 4
+    assert device_class("torch", None) == "gpu" and device_class("cpu", "anything") == "cpu"

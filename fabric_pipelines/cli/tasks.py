@@ -242,6 +242,14 @@ def _document_columns(docs: Any) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def _engines(conn: Any, name: str) -> dict[str, int]:
+    """The set's rows of its current plan's model, by the engine identity that computed them."""
+    from fabric_pipelines.lib.broker.ledger import current_model_key, set_engines
+
+    model_key = current_model_key(conn, name)
+    return {} if model_key is None else set_engines(conn, name, model_key)
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     import pandas as pd
     from sqlalchemy import select
@@ -286,6 +294,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                     ),
                     # The distinct stored results the set's tasks point at (reused ones once).
                     "stored_results": a.stored_results,
+                    # Its rows by the engine identity that computed them.
+                    "engines": _engines(conn, name),
                     # Chunked documents: their windows are the tasks above; counted by document.
                     **(_document_columns(a.documents) if a.documents is not None else {}),
                 }
@@ -312,7 +322,12 @@ def cmd_status(args: argparse.Namespace) -> int:
         ]  # fmt: skip
         print(json.dumps({"task_sets": rows, **({"failures": listed} if args.failures else {})}))
         return 0
-    print(pd.DataFrame(rows).drop(columns="finished").fillna("").to_string(index=False))
+    table = pd.DataFrame(rows).drop(columns=["finished", "engines"])
+    print(table.fillna("").to_string(index=False))
+    for row in rows:
+        if row["engines"]:
+            by_engine = ", ".join(f"{e} {n:,}" for e, n in row["engines"].items())
+            print(f"{row['task_set']}, rows by engine: {by_engine}")
     for name in names:
         if name in last_runs:
             last = last_runs[name]

@@ -279,10 +279,11 @@ def _fence_many(leases: list[Lease]):
     )
 
 
-def ack_many(conn: Connection, leases: list[Lease]) -> list[Lease]:
-    """Retire the leases' batches in one statement, inside the caller's transaction; returns the
-    leases that were stale (their epoch moved on). Idempotent for a holder: a batch its lease
-    already completed (a replay after a lost reply) acks again."""
+def ack_many(conn: Connection, leases: list[Lease], engine: str | None = None) -> list[Lease]:
+    """Retire the leases' batches in one statement, inside the caller's transaction, recording
+    the `engine` identity that computed them; returns the leases that were stale (their epoch
+    moved on). Idempotent for a holder: a batch its lease already completed (a replay after a
+    lost reply) acks again."""
     if not leases:
         return []
     retired = conn.execute(
@@ -293,7 +294,12 @@ def ack_many(conn: Connection, leases: list[Lease]) -> list[Lease]:
             ),
             Batch.state.in_((LEASED, COMPLETED)),
         )
-        .values(state=COMPLETED, lease_deadline=None, error=None)
+        .values(
+            state=COMPLETED,
+            lease_deadline=None,
+            error=None,
+            **({"engine": engine} if engine else {}),
+        )
         .returning(Batch.plan_id, Batch.batch_no, Batch.lease_epoch)
     ).all()
     # Keyed with the epoch: a group can hold an expired lease and its retake of the same batch.
@@ -615,3 +621,43 @@ def record_nos_of(
         return np.array(cursor.fetchall(), dtype=np.int64).reshape(-1)
     finally:
         cursor.close()
+
+
+UNRECORDED = "unrecorded"  # batches acked before their engine was recorded (migration 0016)
+
+
+def set_engines(conn: Connection, task_set: str, model_key: str) -> dict[str, int]:
+    """Rows the set's completed batches of `model_key` hold, by the engine identity that
+    computed them (fabric_gpu/engines/identity.py); reused tasks are not rows of the set."""
+    rows = conn.execute(
+        select(Batch.engine, func.sum(Batch.item_count))
+        .join(BatchPlanRow, BatchPlanRow.plan_id == Batch.plan_id)
+        .where(
+            Batch.task_set_id == set_id_of(task_set),
+            BatchPlanRow.model_id == model_id_of(model_key),
+            Batch.state == COMPLETED,
+        )
+        .group_by(Batch.engine)
+    ).all()
+    return {engine or UNRECORDED: int(n) for engine, n in sorted(rows, key=lambda r: r[0] or "")}
+
+
+def model_engines(conn: Connection, model: int) -> list[str]:
+    """Every engine identity that computed a completed batch of the model, in any set."""
+    rows = conn.execute(
+        select(Batch.engine)
+        .join(BatchPlanRow, BatchPlanRow.plan_id == Batch.plan_id)
+        .where(BatchPlanRow.model_id == model, Batch.state == COMPLETED)
+        .distinct()
+    ).scalars()
+    return sorted({engine or UNRECORDED for engine in rows})
+
+
+def current_model_key(conn: Connection, task_set: str) -> str | None:
+    """The model key of the set's current plan; None where it has none."""
+    return conn.execute(
+        select(Model.model_key)
+        .join(BatchPlanRow, BatchPlanRow.model_id == Model.id)
+        .join(TaskSet, TaskSet.current_plan_id == BatchPlanRow.plan_id)
+        .where(TaskSet.name == task_set)
+    ).scalar_one_or_none()

@@ -15,6 +15,7 @@ from sqlalchemy import Connection, Engine, select, update
 from sqlalchemy.orm import Session
 
 from fabric_gpu.batching import PLANNER_VERSION, BatchPlan, plan_batches, prefix_keys
+from fabric_gpu.engines.identity import planned_identity
 from fabric_gpu.manifest import EngineManifest
 from fabric_gpu.model import resolve_model_dir, tokenizer_sha256
 from fabric_gpu.profile import ConsumerProfile
@@ -126,7 +127,13 @@ def plan_task_set(
         keys = prefix_keys(tokens, offsets)
         # Runs that keep hook layers are not reused: their hidden states are files per batch.
         content = (
-            content_keys(tokens, offsets, manifest.model_key, manifest.hooks.layers)
+            content_keys(
+                tokens,
+                offsets,
+                manifest.model_key,
+                manifest.hooks.layers,
+                engine=planned_identity(manifest),
+            )
             if reuse_enabled(reuse) and not manifest.hooks.layers
             else None
         )

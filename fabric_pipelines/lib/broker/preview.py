@@ -16,6 +16,7 @@ from sqlalchemy import Engine, select
 
 from fabric_gpu.batching import plan_batches, prefix_keys
 from fabric_gpu.engines import input_layout
+from fabric_gpu.engines.identity import planned_identity
 from fabric_gpu.manifest import EngineManifest
 from fabric_gpu.model import load_tokenizer, resolve_model_dir
 from fabric_pipelines.lib.broker.reuse import content_keys, reuse_enabled, stored_keys
@@ -144,7 +145,10 @@ def _reused(
         not reuse_enabled(reuse) or manifest.hooks.layers
     ):  # as planning decides (lib/broker/reuse.py)
         return 0, 0, rows
-    keys = content_keys(tasks.tokens, tasks.offsets, manifest.model_key, manifest.hooks.layers)
+    keys = content_keys(
+        tasks.tokens, tasks.offsets, manifest.model_key, manifest.hooks.layers,
+        engine=planned_identity(manifest),
+    )  # fmt: skip
     eligible = tasks.record_no < WINDOW_BASE
     with db.connect() as conn:
         mid = conn.execute(select(Model.id).where(Model.model_key == manifest.model_key)).scalar()

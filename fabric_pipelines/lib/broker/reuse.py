@@ -1,8 +1,10 @@
 """Never compute the same thing twice: results reused by content key, stored once.
 
 A task's content key is the sha256 of what decides its result: the model key (model, weights,
-pooling, normalisation, output variant), the hook layers, and the task's final token ids (its
-prompt's tokens included). Each key has one owner (`result_keys`): the first task planned to
+pooling, normalisation, output variant), the engine identity (backend, dtype, device class,
+numerics version: fabric_gpu/engines/identity.py), the hook layers, and the task's final token
+ids (its prompt's tokens included). So reuse matches the engine: a vector the CPU engine made in
+fp32 is never reused for a GPU run in fp16. Each key has one owner (`result_keys`): the first task planned to
 compute it. When a set is planned, each outstanding task whose key's owner has a stored row, in
 any set, is linked to that row (`reused_results`) instead of getting a place in a batch; the
 tasks left claim their keys. Duplicates inside the set are planned once: the first (by record
@@ -86,14 +88,19 @@ def reuse_enabled(setting: bool | None = None) -> bool:
 
 
 def content_keys(
-    tokens: np.ndarray, offsets: np.ndarray, model_key: str, layers: Sequence[int] = ()
+    tokens: np.ndarray,
+    offsets: np.ndarray,
+    model_key: str,
+    layers: Sequence[int] = (),
+    engine: str = "",
 ) -> np.ndarray:
     """Each task's content key (dtype S32; `key_bytes` for the bytes): sha256 over the JSON
-    {"layers": [...], "model_key": ...} (sorted keys) followed by the task's token ids as
-    little-endian int32."""
-    head = hashlib.sha256(
-        json.dumps({"model_key": model_key, "layers": list(layers)}, sort_keys=True).encode()
-    )
+    {"engine": ..., "layers": [...], "model_key": ...} (sorted keys; "engine" only where given:
+    fabric_gpu/engines/identity.py) followed by the task's token ids as little-endian int32."""
+    header: dict[str, Any] = {"model_key": model_key, "layers": list(layers)}
+    if engine:
+        header["engine"] = engine
+    head = hashlib.sha256(json.dumps(header, sort_keys=True).encode())
     data = np.ascontiguousarray(tokens, dtype="<i4")
     view = memoryview(data.view(np.uint8).data)
     bounds = (np.asarray(offsets, dtype=np.int64) * 4).tolist()

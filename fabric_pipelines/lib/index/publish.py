@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from sqlalchemy import Engine
 
+from fabric_pipelines.lib.broker.ledger import model_engines
 from fabric_pipelines.lib.core.files import (
     CHUNK_BYTES,
     CorruptFileError,
@@ -506,6 +507,8 @@ def _load_source(
         shards.register(conn, mid, n_shards)
         # An output variant's rows are indexed as their values; the receipt says which.
         encoding = stored_encoding(StoredCodec.of_key(conn, model_key))
+        # Every engine identity whose rows the index holds (reused rows are their sources').
+        encoding["engines"] = model_engines(conn, mid)
     with db.connect() as conn:
         # Versions before rows: a change that lands after this read shows up as stale next time.
         versions = shards.versions(conn, mid, n_shards)

@@ -64,6 +64,7 @@ class BatchRows:
     # ([real tokens, hidden] per layer): `before_write` turns them into `shard`.
     task_rows: np.ndarray | None = None
     hidden_states: dict[int, np.ndarray] | None = None
+    engine: str = ""  # the identity that computed the rows (fabric_gpu/engines/identity.py)
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,15 @@ def write_group(
                 "SELECT set_config('synchronous_commit', 'off', true), "
                 "set_config('work_mem', '64MB', true)"
             )
-        stale = set(ack_many(conn, [batch.lease for batch in group]))
+        # One worker's group: one engine computed it.
+        engine_ids = {batch.engine for batch in group if batch.engine}
+        stale = set(
+            ack_many(
+                conn,
+                [batch.lease for batch in group],
+                next(iter(engine_ids)) if len(engine_ids) == 1 else None,
+            )
+        )
         for batch in group:
             if batch.lease in stale:
                 outcome.stale.append((batch, stale_reason(batch.lease)))

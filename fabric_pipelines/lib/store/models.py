@@ -221,6 +221,9 @@ class Batch(Base):
     lease_deadline: Mapped[float | None] = mapped_column(Float, nullable=True)  # unix seconds
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # The engine identity that computed the batch's rows, set with its ack
+    # (fabric_gpu/engines/identity.py; migration 0016); NULL: acked before it was recorded.
+    engine: Mapped[str | None] = mapped_column(String(160), nullable=True)
 
 
 class Embedding(Base):

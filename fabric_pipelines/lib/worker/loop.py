@@ -23,6 +23,7 @@ import pyarrow as pa
 from sqlalchemy import Engine, func, select
 
 from fabric_gpu.engines import Engine as ExtractionEngine
+from fabric_gpu.engines.identity import identity_of
 from fabric_gpu.runtime import BatchResult, open_runner
 from fabric_pipelines.lib.broker.claim_ahead import ClaimAhead
 from fabric_pipelines.lib.broker.ledger import (
@@ -260,6 +261,7 @@ class WorkerRun:
             f"looking up task set {job.task_set!r}", lambda: _keys(db, job)
         )
         self.writer: WriteBehind | None = None
+        self.engine_identity = identity_of(engine)
 
     def _db_call(self, operation: str, attempt: Callable[[], T]) -> T:
         return retry(operation, attempt, budget_s=self.settings.retry_budget_s)
@@ -286,6 +288,7 @@ class WorkerRun:
                 pooled=result.pooled,
                 task_rows=rows,
                 hidden_states=result.hooks or None,
+                engine=self.engine_identity,
             )
         )
 

@@ -22,6 +22,9 @@ watermarks are put back as they were: every receipt stays valid and fresh.
 to a million tasks at once, and the two checks per row cost more than the rest of the insert (its
 rows go with their set in tasks/catalog.forget_task_set).
 
+`batches.engine` records the engine identity that computed each batch's rows (set with its ack;
+NULL for batches acked before).
+
 Links now move the shard watermarks of their task as rows do (store/watermarks.py): PostgreSQL by
 the same statement-level triggers as `embeddings`; SQLite by row triggers for updates and deletes,
 and inserts counted by the code that links, in its transaction.
@@ -237,11 +240,15 @@ def upgrade() -> None:
                 f"ON reused_results BEGIN {body} END"
             )
     op.execute(task_embeddings_view(_columns(bind)))
+    with op.batch_alter_table("batches") as batches:
+        batches.add_column(sa.Column("engine", sa.String(160), nullable=True))
 
 
 def downgrade() -> None:
     bind = op.get_bind()
     pg = bind.dialect.name == "postgresql"
+    with op.batch_alter_table("batches") as batches:
+        batches.drop_column("engine")
     op.execute("DROP VIEW IF EXISTS task_embeddings")
     for event in EVENTS if pg else SQLITE_EVENTS:
         op.execute(
