@@ -312,27 +312,31 @@ def rebuild_index(root: Path, db_url: str, receipt_path: str, cpu: bool) -> dict
 
 
 def exactly_once(db_url: str, manifest_file: Path, task_set: str = TASK_SET) -> dict[str, Any]:
-    """The set's rows = its completed tasks (the primary key rules out duplicates), nothing
-    queued or in flight, and tasks = completed + failed."""
+    """The set's rows = its completed tasks (the primary key rules out duplicates), a row per
+    completed or reused task through the links, nothing queued or in flight, and tasks =
+    completed + reused + failed."""
     from sqlalchemy import func, select
 
     from fabric_gpu.manifest import EngineManifest
     from fabric_pipelines.lib.broker.ledger import accounting
     from fabric_pipelines.lib.store.db import make_engine
-    from fabric_pipelines.lib.store.models import Embedding, TaskSet
+    from fabric_pipelines.lib.store.models import Embedding, TaskSet, task_embeddings
 
     manifest = EngineManifest.load(manifest_file)
     db = make_engine(db_url)
     with db.connect() as conn:
         counts = accounting(conn, task_set, manifest.model_key)
-        rows = conn.execute(
+        set_id = conn.execute(select(TaskSet.id).where(TaskSet.name == task_set)).scalar_one()
+        rows = conn.execute(  # the rows the set computed
+            select(func.count()).select_from(Embedding).where(Embedding.task_set_id == set_id)
+        ).scalar_one()
+        per_task = conn.execute(  # a row per task: its own or the one it reused
             select(func.count())
-            .select_from(Embedding)
-            .join(TaskSet, TaskSet.id == Embedding.task_set_id)
-            .where(TaskSet.name == task_set)
+            .select_from(task_embeddings)
+            .where(task_embeddings.c.task_set_id == set_id)
         ).scalar_one()
     db.dispose()
-    stored = counts.completed + counts.reused  # reused: copies of stored rows (lib/broker/reuse.py)
+    stored = counts.completed + counts.reused  # reused: links to stored rows (lib/broker/reuse.py)
     balanced = counts.finished and counts.tasks == stored + counts.failed
     # A chunked document's own row comes beside its windows' (lib/results/documents.py).
     documents = counts.documents
@@ -343,7 +347,9 @@ def exactly_once(db_url: str, manifest_file: Path, task_set: str = TASK_SET) -> 
         "failed": counts.failed,
         "reused": counts.reused,
         "rows": int(rows),
-        "exactly_once": bool(balanced and rows == stored + combined),
+        "exactly_once": bool(
+            balanced and rows == counts.completed + combined and per_task == stored + combined
+        ),
         **({"documents": documents.to_mapping()} if documents is not None else {}),
     }
 
