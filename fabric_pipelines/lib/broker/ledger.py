@@ -525,14 +525,17 @@ def accounting(conn: Connection, task_set: str, model_key: str | None = None) ->
     tasks, stored, failed, in_flight, queued, n_chunked, reused, waiting, elsewhere_rows = (
         int(v) for v in row
     )
-    documents = _document_accounting(conn, task_set, model) if n_chunked else None
+    # A reused task is a whole document (windows are never reused): stored through its link.
+    documents = _document_accounting(conn, task_set, model, reused) if n_chunked else None
     return Accounting(
         tasks, stored, failed, in_flight, queued + waiting, documents, reused=reused,
         stored_results=stored + elsewhere_rows,
     )  # fmt: skip
 
 
-def _document_accounting(conn: Connection, task_set: str, model: Any) -> DocumentAccounting:
+def _document_accounting(
+    conn: Connection, task_set: str, model: Any, reused: int
+) -> DocumentAccounting:
     set_id = set_id_of(task_set)
     windows_of = (
         (TaskFailure.task_set_id == DocumentWindow.task_set_id)
@@ -579,7 +582,7 @@ def _document_accounting(conn: Connection, task_set: str, model: Any) -> Documen
         int(v) for v in row
     )
     return DocumentAccounting(
-        documents, stored, failed_plain + failed_chunked, chunked, windows, windows_stored
+        documents, stored + reused, failed_plain + failed_chunked, chunked, windows, windows_stored
     )
 
 
