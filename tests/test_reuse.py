@@ -591,3 +591,29 @@ def test_a_result_of_one_engine_is_not_reused_by_another() -> None:
     keys = {content_keys(tokens, offsets, cpu.model_key, engine=e)[0] for e in ids}
     assert len(keys) == 4
     assert device_class("torch", None) == "gpu" and device_class("cpu", "anything") == "cpu"
+
+
+def test_a_repeated_document_beside_chunked_ones_counts_as_stored(
+    db: Engine, db_url: str, paths: FabricPaths, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """A set with long documents (split into windows) and repeated short ones: each repeat is
+    a stored document through its link, and the set finishes with every document stored."""
+    manifest = _manifest(str(tiny_model_dir))
+    short = [(f"s{i}", _text(i)) for i in range(50)]
+    repeats = [(f"again{i}", _text(i)) for i in range(10)]
+    long = [(f"long{j}", " ".join(_text(j * 100 + k) for k in range(12))) for j in range(3)]
+    from fabric_pipelines.lib.tasks.windows import LongInputs
+
+    submit(_write(tmp_path / "docs.jsonl", short + repeats + long), paths.inbox, "docs")
+    ingest_task_set(
+        db, paths, "docs", model_id=manifest.model_id,
+        max_seq_len=manifest.profile.max_seq_len, long_inputs=LongInputs.of("chunk"),
+    )  # fmt: skip
+    plan_task_set(db, paths, "docs", manifest)
+    extract_task_set(db, paths, "docs", manifest, database_url=db_url, workers=0)
+    with db.connect() as conn:
+        a = accounting(conn, "docs", manifest.model_key)
+    assert a.documents is not None and a.documents.chunked == 3, a
+    assert a.reused == 10 and a.finished, a
+    assert a.documents.stored == 63 and a.documents.waiting == 0, a.documents
+    assert verify(db, paths).clean
