@@ -104,13 +104,16 @@ def content_keys(
     data = np.ascontiguousarray(tokens, dtype="<i4")
     view = memoryview(data.view(np.uint8).data)
     bounds = (np.asarray(offsets, dtype=np.int64) * 4).tolist()
-    out = np.empty(len(bounds) - 1, dtype=f"S{KEY_BYTES}")
     copy = head.copy
-    for i in range(len(out)):
+
+    def key(start: int, end: int) -> bytes:
         digest = copy()
-        digest.update(view[bounds[i] : bounds[i + 1]])
-        out[i] = digest.digest()
-    return out
+        digest.update(view[start:end])
+        return digest.digest()
+
+    # One bytes object of all the digests, viewed as S32: no per-item store into the array.
+    joined = b"".join(map(key, bounds[:-1], bounds[1:]))
+    return np.frombuffer(joined, dtype=f"S{KEY_BYTES}").copy()
 
 
 def key_bytes(keys: np.ndarray) -> list[bytes]:
