@@ -15,28 +15,19 @@ import numpy as np
 import pytest
 
 from tests.gpu_marks import TORCH_GPU
-from tests.test_engines_gpu import PROFILE, _manifest, _random_bert
+from tests.test_engines_gpu import PROFILE, _manifest, _random_bert, plan_and_shapes
 
 pytestmark = [*TORCH_GPU, pytest.mark.timeout(600)]
 
 
 def _pooled_bytes(engine: Any, items: list[np.ndarray]) -> list[bytes]:
     """Each item's pooled vector as bytes, the items planned and run as one task set."""
-    from fabric_gpu.batching import plan_batches
     from fabric_gpu.runtime import GpuEngineRunner
 
     lengths = np.array([len(t) for t in items], dtype=np.int64)
     tokens = np.concatenate(items).astype(np.int32)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    plan = plan_batches(lengths, PROFILE.with_layout(engine.layout))
-    shapes = engine.shapes_for(
-        sorted(
-            {
-                (int(s), int(plan.item_count[plan.seq_len == s].max()))
-                for s in np.unique(plan.seq_len)
-            }
-        )
-    )
+    plan, shapes = plan_and_shapes(engine, lengths)
     results: dict[int, Any] = {}
     runner = GpuEngineRunner(
         engine, tokens, offsets, lambda r: results.__setitem__(r.batch_id, r), shapes=shapes

@@ -72,26 +72,28 @@ def _minilm_dir() -> Path | None:
         return None
 
 
+def plan_and_shapes(engine: Any, lengths: np.ndarray) -> tuple[Any, list[tuple[int, int]]]:
+    """The planner's batches of `lengths` for the engine, and the shapes it captures for them."""
+    from fabric_gpu.batching import plan_batches
+
+    plan = plan_batches(lengths, PROFILE.with_layout(engine.layout))
+    pairs = {
+        (int(s), int(plan.item_count[plan.seq_len == s].max())) for s in np.unique(plan.seq_len)
+    }
+    return plan, engine.shapes_for(sorted(pairs))
+
+
 def _run(
     engine: Any, lengths: np.ndarray, seed: int
 ) -> tuple[np.ndarray, np.ndarray, dict[int, dict[int, np.ndarray]], dict[str, Any]]:
     """Drive `engine` through the runtime over items of `lengths`; returns tokens, offsets, and
     per item its pooled vector and hook states."""
-    from fabric_gpu.batching import plan_batches
     from fabric_gpu.runtime import GpuEngineRunner
 
     rng = np.random.default_rng(seed)
     tokens = rng.integers(1000, 30000, int(lengths.sum())).astype(np.int32)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    plan = plan_batches(lengths, PROFILE.with_layout(engine.layout))
-    shapes = engine.shapes_for(
-        sorted(
-            {
-                (int(s), int(plan.item_count[plan.seq_len == s].max()))
-                for s in np.unique(plan.seq_len)
-            }
-        )
-    )
+    plan, shapes = plan_and_shapes(engine, lengths)
     results: dict[int, Any] = {}
     runner = GpuEngineRunner(
         engine,

@@ -183,30 +183,9 @@ def link_before_planning(
         # Repeats linked by this planning or an earlier one that still wait for their first
         # (links to other sets' rows are made only to stored ones).
         waiting = conn.execute(
-            select(func.count())
-            .select_from(ReusedResult)
-            .where(
-                ReusedResult.task_set_id == set_id,
-                ReusedResult.model_id == model_id,
-                ReusedResult.from_task_set_id == set_id,
-                ~_source_stored(ReusedResult),
-                ~_target_stored(ReusedResult),
-                ~_target_failed(ReusedResult),
-            )
+            select(func.count()).select_from(ReusedResult).where(*_waiting(set_id, model_id))
         ).scalar_one()
     return Reuse(linked=int(linked.size), deferred=int(waiting), rows=rows)
-
-
-def linked_record_nos(conn: Connection, set_id: int, model_id: int) -> np.ndarray:
-    """Every linked task of the set: none is planned (its result is its source's)."""
-    return np.fromiter(
-        conn.execute(
-            select(ReusedResult.record_no).where(
-                ReusedResult.task_set_id == set_id, ReusedResult.model_id == model_id
-            )
-        ).scalars(),
-        dtype=np.int64,
-    )
 
 
 def fail_pending(db: Engine, set_id: int, model_id: int) -> int:
@@ -233,15 +212,7 @@ def waiting_duplicates_of(db: Engine, task_set: str, model_key: str) -> np.ndarr
         if mid is None:
             return np.zeros(0, np.int64)
         return np.fromiter(
-            conn.execute(
-                select(ReusedResult.record_no).where(
-                    ReusedResult.task_set_id == set_id,
-                    ReusedResult.model_id == mid,
-                    ~_source_stored(ReusedResult),
-                    ~_target_stored(ReusedResult),
-                    ~_target_failed(ReusedResult),
-                )
-            ).scalars(),
+            conn.execute(select(ReusedResult.record_no).where(*_waiting(set_id, mid))).scalars(),
             dtype=np.int64,
         )
 
@@ -268,30 +239,6 @@ def stored_keys(conn: Connection, model_id: int, keys: np.ndarray) -> np.ndarray
             .where(ResultKey.model_id == model_id, ResultKey.content_key.in_(chunk))
         ).scalars()
     return np.isin(keys, np.array(found, dtype=f"S{KEY_BYTES}"))
-
-
-def stored_results(conn: Connection, set_id: int, model_id: int) -> int:
-    """The distinct results the set's tasks point at: its own rows, and the other sets' rows its
-    links name (in-set duplicates read one of its own rows, counted once)."""
-    own = conn.execute(
-        select(func.count())
-        .select_from(Embedding)
-        .where(Embedding.task_set_id == set_id, Embedding.model_id == model_id)
-    ).scalar_one()
-    pair = (
-        select(ReusedResult.from_task_set_id, ReusedResult.from_record_no)
-        .where(
-            ReusedResult.task_set_id == set_id,
-            ReusedResult.model_id == model_id,
-            ReusedResult.from_task_set_id != set_id,
-            _source_stored(ReusedResult),
-            ~_target_stored(ReusedResult),
-        )
-        .distinct()
-        .subquery()
-    )
-    elsewhere = conn.execute(select(func.count()).select_from(pair)).scalar_one()
-    return int(own) + int(elsewhere)
 
 
 def broken_links(conn: Connection, set_id: int, model_id: int) -> tuple[int, int, int]:
@@ -594,6 +541,20 @@ def _failed(task_set: Any, record: Any) -> Exists:
         select(TaskFailure.id)
         .where(TaskFailure.task_set_id == task_set, TaskFailure.record_no == record)
         .exists()
+    )
+
+
+def _waiting(set_id: int, model_id: int) -> tuple[Any, ...]:
+    """The conditions of a set's repeats still waiting for their first: an in-set link (links
+    to other sets' rows are made only to stored ones) whose source has neither its row nor a
+    failure, and whose task has neither either."""
+    return (
+        ReusedResult.task_set_id == set_id,
+        ReusedResult.model_id == model_id,
+        ReusedResult.from_task_set_id == set_id,
+        ~_source_stored(ReusedResult),
+        ~_target_stored(ReusedResult),
+        ~_target_failed(ReusedResult),
     )
 
 
