@@ -25,7 +25,7 @@ TABLES = {
 }  # fmt: skip
 
 
-HEAD = "0016"
+HEAD = "0017"
 
 
 def test_upgrade_from_empty_then_downgrade_one_step(db_url: str) -> None:
@@ -38,6 +38,11 @@ def test_upgrade_from_empty_then_downgrade_one_step(db_url: str) -> None:
         assert len(conn.execute(text("SELECT id FROM database_identity")).all()) == 1
         # 0016: a row per task, reused or not, in the view pgvector users query
         assert conn.execute(text("SELECT count(*) FROM task_embeddings")).scalar_one() == 0
+        # 0017: the waits for results another running set computes
+        assert conn.execute(text("SELECT count(*) FROM awaited_results")).scalar_one() == 0
+    downgrade(engine, "-1")
+    assert current_revision(engine) == "0016"
+    assert "awaited_results" not in set(inspect(engine).get_table_names())
     downgrade(engine, "-1")
     assert current_revision(engine) == "0015"
     with engine.connect() as conn:

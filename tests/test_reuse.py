@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -312,7 +313,7 @@ def test_two_sets_sharing_content_extracted_at_once_store_each_task_once(
     db: Engine, db_url: str, paths: FabricPaths, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """The second set is planned while the first is mid-run: it links what the first has
-    stored and computes the rest while the first still writes (some keys both compute)."""
+    stored, waits for what the first is computing, and computes only its own texts."""
     from fabric_testing import fault_drill as faults
 
     manifest, manifest_path = _fault_manifest(paths, tiny_model_dir)
@@ -335,7 +336,9 @@ def test_two_sets_sharing_content_extracted_at_once_store_each_task_once(
 
     counts_x = _exactly_once(db, paths, "x", manifest)
     counts_y = _exactly_once(db, paths, "y", manifest)
-    assert counts_x.reused == 0 and counts_y.reused > 0, (counts_x, counts_y)
+    # Every shared text of y is x's result: stored ones linked at planning, the rest waited
+    # for while x computed them (none computed twice).
+    assert counts_x.reused == 0 and counts_y.reused == 800, (counts_x, counts_y)
     # By SQL, through the view of a row per task (its own or the one it reused): one row per
     # task, shared texts equal across the sets.
     with db.connect() as conn:
@@ -362,9 +365,124 @@ def test_two_sets_sharing_content_extracted_at_once_store_each_task_once(
             )
         ).scalar_one()
     assert [tuple(r) for r in rows] == [("x", 900, 900), ("y", 900, 900)], rows
-    assert links == counts_y.reused and own_y == 900 - counts_y.reused  # reused: not stored
+    assert links == counts_y.reused and own_y == 100  # reused: not stored
     # The same text computed by both sets gave the same bytes (one engine, one model).
     assert differing == 0
+
+
+def test_a_set_waits_for_a_running_set_and_takes_its_keys_over_when_it_stops(
+    db: Engine, db_url: str, paths: FabricPaths, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """x is running (a worker holds a lease on one of its batches) when y is planned: y's tasks
+    with x's texts wait for x instead of being planned. Then x stops (the lease runs out, never
+    renewed): y takes those keys over and computes them, each task once. When x runs again its
+    tasks read y's rows: no text is computed twice."""
+    from fabric_pipelines.lib.broker.ledger import claim_many
+    from fabric_pipelines.lib.broker.plans import current_plan
+    from fabric_pipelines.lib.store.models import AwaitedResult
+
+    manifest = _manifest(str(tiny_model_dir))
+    shared = [_text(i) for i in range(60)]
+    x = [(f"x{i}", t) for i, t in enumerate(shared)]
+    y = [(f"y{i}", t) for i, t in enumerate(shared)] + [(f"yo{j}", f"y own {j}") for j in range(20)]
+    _submitted(db, paths, manifest, _write(tmp_path / "x.jsonl", x), "x")
+    _submitted(db, paths, manifest, _write(tmp_path / "y.jsonl", y), "y")
+    plan_task_set(db, paths, "x", manifest)
+    # x's worker: a live lease of 3 s on its first batch, never renewed nor acked.
+    assert claim_many(db, current_plan(db, "x").plan_id, "x-worker", 3.0, 1)
+
+    planned = plan_task_set(db, paths, "y", manifest)
+    with db.connect() as conn:
+        waits = conn.execute(select(func.count()).select_from(AwaitedResult)).scalar_one()
+        counts = accounting(conn, "y", manifest.model_key)
+    assert waits == 60 and planned.plan.order.size == 20, (waits, planned.plan.order.size)
+    assert counts.balanced and counts.queued == 80, counts  # waiting tasks count as queued
+
+    events: list[str] = []
+    summary = extract_task_set(
+        db, paths, "y", manifest, database_url=db_url, workers=0, lease_seconds=1.0,
+        heartbeat_seconds=0.25, on_event=events.append,
+    )  # fmt: skip
+    assert any("wait for results" in e for e in events), events
+    assert any("60 tasks waited for another task set that stopped" in e for e in events), events
+    assert summary.engine_items == 80 and summary.rows_inserted == 80, summary
+    counts_y = _exactly_once(db, paths, "y", manifest)
+    assert counts_y.completed == 80 and counts_y.reused == 0, counts_y
+
+    # x runs again: its texts are y's results now.
+    plan_task_set(db, paths, "x", manifest)
+    summary_x = extract_task_set(db, paths, "x", manifest, database_url=db_url, workers=0)
+    counts_x = _exactly_once(db, paths, "x", manifest)
+    assert summary_x.engine_items == 0 and counts_x.reused == 60, (summary_x, counts_x)
+    vectors_x = stored_embeddings(db, "x", manifest.model_key)
+    vectors_y = stored_embeddings(db, "y", manifest.model_key)
+    assert all(vectors_x[f"x{i}"].tobytes() == vectors_y[f"y{i}"].tobytes() for i in range(60))
+    with db.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(AwaitedResult)).scalar_one() == 0
+
+
+def test_a_wait_for_a_running_set_becomes_a_link_when_its_row_lands_or_a_failure_when_it_fails(
+    db: Engine, db_url: str, paths: FabricPaths, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """x keeps a live lease while y's workers finish; x then stores some of the texts y waits
+    for and fails one: y's waits become links to x's rows and one failure naming x's."""
+    import threading
+
+    from fabric_pipelines.lib.broker.ledger import claim_many, renew_leases
+    from fabric_pipelines.lib.broker.plans import current_plan
+    from fabric_pipelines.lib.store.models import TaskFailure
+
+    manifest = _manifest(str(tiny_model_dir))
+    shared = [_text(i) for i in range(30)]
+    _submitted(db, paths, manifest, _write(tmp_path / "x.jsonl",
+               [(f"x{i}", t) for i, t in enumerate(shared)]), "x")  # fmt: skip
+    _submitted(db, paths, manifest, _write(tmp_path / "y.jsonl",
+               [(f"y{i}", t) for i, t in enumerate(shared)] + [("yo", "y's own")]), "y")  # fmt: skip
+    plan_task_set(db, paths, "x", manifest)
+    x_plan = current_plan(db, "x").plan_id
+    lease = claim_many(db, x_plan, "x-worker", 2.0, 1)
+    plan_task_set(db, paths, "y", manifest)
+
+    stop = threading.Event()
+
+    def x_keeps_its_lease_then_finishes() -> None:
+        # Renewed while y's run finishes its own batch and starts waiting.
+        for _ in range(6):
+            renew_leases(db, lease, 2.0)
+            time.sleep(0.25)
+        with db.begin() as conn:
+            set_x = conn.execute(text("SELECT id FROM task_sets WHERE name = 'x'")).scalar_one()
+            conn.execute(
+                TaskFailure.__table__.insert(),
+                [{"task_set_id": set_x, "record_no": 0, "task_id": "x0", "stage": "extract",
+                  "reason": "an injected failure"}],
+            )  # fmt: skip
+        # x's run goes on: its worker hands its lease back and the run computes the rest.
+        from fabric_pipelines.lib.broker.ledger import hand_back
+
+        hand_back(db, lease)
+        plan_task_set(db, paths, "x", manifest)
+        extract_task_set(db, paths, "x", manifest, database_url=db_url, workers=0)
+        stop.set()
+
+    helper = threading.Thread(target=x_keeps_its_lease_then_finishes)
+    helper.start()
+    summary = extract_task_set(
+        db, paths, "y", manifest, database_url=db_url, workers=0, lease_seconds=5.0
+    )
+    helper.join(60)
+    assert stop.is_set()
+    assert summary.engine_items == 1, summary  # y's own text only
+    with db.connect() as conn:
+        counts_y = accounting(conn, "y", manifest.model_key)
+        reasons = conn.execute(
+            text("SELECT f.record_no, f.reason FROM task_failures f JOIN task_sets s "
+                 "ON s.id = f.task_set_id WHERE s.name = 'y'")
+        ).all()  # fmt: skip
+    assert counts_y.finished and counts_y.balanced, counts_y
+    assert (counts_y.completed, counts_y.reused, counts_y.failed) == (1, 29, 1), counts_y
+    assert len(reasons) == 1 and reasons[0][0] == 0, reasons
+    assert "another task set" in reasons[0][1] and "an injected failure" in reasons[0][1]
 
 
 def test_fabric_plan_counts_reused_tasks_and_repeats_and_plans_only_the_rest(

@@ -24,6 +24,7 @@ from fabric_gpu.batching import BatchPlan
 from fabric_pipelines.lib.store.keys import model_id_of, set_id_of, task_set_id
 from fabric_pipelines.lib.store.models import (
     WINDOW_BASE,
+    AwaitedResult,
     Batch,
     BatchPlanRow,
     DocumentWindow,
@@ -518,17 +519,31 @@ def accounting(conn: Connection, task_set: str, model_key: str | None = None) ->
         links(source_stored, ~own_row),
         links(~source_stored, ~own_row, ~link_failed),  # waiting for their source's row: queued
         elsewhere,
+        # Waiting for a result another running set computes: queued too.
+        select(func.count())
+        .select_from(AwaitedResult)
+        .where(AwaitedResult.task_set_id == TaskSet.id, AwaitedResult.model_id == model)
+        .scalar_subquery(),
     ).where(TaskSet.name == task_set)
     row = conn.execute(query).first()
     if row is None:
         raise LookupError(f"no task set named {task_set!r}")
-    tasks, stored, failed, in_flight, queued, n_chunked, reused, waiting, elsewhere_rows = (
-        int(v) for v in row
-    )
+    (
+        tasks,
+        stored,
+        failed,
+        in_flight,
+        queued,
+        n_chunked,
+        reused,
+        waiting,
+        elsewhere_rows,
+        awaited,
+    ) = (int(v) for v in row)
     # A reused task is a whole document (windows are never reused): stored through its link.
     documents = _document_accounting(conn, task_set, model, reused) if n_chunked else None
     return Accounting(
-        tasks, stored, failed, in_flight, queued + waiting, documents, reused=reused,
+        tasks, stored, failed, in_flight, queued + waiting + awaited, documents, reused=reused,
         stored_results=stored + elsewhere_rows,
     )  # fmt: skip
 
@@ -600,13 +615,15 @@ def outstanding_rows(
     conn: Connection, task_set: str, model_key: str, record_no: np.ndarray
 ) -> np.ndarray:
     """Task rows (indices into the task set) with neither a result, nor a link to another
-    task's result (broker/reuse.py), nor a failure yet."""
+    task's result, nor a wait for one another set is computing (broker/reuse.py), nor a
+    failure yet."""
     ids = conn.execute(select(set_id_of(task_set), model_id_of(model_key))).one()
     set_id, model = int(ids[0]), -1 if ids[1] is None else int(ids[1])
     done = record_nos_of(conn, "embeddings", set_id, model)
     linked = record_nos_of(conn, "reused_results", set_id, model)
+    awaited = record_nos_of(conn, "awaited_results", set_id, model)
     failed = record_nos_of(conn, "task_failures", set_id)
-    keep = ~np.isin(record_no, np.concatenate([done, linked, failed]))
+    keep = ~np.isin(record_no, np.concatenate([done, linked, awaited, failed]))
     return np.flatnonzero(keep).astype(np.int64)
 
 

@@ -20,6 +20,8 @@ from fabric_gpu.manifest import EngineManifest
 from fabric_gpu.model import resolve_model_dir, tokenizer_sha256
 from fabric_gpu.profile import ConsumerProfile
 from fabric_pipelines.lib.broker.ledger import (
+    LEASED,
+    QUEUED,
     outstanding_rows,
     register_plan,
     supersede_open_batches,
@@ -276,11 +278,20 @@ def _plan_file(
 
 
 def _finished_current_plan(db: Engine, ts: TaskSet, model_key: str) -> BatchPlanRow | None:
-    """The set's current plan, if it is for `model_key` (the caller knows nothing is left)."""
+    """The set's current plan, if it is for `model_key` and has no open batch (the caller knows
+    nothing is left to compute). A plan with open batches whose tasks got linked meanwhile (to
+    rows another set computed) is not kept: run, it would compute them again."""
     if ts.current_plan_id is None:
         return None
     with Session(db, expire_on_commit=False) as session:
         row = session.get(BatchPlanRow, ts.current_plan_id)
+        still_open = session.scalar(
+            select(Batch.batch_no)
+            .where(Batch.plan_id == ts.current_plan_id, Batch.state.in_((QUEUED, LEASED)))
+            .limit(1)
+        )
+    if still_open is not None:
+        return None
     return row if row is not None and row.model_key == model_key else None
 
 

@@ -23,10 +23,18 @@ Accounting: tasks = completed + reused + failed + in_flight + queued, where `reu
 linked tasks whose source is stored and a linked task still waiting for its source counts as
 queued (broker/ledger.py).
 
+In flight (migration 0017): a task whose key's owner is a task of another set that is running
+now (its workers hold a live lease) and has neither its row nor a failure waits for it
+(`awaited_results`) instead of being planned. After its own batches the set's extraction
+settles its waits (`wait_for_other_sets`): a landed row becomes a link, a failed source fails
+the task, and a source set that stopped running (no live lease for a lease's length) hands its
+keys to the waiting tasks, which the set then plans and computes. A later run of the stopped
+set links to those rows.
+
 Concurrency: links are inserted only where the task has none (PostgreSQL: ON CONFLICT DO
-NOTHING; SQLite: under the write lock), and planning leaves linked tasks out of its batches. Two
-sets planned at once with shared content may both compute a key (neither has a result to link
-yet); each task still has one result.
+NOTHING; SQLite: under the write lock), and planning leaves linked and waiting tasks out of its
+batches. Two sets planned at the same moment, before either's workers lease, may both compute a
+key; each task still has one result.
 
 Not reused: windows of chunked documents (a document's vector is combined from its windows,
 lib/results/documents.py), and runs that keep hook layers (their hidden-state files are per batch).
@@ -35,10 +43,12 @@ FABRIC_REUSE=off (or the engine resource's `reuse_results: false`) turns reuse o
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +64,7 @@ from sqlalchemy import (
     insert,
     select,
     text,
+    update,
 )
 from sqlalchemy.orm import aliased
 
@@ -63,6 +74,8 @@ from fabric_pipelines.lib.store.db import insert_ignoring_duplicates
 from fabric_pipelines.lib.store.keys import model_id, task_set_id
 from fabric_pipelines.lib.store.models import (
     WINDOW_BASE,
+    AwaitedResult,
+    Batch,
     Embedding,
     Model,
     ResultKey,
@@ -129,6 +142,7 @@ class Reuse:
     linked: int  # tasks linked to a stored result of another task (this planning)
     deferred: int  # duplicates inside the set, linked to their first, which is still to run
     rows: np.ndarray  # the task rows left to plan
+    awaiting: int = 0  # tasks waiting for a result another running set is computing
 
 
 def link_before_planning(
@@ -146,6 +160,11 @@ def link_before_planning(
     eligible = record_no < WINDOW_BASE
     with db.begin() as conn, _page_cache(conn):
         _lock_planning(conn, set_id)
+        # Waits for other sets' results start afresh: each is linked, waited for again, or
+        # computed, by what holds now.
+        rewait = _forget_waits(conn, set_id, model_id)
+        if rewait.size:
+            outstanding = np.union1d(outstanding, np.flatnonzero(np.isin(record_no, rewait)))
         # A link to another set's row that is gone (deleted, or requeued by a repair) is dropped:
         # its task is outstanding again, to be linked anew or computed.
         unlinked = _drop_broken_links(conn, set_id, model_id)
@@ -159,9 +178,12 @@ def link_before_planning(
         candidates = candidates[np.argsort(record_no[candidates], kind="stable")]
         with _planned_keys(conn, record_no[candidates], keys[candidates]):
             linked = _link_stored(conn, set_id, model_id)
-            rows = outstanding[~np.isin(record_no[outstanding], linked)]
+            # Keys another running set is computing now: waited for, not computed again.
+            awaiting = _await_in_flight(conn, set_id, model_id)
+            taken = np.concatenate([linked, awaiting])
+            rows = outstanding[~np.isin(record_no[outstanding], taken)]
             # Among what is left, the first of each key runs; the others wait for its row.
-            order = candidates[~np.isin(record_no[candidates], linked)]
+            order = candidates[~np.isin(record_no[candidates], taken)]
             _, first = np.unique(keys[order], return_index=True)
             is_first = np.zeros(order.size, dtype=bool)
             is_first[first] = True
@@ -185,7 +207,9 @@ def link_before_planning(
         waiting = conn.execute(
             select(func.count()).select_from(ReusedResult).where(*_waiting(set_id, model_id))
         ).scalar_one()
-    return Reuse(linked=int(linked.size), deferred=int(waiting), rows=rows)
+    return Reuse(
+        linked=int(linked.size), deferred=int(waiting), rows=rows, awaiting=int(awaiting.size)
+    )
 
 
 def fail_pending(db: Engine, set_id: int, model_id: int) -> int:
@@ -215,6 +239,152 @@ def waiting_duplicates_of(db: Engine, task_set: str, model_key: str) -> np.ndarr
             conn.execute(select(ReusedResult.record_no).where(*_waiting(set_id, mid))).scalars(),
             dtype=np.int64,
         )
+
+
+@dataclass(frozen=True)
+class Waits:
+    """One look at a set's waits for other sets' results (`resolve_waits`)."""
+
+    linked: int = 0  # the source's row landed: the wait became a link
+    failed: int = 0  # the source failed: the task failed, naming it
+    taken_over: int = 0  # the source's set stopped running: the task is this set's to compute
+    waiting: dict[int, int] = dataclasses.field(default_factory=dict)  # source set -> tasks
+    running: frozenset[int] = frozenset()  # of those sets, the ones with a live lease
+
+    def __add__(self, other: Waits) -> Waits:
+        return Waits(
+            self.linked + other.linked, self.failed + other.failed,
+            self.taken_over + other.taken_over, other.waiting, other.running,
+        )  # fmt: skip
+
+
+def resolve_waits(db: Engine, set_id: int, model_id: int, take_over: Collection[int] = ()) -> Waits:
+    """Settle what can be of the set's waits (`awaited_results`), in one transaction: a wait
+    whose source is stored becomes a link; one whose source failed fails its task; one whose
+    source is a task of a set in `take_over` (seen stopped) is dropped and the key handed to the
+    set's first waiting task, so the set computes it and later sets link to its row. What still
+    waits, by source set, and which of those sets run now."""
+    with db.begin() as conn:
+        _lock_planning(conn, set_id)  # no planning of the set rewrites its waits meanwhile
+        waits = conn.execute(
+            select(AwaitedResult.record_no, AwaitedResult.from_task_set_id,
+                   AwaitedResult.from_record_no)
+            .where(AwaitedResult.task_set_id == set_id, AwaitedResult.model_id == model_id)
+            .order_by(AwaitedResult.record_no)
+        ).all()  # fmt: skip
+        if not waits:
+            return Waits()
+        stored = conn.execute(
+            select(AwaitedResult.record_no).where(
+                AwaitedResult.task_set_id == set_id,
+                AwaitedResult.model_id == model_id,
+                _stored(model_id, AwaitedResult.from_task_set_id, AwaitedResult.from_record_no),
+            )
+        ).scalars()
+        landed = {int(r) for r in stored}
+        failures: dict[int, str] = dict(
+            conn.execute(
+                select(AwaitedResult.record_no, TaskFailure.reason).join(
+                    TaskFailure,
+                    and_(TaskFailure.task_set_id == AwaitedResult.from_task_set_id,
+                         TaskFailure.record_no == AwaitedResult.from_record_no),
+                ).where(AwaitedResult.task_set_id == set_id, AwaitedResult.model_id == model_id)
+            ).all()
+        )  # fmt: skip
+        link: list[tuple[int, int, int]] = []
+        fail: list[tuple[int, int, str]] = []
+        hand: dict[tuple[int, int], int] = {}  # source task -> the first task waiting for it
+        keep: list[int] = []
+        for record, from_set, from_record in waits:
+            if record in landed:
+                link.append((record, from_set, from_record))
+            elif record in failures:
+                fail.append((record, from_record, failures[record]))
+            elif from_set in take_over:
+                hand.setdefault((from_set, from_record), record)  # the first waiting task
+            else:
+                keep.append(from_set)
+        if link:
+            records = np.array([r for r, _, _ in link], dtype=np.int64)
+            _insert_links(conn, set_id, model_id, records,
+                          np.array([s for _, s, _ in link], dtype=np.int64),
+                          np.array([f for _, _, f in link], dtype=np.int64))  # fmt: skip
+        if fail:
+            task_ids = dict(
+                conn.execute(
+                    select(Task.record_no, Task.task_id).where(
+                        Task.task_set_id == set_id, Task.record_no.in_([r for r, _, _ in fail])
+                    )
+                ).all()
+            )
+            conn.execute(
+                insert(TaskFailure),
+                [
+                    {"task_set_id": set_id, "record_no": record, "task_id": task_ids.get(record),
+                     "stage": "extract",
+                     "reason": f"same token ids as record {source} of another task set, whose "
+                               f"extraction failed: {reason}"}
+                    for record, source, reason in fail
+                ],
+            )  # fmt: skip
+        for (from_set, from_record), record in hand.items():
+            conn.execute(
+                update(ResultKey)
+                .where(ResultKey.model_id == model_id, ResultKey.task_set_id == from_set,
+                       ResultKey.record_no == from_record)
+                .values(task_set_id=set_id, record_no=record)
+            )  # fmt: skip
+        taken = [r for r, s, _ in waits if s in take_over and r not in landed and r not in failures]
+        settled = [r for r, _, _ in link] + [r for r, _, _ in fail] + taken
+        for start in range(0, len(settled), 500):
+            conn.execute(
+                delete(AwaitedResult).where(
+                    AwaitedResult.task_set_id == set_id,
+                    AwaitedResult.model_id == model_id,
+                    AwaitedResult.record_no.in_(settled[start : start + 500]),
+                )
+            )
+        waiting: dict[int, int] = {}
+        for from_set in keep:
+            waiting[from_set] = waiting.get(from_set, 0) + 1
+        return Waits(len(link), len(fail), len(taken), waiting,
+                     frozenset(_running_sets(conn, waiting)))  # fmt: skip
+
+
+def wait_for_other_sets(
+    db: Engine,
+    task_set: str,
+    model_key: str,
+    stopped_after_s: float,
+    *,
+    poll_s: float = 0.5,
+    on_wait: Callable[[Waits], None] | None = None,
+) -> Waits:
+    """After the set's own batches: wait until every task waiting for another set's result has
+    it (a link), has failed with it, or is taken over because that set stopped running (no live
+    lease for `stopped_after_s`, a lease's length: its workers died or its run ended). The total
+    of what was settled; `on_wait` hears of each look that still waits."""
+    with db.connect() as conn:
+        set_id = task_set_id(conn, task_set)
+        mid = conn.execute(select(Model.id).where(Model.model_key == model_key)).scalar()
+    if mid is None:
+        return Waits()
+    total = Waits()
+    stopped_since: dict[int, float] = {}
+    while True:
+        now = time.monotonic()
+        stopped = {s for s, t in stopped_since.items() if now - t >= stopped_after_s}
+        total = total + resolve_waits(db, set_id, mid, take_over=stopped)
+        if not total.waiting:
+            return total
+        for source in total.waiting:
+            if source in total.running:
+                stopped_since.pop(source, None)
+            else:
+                stopped_since.setdefault(source, now)
+        if on_wait is not None:
+            on_wait(total)
+        time.sleep(poll_s)
 
 
 def stored_keys(conn: Connection, model_id: int, keys: np.ndarray) -> np.ndarray:
@@ -406,6 +576,61 @@ def _claim_keys(
         "VALUES (?, ?, ?, ?)",
         rows,
     )
+
+
+def _running_sets(conn: Connection, sets: Collection[int]) -> set[int]:
+    """Of `sets`, those whose workers hold a live lease on one of their batches now: a set being
+    computed (a run's workers renew their leases while they work)."""
+    if not sets:
+        return set()
+    return set(
+        conn.execute(
+            select(Batch.task_set_id)
+            .where(Batch.task_set_id.in_(list(sets)), Batch.state == "leased",
+                   Batch.lease_deadline > time.time())
+            .distinct()
+        ).scalars()
+    )  # fmt: skip
+
+
+def _forget_waits(conn: Connection, set_id: int, model_id: int) -> np.ndarray:
+    """Delete the set's waits for other sets' results; their record numbers."""
+    gone = delete(AwaitedResult).where(
+        AwaitedResult.task_set_id == set_id, AwaitedResult.model_id == model_id
+    )
+    return np.fromiter(
+        conn.execute(gone.returning(AwaitedResult.record_no)).scalars(), dtype=np.int64
+    )
+
+
+def _await_in_flight(conn: Connection, set_id: int, model_id: int) -> np.ndarray:
+    """Each planned task whose key's owner is a task of another set that is running now (a live
+    lease) and has neither its row nor a failure yet waits for it (`awaited_results`); their
+    record numbers. Nothing runs elsewhere (the common case): one small query, no join."""
+    running = conn.execute(
+        select(Batch.task_set_id)
+        .where(Batch.task_set_id != set_id, Batch.state == "leased",
+               Batch.lease_deadline > time.time())
+        .distinct()
+    ).scalars().all()  # fmt: skip
+    if not running:
+        return np.zeros(0, dtype=np.int64)
+    sets = ", ".join(str(int(s)) for s in running)  # integers from the database
+    statement = (
+        "INSERT INTO awaited_results (model_id, task_set_id, record_no, from_task_set_id, "
+        "from_record_no, created_at) "
+        "SELECT :model, :set, p.record_no, r.task_set_id, r.record_no, :now "
+        "FROM fabric_planned_keys p JOIN result_keys r "
+        "ON r.model_id = :model AND r.content_key = p.content_key "
+        f"WHERE r.task_set_id IN ({sets}) "
+        "AND NOT EXISTS (SELECT 1 FROM embeddings s WHERE s.model_id = :model "
+        "AND s.task_set_id = r.task_set_id AND s.record_no = r.record_no) "
+        "AND NOT EXISTS (SELECT 1 FROM task_failures f WHERE f.task_set_id = r.task_set_id "
+        "AND f.record_no = r.record_no) "
+        "RETURNING record_no"
+    )
+    rows = conn.execute(text(statement), {"model": model_id, "set": set_id, "now": utcnow()})
+    return np.fromiter(rows.scalars(), dtype=np.int64)
 
 
 def _drop_broken_links(conn: Connection, set_id: int, model_id: int) -> np.ndarray:

@@ -8,6 +8,7 @@ assets, the CLI and the fault drills call `extract_task_set`.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import time
@@ -18,7 +19,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fabric_pipelines.lib.broker.ledger import DEFAULT_LEASE_SECONDS, Accounting, heartbeat_interval
-from fabric_pipelines.lib.broker.reuse import fail_pending_of, waiting_duplicates_of
+from fabric_pipelines.lib.broker.plans import current_plan, plan_task_set
+from fabric_pipelines.lib.broker.reuse import (
+    Waits,
+    fail_pending_of,
+    wait_for_other_sets,
+    waiting_duplicates_of,
+)
 from fabric_pipelines.lib.core.retry import unit_of_work
 from fabric_pipelines.lib.results.documents import combine_task_set
 from fabric_pipelines.lib.worker.launch import (
@@ -40,6 +47,9 @@ from fabric_pipelines.lib.worker.prestart import take_prestarted
 # Replacements for workers that died or were lost, for the whole stage (a worker that keeps dying
 # on its own input would otherwise be restarted for ever).
 DEFAULT_MAX_RESTARTS = 3
+# Rounds of computing what a stopped set left behind (each a plan and a run of workers); a key
+# taken over is this set's own from then on, so one round settles it unless more sets stop.
+MAX_TAKE_OVER_ROUNDS = 3
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
@@ -114,20 +124,22 @@ def extract_task_set(
     heartbeat_interval(lease_seconds, heartbeat_seconds)  # refuse bad timing before any work
     started = time.perf_counter()
     waiting = waiting_duplicates_of(db, task_set, manifest.model_key)
-    if workers == 0:
-        reports = [
-            _extract_here(
-                db, paths, task_set, manifest, lease_seconds, heartbeat_seconds,
-                on_progress, progress_every_s,
-            )
-        ]  # fmt: skip
-    else:
+
+    def run_current_plan(first_round: bool) -> list[dict[str, Any]]:
+        """The set's current plan run to its end by this process or its workers; their reports."""
+        if workers == 0:
+            return [
+                _extract_here(
+                    db, paths, task_set, manifest, lease_seconds, heartbeat_seconds,
+                    on_progress, progress_every_s,
+                )
+            ]  # fmt: skip
         starter: Launcher = launcher or LocalLauncher()
         channel = starter.channel if isinstance(starter, LocalLauncher) else None
-        warm = None
         # Prestarted and pooled workers are this host's own processes: the local launcher's.
         pooled = isinstance(starter, LocalLauncher)
-        if pooled:
+        warm = None
+        if pooled and first_round:
             warm = take_prestarted(
                 task_set, manifest, workers, database_url=database_url,
                 lease_seconds=lease_seconds, heartbeat_seconds=heartbeat_seconds,
@@ -142,37 +154,50 @@ def extract_task_set(
                             warm.pool_run.listen(i, channel)
                 started_workers = warm.go()
                 if warm.pool_run is not None:
-                    reports = supervise_pool_run(
+                    return supervise_pool_run(
                         warm.pool_run, db, task_set, on_progress, progress_every_s
                     )
-                else:
-                    reports = supervise(
-                        started_workers, db, task_set, on_progress, progress_every_s,
-                        replacement=_replacement(
-                            warm.settings, warm.count, warm.devices, starter, max_restarts
-                        ),
-                        on_event=on_event,
-                    )  # fmt: skip
-        else:
-            settings = launch_settings(
-                paths, task_set, manifest, database_url, lease_seconds, heartbeat_seconds
+                return supervise(
+                    started_workers, db, task_set, on_progress, progress_every_s,
+                    replacement=_replacement(
+                        warm.settings, warm.count, warm.devices, starter, max_restarts
+                    ),
+                    on_event=on_event,
+                )  # fmt: skip
+        settings = launch_settings(
+            paths, task_set, manifest, database_url, lease_seconds, heartbeat_seconds
+        )
+        if pool_idle_seconds > 0 and pooled:
+            run = open_pool_run(
+                settings, manifest, workers, devices, pool_idle_seconds, channel=channel
             )
-            if pool_idle_seconds > 0 and pooled:
-                run = open_pool_run(
-                    settings, manifest, workers, devices, pool_idle_seconds, channel=channel
-                )
-                reports = supervise_pool_run(run, db, task_set, on_progress, progress_every_s)
-            else:
-                if starter.on_this_host:
-                    free_devices(paths.root, devices)
-                with _running(settings, workers, devices, starter) as started_workers:
-                    reports = supervise(
-                        started_workers, db, task_set, on_progress, progress_every_s,
-                        replacement=_replacement(
-                            settings, workers, devices, starter, max_restarts
-                        ),
-                        on_event=on_event,
-                    )  # fmt: skip
+            return supervise_pool_run(run, db, task_set, on_progress, progress_every_s)
+        if starter.on_this_host:
+            free_devices(paths.root, devices)
+        with _running(settings, workers, devices, starter) as started_workers:
+            return supervise(
+                started_workers, db, task_set, on_progress, progress_every_s,
+                replacement=_replacement(settings, workers, devices, starter, max_restarts),
+                on_event=on_event,
+            )  # fmt: skip
+
+    reports = run_current_plan(True)
+    # Tasks waiting for what another running set computes: wait for it; where that set stopped,
+    # plan what it left to this set and run again (lib/broker/reuse.py).
+    for _ in range(MAX_TAKE_OVER_ROUNDS):
+        waits = wait_for_other_sets(
+            db, task_set, manifest.model_key, stopped_after_s=lease_seconds,
+            on_wait=None if on_event is None else _say_waiting(on_event),
+        )  # fmt: skip
+        if not waits.taken_over:
+            break
+        if on_event is not None:
+            on_event(
+                f"{waits.taken_over} tasks waited for another task set that stopped running; "
+                "this set computes them"
+            )
+        _plan_again(db, paths, task_set, manifest)
+        reports += run_current_plan(False)
     superseded = next((r for r in reports if r.get("superseded_by")), None)
     combined, resolved = finish_task_set(db, task_set, manifest, waiting)
     return ExtractionSummary(
@@ -195,6 +220,30 @@ def extract_task_set(
         gpu_busy_seconds=sum(r.get("gpu_busy_seconds", 0.0) for r in reports),
         gpu_span_seconds=sum(r.get("gpu_span_seconds", 0.0) for r in reports),
     )
+
+
+def _say_waiting(on_event: Callable[[str], None]) -> Callable[[Waits], None]:
+    """Tell `on_event` once what the set waits for (not at every look)."""
+    said: set[tuple[int, ...]] = set()
+
+    def say(waits: Waits) -> None:
+        key = tuple(sorted(waits.waiting))
+        if key not in said:
+            said.add(key)
+            total = sum(waits.waiting.values())
+            on_event(
+                f"{total} tasks wait for results that task set ids {list(key)} are computing "
+                "now (the same token ids)"
+            )
+
+    return say
+
+
+def _plan_again(db: Engine, paths: Any, task_set: str, manifest: EngineManifest) -> None:
+    """Plan the set's outstanding tasks in the layout of its current plan (reuse on: waits
+    exist only where it is)."""
+    layout = json.loads(current_plan(db, task_set).profile_json).get("layout", "padded")
+    plan_task_set(db, paths, task_set, manifest, layout, reuse=True)
 
 
 @unit_of_work("finishing task set {task_set!r} (combining documents, failing orphaned duplicates)")

@@ -380,6 +380,28 @@ class ReusedResult(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
+class AwaitedResult(Base):
+    """A task waiting for a result another running set is computing (migration 0017,
+    lib/broker/reuse.py): its key's owner, a task of another set, has neither its row nor a
+    failure yet, and that set's workers hold a live lease. Not a result: the task counts as
+    queued. When the owner's row lands the wait becomes a link (`reused_results`); if the owner
+    fails, the task fails naming it; if the owner's set stops running, the waiting set takes the
+    key over and computes it. Planning the set again starts its waits afresh.
+
+    A bulk table like `reused_results` (no foreign key); its rows go with their set in
+    `tasks/catalog.forget_task_set`."""
+
+    __tablename__ = "awaited_results"
+    __table_args__ = ({"sqlite_with_rowid": False},)
+
+    model_id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    task_set_id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    record_no: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    from_task_set_id: Mapped[int] = mapped_column(Integer)
+    from_record_no: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
 class ExtractionRun(Base):
     """One extraction step's efficiency record (lib/records/efficiency.py), as JSON: what `fabric
     status` shows of a set's last run."""

@@ -37,6 +37,7 @@ from fabric_pipelines.lib.store import task_partitions
 from fabric_pipelines.lib.store.db import sqlite_has_json
 from fabric_pipelines.lib.store.keys import set_id_of
 from fabric_pipelines.lib.store.models import (
+    AwaitedResult,
     DocumentWindow,
     Embedding,
     ResultKey,
@@ -655,6 +656,8 @@ def forget_task_set(db: Engine, paths: FabricPaths, task_set: str) -> None:
             conn.execute(delete(Embedding).where(Embedding.task_set_id == set_id))
             conn.execute(delete(ResultKey).where(ResultKey.task_set_id == set_id))
             conn.execute(delete(ReusedResult).where(ReusedResult.task_set_id == set_id))
+            # Other sets waiting on this one's tasks see it stop running and take their keys over.
+            conn.execute(delete(AwaitedResult).where(AwaitedResult.task_set_id == set_id))
             # PostgreSQL: a set's own partition goes after the commit, rows and all.
             if conn.dialect.name != "postgresql" or not task_partitions.has_own(conn, set_id):
                 conn.execute(delete(Task).where(Task.task_set_id == set_id))
