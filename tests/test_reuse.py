@@ -83,6 +83,25 @@ def test_content_keys_follow_tokens_model_and_layers() -> None:
     assert a[0] != b[0] and a[1] != b[1]
 
 
+def test_planned_keys_of_runs_and_scattered_tasks_arrive_whole(db: Engine) -> None:
+    """The planned keys' temporary table holds each task's key under its record number, whether
+    it came in a run of consecutive records (one statement cutting a blob) or on its own."""
+    from fabric_pipelines.lib.broker.reuse import MIN_RUN, _planned_keys
+
+    rng = np.random.default_rng(3)
+    record_no = np.concatenate([
+        np.arange(0, MIN_RUN + 36), [200, 202, 204], np.arange(300, 300 + MIN_RUN), [999],
+        np.arange(2000, 2000 + 3 * MIN_RUN),
+    ]).astype(np.int64)  # fmt: skip
+    keys = np.frombuffer(rng.bytes(32 * record_no.size), dtype="S32")
+    with db.begin() as conn, _planned_keys(conn, record_no, keys):
+        rows = conn.execute(
+            text("SELECT record_no, content_key FROM fabric_planned_keys ORDER BY record_no")
+        ).all()
+    assert [r for r, _ in rows] == record_no.tolist()
+    assert [bytes(k) for _, k in rows] == [keys[i : i + 1].tobytes() for i in range(keys.size)]
+
+
 def test_reuse_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FABRIC_REUSE", raising=False)
     assert reuse_enabled() and not reuse_enabled(False)
