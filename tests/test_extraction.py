@@ -31,6 +31,15 @@ from tests.flaky_db import FlakyDatabase, lost_connection, undefined_table
 from tests.ledger_helpers import claim
 from tests.pipeline_helpers import embedding_counts, run_stages, stored_embeddings
 
+
+@pytest.fixture(autouse=True)
+def _reuse_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    # These tests count what the engine computes for TEXTS, which repeats five texts six times:
+    # with reuse on, the repeats would be linked, not computed. Reuse has its own tests
+    # (tests/test_reuse.py); the test that counts the repeats turns it on again.
+    monkeypatch.setenv("FABRIC_REUSE", "off")
+
+
 TEXTS = {
     f"t{i}": text
     for i, text in enumerate(
@@ -325,8 +334,9 @@ def test_a_shard_that_does_not_verify_is_not_acked_and_its_batch_runs_again(
 
 @pytest.mark.slow
 def test_by_default_no_hook_layers_no_shard_files_and_the_set_completes(
-    db: Engine, db_url: str, paths: FabricPaths, tmp_path: Path
+    db: Engine, db_url: str, paths: FabricPaths, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("FABRIC_REUSE", "on")  # it counts the repeats linked
     from fabric_pipelines.defs.resources import EngineConfig
     from fabric_pipelines.lib.steps.run_extraction import extract_task_set
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from sqlalchemy import Engine, delete, func, select, text
+from sqlalchemy import Engine, delete, func, insert, select, text
 
 from fabric_gpu.manifest import EngineManifest, HookSpec, manifest_for_model
 from fabric_gpu.model import DEFAULT_MODEL_ID
@@ -472,7 +472,7 @@ def test_a_wait_for_a_running_set_becomes_a_link_when_its_row_lands_or_a_failure
         with db.begin() as conn:
             set_x = conn.execute(text("SELECT id FROM task_sets WHERE name = 'x'")).scalar_one()
             conn.execute(
-                TaskFailure.__table__.insert(),
+                insert(TaskFailure),
                 [{"task_set_id": set_x, "record_no": 0, "task_id": "x0", "stage": "extract",
                   "reason": "an injected failure"}],
             )  # fmt: skip
@@ -502,6 +502,55 @@ def test_a_wait_for_a_running_set_becomes_a_link_when_its_row_lands_or_a_failure
     assert (counts_y.completed, counts_y.reused, counts_y.failed) == (1, 29, 1), counts_y
     assert len(reasons) == 1 and reasons[0][0] == 0, reasons
     assert "another task set" in reasons[0][1] and "an injected failure" in reasons[0][1]
+
+
+def test_hidden_states_are_reused_by_reference_and_their_set_is_not_forgotten_first(
+    db: Engine, db_url: str, paths: FabricPaths, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """A run keeping hook layer 1 computes 40 texts; a second set with 30 of them (two of those
+    repeated) and 10 of its own computes only its own. Its export with layer 1 gives every task
+    its states: a reused task's are its source's, read from the source's shard file. The first
+    set is not forgotten while the second reads its shards; verify is clean."""
+    import pyarrow.parquet as pq
+
+    from fabric_pipelines.lib.maintenance.forget import ForgetRefused, forget
+
+    manifest = manifest_for_model(
+        str(tiny_model_dir), backend="cpu", dtype="float32",
+        profile=ConsumerProfile(max_batch_tokens=512, max_batch_items=8, max_seq_len=64,
+                                seq_granularity=8),
+        hooks=HookSpec((1,), "mean"),
+    )  # fmt: skip
+    first = [(f"a{i}", _text(i)) for i in range(40)]
+    second = [(f"b{i}", _text(i)) for i in range(30)] + [("b-again", _text(3)), ("b-too", _text(7))]
+    second += [(f"bo{j}", f"b's own text {j}") for j in range(10)]
+    _run(db, db_url, paths, manifest, _write(tmp_path / "a.jsonl", first), "a")
+    _, summary = _run(db, db_url, paths, manifest, _write(tmp_path / "b.jsonl", second), "b")
+    assert summary.engine_items == 10, summary  # type: ignore[attr-defined]
+    with db.connect() as conn:
+        counts = accounting(conn, "b", manifest.model_key)
+    assert (counts.completed, counts.reused, counts.tasks) == (10, 32, 42), counts
+
+    out_a, out_b = tmp_path / "a.parquet", tmp_path / "b.parquet"
+    export_task_set(db, "a", out_a, layers=[1])
+    done = export_task_set(db, "b", out_b, layers=[1])
+    assert done.rows == 42
+    table_a, table_b = pq.read_table(out_a), pq.read_table(out_b)
+    states_a = dict(zip(table_a.column("id").to_pylist(), table_a.column("layer_1").to_pylist(),
+                        strict=True))  # fmt: skip
+    states_b = dict(zip(table_b.column("id").to_pylist(), table_b.column("layer_1").to_pylist(),
+                        strict=True))  # fmt: skip
+    source = {f"b{i}": f"a{i}" for i in range(30)} | {"b-again": "a3", "b-too": "a7"}
+    assert sorted(states_b) == sorted([*source, *(f"bo{j}" for j in range(10))])
+    for task, from_task in source.items():
+        assert states_b[task] == states_a[from_task], task
+    assert all(len(states_b[f"bo{j}"]) > 0 for j in range(10))
+    assert verify(db, paths).findings == []
+
+    with pytest.raises(ForgetRefused, match=r"hidden states that task sets \['b'\] reuse"):
+        forget(db, paths, "a", has_partition=False, force=False)
+    forget(db, paths, "b", has_partition=False, force=False)
+    forget(db, paths, "a", has_partition=False, force=False)
 
 
 def test_fabric_plan_counts_reused_tasks_and_repeats_and_plans_only_the_rest(

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 from sqlalchemy import Engine, insert, select
 
 from fabric_gpu.batching import BatchPlan
@@ -25,6 +26,14 @@ from fabric_pipelines.lib.store.keys import model_id, set_id_of
 from fabric_pipelines.lib.store.models import Batch, BatchPlanRow, HiddenStateShard, TaskSet
 from fabric_pipelines.lib.tasks.catalog import forget_task_set, ingest_task_set
 from fabric_pipelines.lib.tasks.inbox import submit
+
+
+@pytest.fixture(autouse=True)
+def _reuse_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two sets with identical records, each computing its own batches (with reuse on, the second
+    # would link to the first's results instead: tests/test_reuse.py covers that).
+    monkeypatch.setenv("FABRIC_REUSE", "off")
+
 
 SETS = ("first", "second")
 

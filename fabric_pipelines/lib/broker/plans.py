@@ -127,7 +127,8 @@ def plan_task_set(
         # Items sharing their first tokens run together (padded engines; packed keep arrival
         # order).
         keys = prefix_keys(tokens, offsets)
-        # Runs that keep hook layers are not reused: their hidden states are files per batch.
+        # The hook layers are part of the key: a reused task's hidden states are its source's,
+        # in the source's shard file (lib/results/export.py reads them there).
         content = (
             content_keys(
                 tokens,
@@ -136,7 +137,7 @@ def plan_task_set(
                 manifest.hooks.layers,
                 engine=planned_identity(manifest),
             )
-            if reuse_enabled(reuse) and not manifest.hooks.layers
+            if reuse_enabled(reuse)
             else None
         )
         with db.begin() as conn:

@@ -141,9 +141,7 @@ def _reused(
 ) -> tuple[int, int, np.ndarray]:
     """(tasks with a stored result, repeats inside the file, the task rows left to compute)."""
     rows = np.arange(len(tasks.record_no), dtype=np.int64)
-    if (
-        not reuse_enabled(reuse) or manifest.hooks.layers
-    ):  # as planning decides (lib/broker/reuse.py)
+    if not reuse_enabled(reuse):  # as planning decides (lib/broker/reuse.py)
         return 0, 0, rows
     keys = content_keys(
         tasks.tokens, tasks.offsets, manifest.model_key, manifest.hooks.layers,

@@ -36,8 +36,13 @@ NOTHING; SQLite: under the write lock), and planning leaves linked and waiting t
 batches. Two sets planned at the same moment, before either's workers lease, may both compute a
 key; each task still has one result.
 
+Runs that keep hook layers are reused by reference too: the layers are part of the key, and a
+reused task's hidden states are its source's, read from the source's shard file
+(lib/results/export.py). A set whose hidden states other sets read that way is not forgotten
+before them (tasks/catalog.forget_task_set): its shard files are what they read.
+
 Not reused: windows of chunked documents (a document's vector is combined from its windows,
-lib/results/documents.py), and runs that keep hook layers (their hidden-state files are per batch).
+lib/results/documents.py).
 FABRIC_REUSE=off (or the engine resource's `reuse_results: false`) turns reuse off.
 """
 
@@ -259,6 +264,7 @@ class Waits:
         )  # fmt: skip
 
 
+@unit_of_work("settling the waits of task set id {set_id} for other sets' results")
 def resolve_waits(db: Engine, set_id: int, model_id: int, take_over: Collection[int] = ()) -> Waits:
     """Settle what can be of the set's waits (`awaited_results`), in one transaction: a wait
     whose source is stored becomes a link; one whose source failed fails its task; one whose
@@ -365,9 +371,7 @@ def wait_for_other_sets(
     it (a link), has failed with it, or is taken over because that set stopped running (no live
     lease for `stopped_after_s`, a lease's length: its workers died or its run ended). The total
     of what was settled; `on_wait` hears of each look that still waits."""
-    with db.connect() as conn:
-        set_id = task_set_id(conn, task_set)
-        mid = conn.execute(select(Model.id).where(Model.model_key == model_key)).scalar()
+    set_id, mid = _ids_of(db, task_set, model_key)
     if mid is None:
         return Waits()
     total = Waits()
@@ -386,6 +390,14 @@ def wait_for_other_sets(
         if on_wait is not None:
             on_wait(total)
         time.sleep(poll_s)
+
+
+@unit_of_work("reading the ids of task set {task_set!r} and model {model_key!r}")
+def _ids_of(db: Engine, task_set: str, model_key: str) -> tuple[int, int | None]:
+    with db.connect() as conn:
+        set_id = task_set_id(conn, task_set)
+        mid = conn.execute(select(Model.id).where(Model.model_key == model_key)).scalar()
+    return set_id, None if mid is None else int(mid)
 
 
 def stored_keys(conn: Connection, model_id: int, keys: np.ndarray) -> np.ndarray:

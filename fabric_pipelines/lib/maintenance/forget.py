@@ -10,6 +10,8 @@ from sqlalchemy import Engine
 from fabric_pipelines.lib.broker.ledger import accounting
 from fabric_pipelines.lib.core.names import validate_task_set_name
 from fabric_pipelines.lib.core.settings import FabricPaths
+from fabric_pipelines.lib.store.keys import task_set_id as set_id_of_name
+from fabric_pipelines.lib.store.result_links import sets_reading_hidden_states
 from fabric_pipelines.lib.tasks.catalog import forget_task_set
 from fabric_pipelines.lib.tasks.inbox import submitted_files
 
@@ -54,5 +56,14 @@ def forget(
             "`force: true`): its workers' acks are then refused and their rows deleted with the "
             "rest"
         )
+    if counts is not None:
+        with db.connect() as conn:
+            readers = sets_reading_hidden_states(conn, set_id_of_name(conn, name))
+        if readers:
+            raise ForgetRefused(
+                f"task set {name!r} holds hidden states that task sets {readers} reuse (their "
+                "tasks read them from its shard files): forget those first, or run them again "
+                "with --no-reuse"
+            )
     forget_task_set(db, paths, name)
     return Forgotten(name, counts.completed if counts is not None else None)

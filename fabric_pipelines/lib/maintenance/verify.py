@@ -46,6 +46,7 @@ from fabric_pipelines.lib.store.models import (
     HiddenStateShard,
     IndexReceipt,
     Model,
+    ReusedResult,
     TaskSet,
 )
 from fabric_pipelines.lib.tasks.arrow_files import read_table
@@ -606,6 +607,34 @@ def _check_reused(ctx: _Context, conn: Connection, set_id: int, model_key: str) 
             f"{broken} of {links} reused results name a row that is no longer stored",
             ctx.run(),
         )
+    # A set that keeps hidden states reads its reused tasks' states from their sources' shard
+    # files: each source set must hold shard files of the same layers.
+    if ctx.layers_seen and links:
+        sources = conn.execute(
+            select(ReusedResult.from_task_set_id)
+            .where(ReusedResult.task_set_id == set_id, ReusedResult.model_id == model,
+                   ReusedResult.from_task_set_id != set_id)
+            .distinct()
+        ).scalars().all()  # fmt: skip
+        for source in sources:
+            kept = {
+                k
+                for layers in conn.execute(
+                    select(HiddenStateShard.layers).where(
+                        HiddenStateShard.task_set_id == source, HiddenStateShard.model_id == model
+                    )
+                ).scalars()
+                for k in json.loads(layers)
+            }
+            missing = [k for k in ctx.layers_seen if k not in kept]
+            if missing:
+                ctx.report.add(
+                    "shard_coverage",
+                    f"{ctx.name} ({model_key})",
+                    f"tasks reuse results of task set id {source}, which holds no hidden states "
+                    f"of layers {missing}: those tasks have none",
+                    ctx.run(),
+                )
     return adopted
 
 

@@ -5,7 +5,8 @@ as they come through the file helper (staging name, fsync, sha256, rename): a re
 a half-written file. Columns: `id` (the task id as submitted), `record_no` (its place in the
 submitted file, from 0), `n_tokens` (tokens the model read) and `vector` (float32, fixed size);
 with hook layers asked for, `layer_<k>` per layer: the task's hidden states, [tokens, hidden]
-float16, read from its shard file (rows then come batch by batch).
+float16, read from its shard file (rows then come batch by batch); a task that reuses another
+task's result has that task's hidden states, read from the source's shard file.
 
 With a variant (fabric_gpu/variants.py: `float16`, `int8`, `binary`, optionally `:DIMS`), the
 `vector` column holds that encoding (float16 or int8 lists, binary as fixed-size bytes), computed
@@ -26,7 +27,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from sqlalchemy import Engine, Select, literal_column, select
+from sqlalchemy import Connection, Engine, Select, literal_column, select
 
 from fabric_gpu.variants import Int8Calibration, Variant
 from fabric_pipelines.lib.core.files import HashingWriter, stream_file
@@ -39,6 +40,7 @@ from fabric_pipelines.lib.store.models import (
     Embedding,
     HiddenStateShard,
     Model,
+    ReusedResult,
     Task,
     TaskSet,
     task_embeddings,
@@ -277,26 +279,18 @@ def _hidden_state_blocks(
     layers: list[int],
     codec: StoredCodec,
 ) -> Iterator[pa.Table]:
-    """One table per shard file: its tasks' rows, vectors and the asked layers' states."""
+    """One table per shard file: its tasks' rows, vectors and the asked layers' states; then the
+    tasks that reuse another task's result, whose hidden states are that task's (`_linked`)."""
     with db.connect() as conn:
-        shards = conn.execute(
-            select(HiddenStateShard)
-            .where(HiddenStateShard.task_set_id == set_id, HiddenStateShard.model_id == model)
-            .order_by(HiddenStateShard.plan_id, HiddenStateShard.batch_no)
-        ).all()
-    if not shards:
+        shards = _shards_of(conn, set_id, model)
+        linked = _linked_sources(conn, set_id, model)
+    if not shards and not linked:
         raise ExportError(
             f"task set {task_set!r} kept no hidden states of {model_key}: run it with "
             "--hook-layers to keep some"
         )
     for shard in shards:
-        kept = json.loads(shard.layers)
-        missing = [k for k in layers if k not in kept]
-        if missing:
-            raise ExportError(
-                f"task set {task_set!r} kept hidden states of layers {kept}, not {missing}: "
-                "export some of those, or run it again with them in --hook-layers"
-            )
+        _check_layers(task_set, shard, layers)
         content = read_shard(Path(shard.path), shard.sha256)
         task_ids = [str(task_id) for task_id in content["task_id"]]
         with db.connect() as conn:
@@ -312,6 +306,106 @@ def _hidden_state_blocks(
             states = [np.asarray(s) for s in content[f"layer_{k}"]]
             table = table.append_column(f"layer_{k}", _states_column(states))
         yield table
+    if linked:
+        yield from _linked(db, task_set, set_id, model, layers, codec, linked)
+
+
+def _shards_of(conn: Connection, set_id: int, model: int) -> list[Any]:
+    return list(
+        conn.execute(
+            select(HiddenStateShard)
+            .where(HiddenStateShard.task_set_id == set_id, HiddenStateShard.model_id == model)
+            .order_by(HiddenStateShard.plan_id, HiddenStateShard.batch_no)
+        ).all()
+    )
+
+
+def _check_layers(task_set: str, shard: Any, layers: list[int]) -> None:
+    kept = json.loads(shard.layers)
+    missing = [k for k in layers if k not in kept]
+    if missing:
+        raise ExportError(
+            f"task set {task_set!r} kept hidden states of layers {kept}, not {missing}: "
+            "export some of those, or run it again with them in --hook-layers"
+        )
+
+
+def _linked_sources(conn: Connection, set_id: int, model: int) -> dict[int, dict[str, list[int]]]:
+    """The set's tasks that read another task's result (lib/broker/reuse.py) and have no row of
+    their own: source set id -> source task id -> the record numbers of the tasks reading it."""
+    own_row = (
+        select(Embedding.record_no)
+        .where(
+            Embedding.model_id == ReusedResult.model_id,
+            Embedding.task_set_id == ReusedResult.task_set_id,
+            Embedding.record_no == ReusedResult.record_no,
+        )
+        .exists()
+    )
+    found: dict[int, dict[str, list[int]]] = {}
+    for record, source_set, source_id in conn.execute(
+        select(ReusedResult.record_no, ReusedResult.from_task_set_id, Task.task_id)
+        .join(
+            Task,
+            (Task.task_set_id == ReusedResult.from_task_set_id)
+            & (Task.record_no == ReusedResult.from_record_no),
+        )
+        .where(ReusedResult.task_set_id == set_id, ReusedResult.model_id == model, ~own_row)
+    ).all():
+        found.setdefault(int(source_set), {}).setdefault(str(source_id), []).append(int(record))
+    return found
+
+
+def _linked(
+    db: Engine,
+    task_set: str,
+    set_id: int,
+    model: int,
+    layers: list[int],
+    codec: StoredCodec,
+    linked: dict[int, dict[str, list[int]]],
+) -> Iterator[pa.Table]:
+    """Hidden states by reference: each reusing task's states are its source's, read from the
+    source's shard file (checked against its sha256) and written under the reusing task's id.
+    One table per source shard that holds any of them; only their task ids are read first."""
+    for source_set, wanted in linked.items():
+        with db.connect() as conn:
+            shards = _shards_of(conn, source_set, model)
+        left = dict(wanted)
+        for shard in shards:
+            with pa.memory_map(str(shard.path), "r") as source:
+                ids = pa.ipc.open_file(source).read_all().column("task_id").to_pylist()
+            hits = [(i, str(task_id)) for i, task_id in enumerate(ids) if str(task_id) in left]
+            if not hits:
+                continue
+            _check_layers(task_set, shard, layers)
+            content = read_shard(Path(shard.path), shard.sha256)
+            records = [(i, record) for i, task_id in hits for record in left.pop(task_id)]
+            with db.connect() as conn:
+                stored = VectorColumns.of(conn)
+                rows = {
+                    row[1]: row
+                    for row in conn.execute(
+                        _embeddings(set_id, model, stored).where(
+                            task_embeddings.c.record_no.in_([r for _, r in records])
+                        )
+                    ).all()
+                }
+            table = _block_table([rows[r] for _, r in records], codec, stored)
+            for k in layers:
+                states = content[f"layer_{k}"]
+                table = table.append_column(
+                    f"layer_{k}", _states_column([np.asarray(states[i]) for i, _ in records])
+                )
+            yield table
+        if left:
+            some = next(iter(left))
+            raise ExportError(
+                f"task set {task_set!r}: {sum(len(r) for r in left.values())} tasks reuse "
+                f"results of task set id {source_set} (task {some!r} among them) whose hidden "
+                "states are in no shard file: run fabric verify, then run the set again with "
+                "--no-reuse"
+            )
 
 
 def _states_column(states: list[np.ndarray]) -> pa.Array:

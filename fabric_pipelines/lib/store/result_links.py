@@ -79,3 +79,19 @@ def hand_over_results(conn: Connection, set_id: int) -> int:
     )
     conn.execute(text("DROP TABLE fabric_heirs"))
     return int(moved or 0)
+
+
+def sets_reading_hidden_states(conn: Connection, set_id: int) -> list[str]:
+    """The other sets whose tasks reuse a result of this set that has hidden states (the set
+    holds shard rows of the link's model): the names, sorted. Their tasks read those states
+    from this set's shard files, which go with it, so it is not forgotten before them."""
+    rows = conn.execute(
+        text(
+            "SELECT DISTINCT s.name FROM reused_results r JOIN task_sets s ON s.id = r.task_set_id "
+            "WHERE r.from_task_set_id = :set AND r.task_set_id <> :set "
+            "AND EXISTS (SELECT 1 FROM hidden_state_shards h WHERE h.task_set_id = :set "
+            "AND h.model_id = r.model_id) ORDER BY s.name"
+        ),
+        {"set": set_id},
+    )
+    return [str(name) for (name,) in rows]
