@@ -4,7 +4,7 @@ of the tasks have stored results, with reuse on, against planning the same file 
 In one fresh data root and database (SQLite, or `--database-url`):
   first       N tasks of token ids, ingested and planned with reuse on (its keys stored), then
               given a result row per task straight in SQL (the vector bytes do not matter to
-              planning; no engine runs);
+              planning; no engine runs), settled as the extraction step leaves them;
   second      the same N tasks with `--edit` of them given new token ids, ingested twice under
               two names, planned once with reuse off and once with reuse on, alternating which
               goes first over `--repeat` pairs.
@@ -65,6 +65,7 @@ def main() -> None:
     from fabric_pipelines.lib.broker.plans import plan_task_set
     from fabric_pipelines.lib.core.settings import FabricPaths, database_url
     from fabric_pipelines.lib.store.db import create_schema, make_engine
+    from fabric_pipelines.lib.store.settle import settle_embeddings
     from fabric_pipelines.lib.tasks.catalog import ingest_task_set
     from fabric_pipelines.lib.tasks.inbox import submit
 
@@ -117,6 +118,8 @@ def main() -> None:
             ),
             {"n": ROW_BYTES, "key": manifest.model_key},
         ).rowcount
+    # As the extraction step leaves them: PostgreSQL's fresh rows marked visible (store/settle.py).
+    settle_embeddings(db)
     print(f"first: {args.tasks:,} tasks planned with keys in {first_seconds:.2f} s; "
           f"{filled:,} result rows stored", flush=True)  # fmt: skip
 
