@@ -632,22 +632,20 @@ def record_nos_of(
 ) -> np.ndarray:
     """The record numbers of `table`'s rows of one set (and model), read through the driver's
     cursor straight into an array: a million of them through SQLAlchemy's rows took 0.5 s.
-    SQLite hands them over as one comma-separated string, parsed by NumPy: 900,000 in 0.14 s
-    against 0.56 s as a row each."""
+    The database hands them over as one comma-separated string, parsed by NumPy: on SQLite
+    900,000 in 0.14 s against 0.56 s as a row each."""
     sqlite = conn.dialect.name == "sqlite"
     mark = "?" if sqlite else "%s"
     where = f"task_set_id = {mark}" + ("" if model is None else f" AND model_id = {mark}")
     params = (set_id,) if model is None else (set_id, model)
+    joined = "group_concat(record_no)" if sqlite else "string_agg(record_no::text, ',')"
     cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
     try:
-        if sqlite:
-            cursor.execute(f"SELECT group_concat(record_no) FROM {table} WHERE {where}", params)
-            (joined,) = cursor.fetchone()
-            if not joined:
-                return np.zeros(0, dtype=np.int64)
-            return np.fromstring(joined, dtype=np.int64, sep=",")
-        cursor.execute(f"SELECT record_no FROM {table} WHERE {where}", params)
-        return np.array(cursor.fetchall(), dtype=np.int64).reshape(-1)
+        cursor.execute(f"SELECT {joined} FROM {table} WHERE {where}", params)
+        (numbers,) = cursor.fetchone()
+        if not numbers:
+            return np.zeros(0, dtype=np.int64)
+        return np.fromstring(numbers, dtype=np.int64, sep=",")
     finally:
         cursor.close()
 

@@ -702,15 +702,14 @@ def _link_stored(conn: Connection, set_id: int, model_id: int, already: np.ndarr
         "AND s.task_set_id = r.task_set_id AND s.record_no = r.record_no) "
         "ORDER BY p.record_no"
     )
-    cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
     if conn.dialect.name == "postgresql":
-        statement = f"{links} ON CONFLICT DO NOTHING RETURNING record_no"
-        cursor.execute(statement.replace(":model", "%(model)s").replace(":set", "%(set)s")
-                       .replace(":now", "%(now)s"), params)  # fmt: skip
-        return np.array(cursor.fetchall(), dtype=np.int64).reshape(-1)
-    # SQLite, under the write lock: the new links are the set's links less those before, read
-    # as one string (record_nos_of); RETURNING's row per link took three times as long.
+        links = links.replace(":model", "%(model)s").replace(":set", "%(set)s")
+        links = links.replace(":now", "%(now)s")
+    cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
     cursor.execute(links, params)
+    # Under the set's planning lock no other statement links its tasks: the new links are the
+    # set's links less those before, read as one string (record_nos_of). A RETURNING row per
+    # link (and ON CONFLICT) took three times as long as that read.
     linked = np.setdiff1d(
         record_nos_of(conn, "reused_results", set_id, model_id), already, assume_unique=True
     )
