@@ -1,12 +1,15 @@
 """What reuse by content (fabric_pipelines/lib/broker/reuse.py) saves and what it costs, end to end.
 
-In one fresh data root and database, four product runs (`fabric submit FILE --run`, each in its
-own process, submit to published index), all on the same engine:
-  first       a corpus of N tasks, reuse on: nothing to reuse yet; its planning stores N keys;
-  first_off   the same file under another name with --no-reuse: the peer that prices the keys;
-  second      the corpus with --edit of its tasks changed and --new added, reuse on: only those
-              reach the engine (counted from the rows the engines returned);
-  second_off  the same file with --no-reuse: everything computed again.
+Four product runs (`fabric submit FILE --run`, each in its own process, submit to published
+index), all on the same engine, SQLite:
+  first       a corpus of N tasks in a fresh data root, reuse on: nothing to reuse yet; its
+              planning stores N keys;
+  second      the corpus with --edit of its tasks changed and --new added, reuse on, in that
+              root: only those reach the engine (counted from the rows the engines returned);
+  second_off  the same file with --no-reuse, in a copy of the root taken before `second`:
+              everything computed again, and the same rows indexed as `second`'s;
+  first_off   the first corpus with --no-reuse in another fresh root: the peer that prices the
+              keys.
 Printed: second / second_off (what an edit costs with reuse against without), first /
 first_off (the keys' cost when nothing can be reused), the planning step's seconds of each, and
 the engine's own row counts. Inputs are token ids as in bench/e2e.py, the model the yardstick's
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -128,17 +132,22 @@ def main() -> None:
     manifest_file = work / f"engine-{size}.json"
     manifest_file.write_text(json.dumps(manifest.to_mapping()))
     root = work / "root"
-    db_url = f"sqlite:///{root}/fabric.db"
-
     runs: dict[str, dict[str, Any]] = {}
-    for name, source, extra in (
-        ("first", first, ()),
-        ("first_off", first, ("--no-reuse",)),
-        ("second", second, ()),
-        ("second_off", second, ("--no-reuse",)),
-    ):
-        runs[name] = summary(run_product(root, source, manifest_file, db_url, 1, name, extra))
+
+    def run(name: str, home: Path, source: Path, extra: tuple[str, ...] = ()) -> None:
+        url = f"sqlite:///{home}/fabric.db"
+        runs[name] = summary(run_product(home, source, manifest_file, url, 1, name, extra))
         print(f"{name}: {runs[name]}", flush=True)
+
+    run("first", root, first)
+    # The edited set runs with reuse and without, each in its own copy of the data root holding
+    # the first corpus alone: both then index the same rows (the model's index covers every set).
+    twin = work / "root-no-reuse"
+    shutil.copytree(root, twin)
+    run("second", root, second)
+    run("second_off", twin, second, ("--no-reuse",))
+    # The keys' cost on a fresh corpus: the first corpus without reuse, in an empty data root.
+    run("first_off", work / "root-fresh", first, ("--no-reuse",))
     result = {
         "model": size,
         "tasks": n,
