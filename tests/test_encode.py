@@ -7,15 +7,15 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine
 
 import fabric_gpu
 from fabric_gpu.encoding import EncodeError, encode
 from fabric_gpu.manifest import EngineManifest
 from fabric_pipelines.lib.core.settings import FabricPaths
-from fabric_pipelines.lib.results.hidden_states import read_shard
-from fabric_pipelines.lib.store.models import HiddenStateShard
+from fabric_pipelines.lib.results.export import export_task_set
 from tests.pipeline_helpers import run_stages, stored_embeddings
 
 TEXTS = [
@@ -38,13 +38,18 @@ def test_encode_gives_the_pipelines_vectors_and_hidden_states_bit_for_bit(
     )
     run_stages(db, paths, cpu_engine, manifest, source, "same-path")
     stored = stored_embeddings(db, "same-path", manifest.model_key)
-    with db.connect() as conn:
-        shards = conn.execute(select(HiddenStateShard)).all()
-    hidden = {}
-    for shard in shards:
-        content = read_shard(Path(shard.path), shard.sha256)
-        for i, task_id in enumerate(content["task_id"]):
-            hidden[task_id] = {layer: content[f"layer_{layer}"][i] for layer in (2, -1)}
+    # The hidden states as the product hands them out: a repeated text's are its first's, read
+    # from that task's shard file (reuse by reference).
+    exported = pq.read_table(
+        export_task_set(db, "same-path", tmp_path / "states.parquet", layers=[2, -1]).path
+    )
+    hidden = {
+        task_id: {
+            layer: np.asarray(exported.column(f"layer_{layer}")[row].as_py(), dtype=np.float16)
+            for layer in (2, -1)
+        }
+        for row, task_id in enumerate(exported.column("id").to_pylist())
+    }
 
     encoded = fabric_gpu.encode(TEXTS, manifest, engine=cpu_engine)
 
