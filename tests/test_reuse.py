@@ -754,6 +754,7 @@ def test_0016_moves_a_filled_database_to_references_and_every_receipt_stays_vali
     assert verify(db, paths).clean
     # The receipt names the engine that computed its rows (recorded with each batch's ack).
     assert published.receipt["model"]["engines"] == [identity_of_cpu(manifest)]
+    assert published.receipt["model"]["batch_invariance"].startswith("per-identity: same token ids")
 
 
 def test_a_result_of_one_engine_is_not_reused_by_another() -> None:

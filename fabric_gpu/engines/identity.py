@@ -21,6 +21,12 @@ from fabric_gpu.manifest import EngineManifest
 # 2: packed mean pooling sums each item's tokens in a fixed order (fused.segment_mean).
 ENGINE_NUMERICS = 2
 
+# The contract rows are made under, as a receipt records it: on one engine identity, the same
+# token ids give the same bytes whatever batch, position, bucket, set or run they come in (the CPU
+# engine computes each item at its bucket's length, tests/test_batch_invariance.py; the torch
+# engine packs and pools in a fixed order, tests/test_batch_invariance_gpu.py). Reuse rests on it.
+BATCH_INVARIANCE = "per-identity: same token ids, same bytes in any batch, bucket, set or run"
+
 
 def device_class(backend: str, device_name: str | None = None) -> str:
     """The kind of device an engine runs on: "cpu" for the CPU engine; a GPU's product name

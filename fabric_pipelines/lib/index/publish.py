@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from sqlalchemy import Engine
 
+from fabric_gpu.engines.identity import BATCH_INVARIANCE
 from fabric_pipelines.lib.broker.ledger import model_engines
 from fabric_pipelines.lib.core.files import (
     CHUNK_BYTES,
@@ -509,6 +510,7 @@ def _load_source(
         encoding = stored_encoding(StoredCodec.of_key(conn, model_key))
         # Every engine identity whose rows the index holds (reused rows are their sources').
         encoding["engines"] = model_engines(conn, mid)
+        encoding["batch_invariance"] = BATCH_INVARIANCE  # the contract those rows were made under
     with db.connect() as conn:
         # Versions before rows: a change that lands after this read shows up as stale next time.
         versions = shards.versions(conn, mid, n_shards)
