@@ -96,6 +96,7 @@ KEY_BYTES = 32
 PLANNING_CACHE_KIB = 512 * 1024  # SQLite's page cache while a set is linked and claimed
 ROWS_PER_INSERT = 1000  # SQLite: planned keys bound per statement (2,000 of its 32,766 variables)
 MIN_RUN = 64  # SQLite: consecutive record numbers worth one statement of their own
+MAX_POLL_S = 5.0  # the longest pause between looks at a set's waits for other sets' results
 WORK_MEM = "256MB"  # PostgreSQL: for the planning transaction (the links' sort, the key joins)
 OFF_VALUES = {"0", "off", "false", "no"}
 
@@ -321,13 +322,17 @@ def resolve_waits(db: Engine, set_id: int, model_id: int, take_over: Collection[
                           np.array([s for _, s, _ in link], dtype=np.int64),
                           np.array([f for _, _, f in link], dtype=np.int64))  # fmt: skip
         if fail:
-            task_ids = dict(
-                conn.execute(
-                    select(Task.record_no, Task.task_id).where(
-                        Task.task_set_id == set_id, Task.record_no.in_([r for r, _, _ in fail])
-                    )
-                ).all()
-            )
+            failing = [r for r, _, _ in fail]
+            task_ids: dict[int, str] = {}
+            for start in range(0, len(failing), 500):  # bound parameters per statement
+                task_ids.update(
+                    conn.execute(
+                        select(Task.record_no, Task.task_id).where(
+                            Task.task_set_id == set_id,
+                            Task.record_no.in_(failing[start : start + 500]),
+                        )
+                    ).all()
+                )
             conn.execute(
                 insert(TaskFailure),
                 [
@@ -374,18 +379,26 @@ def wait_for_other_sets(
     """After the set's own batches: wait until every task waiting for another set's result has
     it (a link), has failed with it, or is taken over because that set stopped running (no live
     lease for `stopped_after_s`, a lease's length: its workers died or its run ended). The total
-    of what was settled; `on_wait` hears of each look that still waits."""
+    of what was settled; `on_wait` hears of each look that still waits.
+
+    Each look is a write transaction (the other set's acks wait for it on SQLite), so the looks
+    thin out while nothing settles: `poll_s`, doubled up to MAX_POLL_S, back to `poll_s` once
+    something did."""
     set_id, mid = _ids_of(db, task_set, model_key)
     if mid is None:
         return Waits()
     total = Waits()
     stopped_since: dict[int, float] = {}
+    pause = poll_s
     while True:
         now = time.monotonic()
         stopped = {s for s, t in stopped_since.items() if now - t >= stopped_after_s}
-        total = total + resolve_waits(db, set_id, mid, take_over=stopped)
+        look = resolve_waits(db, set_id, mid, take_over=stopped)
+        total = total + look
         if not total.waiting:
             return total
+        settled = look.linked + look.failed + look.taken_over
+        pause = poll_s if settled else min(2 * pause, max(MAX_POLL_S, poll_s))
         for source in total.waiting:
             if source in total.running:
                 stopped_since.pop(source, None)
@@ -393,7 +406,9 @@ def wait_for_other_sets(
                 stopped_since.setdefault(source, now)
         if on_wait is not None:
             on_wait(total)
-        time.sleep(poll_s)
+        # Never past the moment a stopped set's keys are due to be taken over.
+        due = [t + stopped_after_s - time.monotonic() for t in stopped_since.values()]
+        time.sleep(max(0.0, min([pause, *due])))
 
 
 @unit_of_work("reading the ids of task set {task_set!r} and model {model_key!r}")
