@@ -632,19 +632,21 @@ def _claim_keys(
     )
 
 
-def _running_sets(conn: Connection, sets: Collection[int]) -> set[int]:
-    """Of `sets`, those whose workers hold a live lease on one of their batches now: a set being
-    computed (a run's workers renew their leases while they work)."""
-    if not sets:
+def _running_sets(
+    conn: Connection, sets: Collection[int] | None = None, exclude: int | None = None
+) -> set[int]:
+    """The sets (of `sets`, if given; never `exclude`) whose workers hold a live lease on one of
+    their batches now: sets being computed (a run's workers renew their leases as they work)."""
+    if sets is not None and not sets:
         return set()
-    return set(
-        conn.execute(
-            select(Batch.task_set_id)
-            .where(Batch.task_set_id.in_(list(sets)), Batch.state == "leased",
-                   Batch.lease_deadline > time.time())
-            .distinct()
-        ).scalars()
-    )  # fmt: skip
+    live = select(Batch.task_set_id).where(
+        Batch.state == "leased", Batch.lease_deadline > time.time()
+    )
+    if sets is not None:
+        live = live.where(Batch.task_set_id.in_(list(sets)))
+    if exclude is not None:
+        live = live.where(Batch.task_set_id != exclude)
+    return set(conn.execute(live.distinct()).scalars())
 
 
 def _forget_waits(conn: Connection, set_id: int, model_id: int) -> np.ndarray:
@@ -661,12 +663,7 @@ def _await_in_flight(conn: Connection, set_id: int, model_id: int) -> np.ndarray
     """Each planned task whose key's owner is a task of another set that is running now (a live
     lease) and has neither its row nor a failure yet waits for it (`awaited_results`); their
     record numbers. Nothing runs elsewhere (the common case): one small query, no join."""
-    running = conn.execute(
-        select(Batch.task_set_id)
-        .where(Batch.task_set_id != set_id, Batch.state == "leased",
-               Batch.lease_deadline > time.time())
-        .distinct()
-    ).scalars().all()  # fmt: skip
+    running = _running_sets(conn, exclude=set_id)
     if not running:
         return np.zeros(0, dtype=np.int64)
     sets = ", ".join(str(int(s)) for s in running)  # integers from the database

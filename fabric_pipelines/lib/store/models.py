@@ -359,7 +359,19 @@ class ResultKey(Base):
     record_no: Mapped[int] = mapped_column(BigInteger)
 
 
-class ReusedResult(Base):
+class _TaskToTask:
+    """The columns of a bulk row from one task to another task's result: the task (model, set,
+    record number) and the source (set, record number)."""
+
+    model_id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    task_set_id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    record_no: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    from_task_set_id: Mapped[int] = mapped_column(Integer)
+    from_record_no: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class ReusedResult(_TaskToTask, Base):
     """A task whose result is another task's, of the same content key (lib/broker/reuse.py): the
     link is its result, read from the source's row (migration 0016: no copy). Until that row is
     stored (a duplicate inside the set whose first is still queued) the task counts as queued.
@@ -370,17 +382,11 @@ class ReusedResult(Base):
     __tablename__ = "reused_results"
     __table_args__ = ({"sqlite_with_rowid": False},)  # one B-tree entry per link
 
-    model_id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
-    task_set_id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
-    record_no: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
     # Forgetting the source's set hands its row over to a linked task instead
     # (tasks/catalog.forget_task_set).
-    from_task_set_id: Mapped[int] = mapped_column(Integer)
-    from_record_no: Mapped[int] = mapped_column(BigInteger)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
-class AwaitedResult(Base):
+class AwaitedResult(_TaskToTask, Base):
     """A task waiting for a result another running set is computing (migration 0017,
     lib/broker/reuse.py): its key's owner, a task of another set, has neither its row nor a
     failure yet, and that set's workers hold a live lease. Not a result: the task counts as
@@ -393,13 +399,6 @@ class AwaitedResult(Base):
 
     __tablename__ = "awaited_results"
     __table_args__ = ({"sqlite_with_rowid": False},)
-
-    model_id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
-    task_set_id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
-    record_no: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
-    from_task_set_id: Mapped[int] = mapped_column(Integer)
-    from_record_no: Mapped[int] = mapped_column(BigInteger)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
 class ExtractionRun(Base):
