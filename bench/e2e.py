@@ -572,6 +572,11 @@ def summarise(run: dict[str, Any], engine: dict[str, Any], submitted_tokens: int
         "index_factory": index.get("factory"),
         # The index step took the vectors a tail followed during extraction (vector_tail).
         "vectors_followed": index.get("vectors_followed"),
+        # The quantizer trained and rows assigned during extraction (index/prebuild.py).
+        "index_prebuilt_seconds": index.get("prebuilt_seconds") or None,
+        # From the last batch acknowledged by any worker to the index step's end (the receipt
+        # recorded): what the user waits for after the GPU is done.
+        "index_after_last_ack_s": after_last_ack(run["clock"]),
         "stage_seconds": stages,
         "bytecode": bytecode_state(),
         "clock": run["clock"],
@@ -579,6 +584,14 @@ def summarise(run: dict[str, Any], engine: dict[str, Any], submitted_tokens: int
         .get("extraction_outputs", {})
         .get("worker_timelines", []),
     }
+
+
+def after_last_ack(clock: dict[str, float]) -> float | None:
+    acks = [
+        at for name, at in clock.items() if name.startswith("worker") and name.endswith(":last_ack")
+    ]
+    published = clock.get("index:vector_index:end")
+    return round(published - max(acks), 2) if acks and published is not None else None
 
 
 def show(key: str, r: dict[str, Any]) -> None:
@@ -594,7 +607,9 @@ def show(key: str, r: dict[str, Any]) -> None:
         f"(failed {r['failed']}); exactly once: {r['exactly_once']}; "
         f"GPU busy fraction (the run's record): {r.get('gpu_busy_fraction')}; "
         f"index {r['index_factory']} recall@10 {r['recall_at_10']}, vectors followed during "
-        f"extraction: {r.get('vectors_followed')}\n"
+        f"extraction: {r.get('vectors_followed')}, made ready during it: "
+        f"{r.get('index_prebuilt_seconds')}; last ack to index published "
+        f"{r.get('index_after_last_ack_s')} s\n"
         f"  clock (s from launch): {', '.join(f'{k} {v}' for k, v in r.get('clock', {}).items())}",
         flush=True,
     )

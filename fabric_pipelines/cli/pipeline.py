@@ -79,13 +79,16 @@ def run_pipeline(
     from fabric_pipelines.cli.run_clock import mark, marks, steps_of
     from fabric_pipelines.definitions import defs
     from fabric_pipelines.defs.failures import failure_text
+    from fabric_pipelines.defs.index import IndexConfig
     from fabric_pipelines.defs.partitions import TASK_SET_PARTITIONS
     from fabric_pipelines.lib.core.names import validate_task_set_name
     from fabric_pipelines.lib.index import vector_tail
     from fabric_pipelines.lib.steps.progress import run_progress
 
     validate_task_set_name(task_set)  # InvalidNameError: main() prints it, exit 2
-    vector_tail.follow_in_this_process()  # both jobs run here, the index right after extraction
+    # Both jobs run here, the index right after extraction, with the index's default settings
+    # (the CLI sets none): its vectors are followed and its index made ready as they arrive.
+    vector_tail.follow_in_this_process(IndexConfig().spec_settings())
     mark("dagster_imported")
     try:
         if prepared is None:

@@ -37,6 +37,17 @@ class IndexConfig(dg.Config):
     device: str = "auto"
     kmeans: str = "auto"  # torch on a GPU, faiss-cpu without one; or "torch" / "faiss"
     full_rebuild: bool = False  # retrain and refill every shard instead of only the stale ones
+    # Which rows train the quantizer: "first" (the smallest ids: trainable while extraction
+    # runs) or "sample" (a seeded sample of all rows: after it). lib/index/build.py TRAIN_RULES.
+    train_rule: str = "first"
+
+    def spec_settings(self) -> dict[str, Any]:
+        """The IndexSpec's fields (built where torch and FAISS are loaded)."""
+        return {
+            "factory": self.factory, "metric": self.metric, "nprobe": self.nprobe,
+            "shards": self.shards, "device": self.device, "kmeans": self.kmeans,
+            "train_rule": self.train_rule,
+        }  # fmt: skip
 
 
 @dg.asset(
@@ -80,10 +91,7 @@ def vector_index(
 
     manifest, started = engine.manifest(), time.perf_counter()
     stage("index")
-    spec = IndexSpec(
-        factory=config.factory, metric=config.metric, nprobe=config.nprobe, shards=config.shards,
-        device=config.device, kmeans=config.kmeans,
-    )  # fmt: skip
+    spec = IndexSpec(**config.spec_settings())
     db = database.engine()
     serving = serving_receipt(db, manifest.model_key)
     previous = None if config.full_rebuild or serving is None else serving[1]

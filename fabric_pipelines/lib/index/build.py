@@ -22,6 +22,15 @@ import torch
 from fabric_pipelines.lib.index import kmeans, torch_search
 
 METRICS = ("cosine", "l2")
+# Which rows train the quantizer (at most train_sample of them), as a receipt names the rule.
+# "first": the rows of the smallest ids, which a packed plan extracts first, so the quantizer
+# can be trained while the rest is still extracted (index/prebuild.py); a set whose file is
+# sorted by topic trains on its first topics then, and the recall check raises nprobe to make
+# up for it. "sample": a seeded sample of every row, known only once the last row is in.
+TRAIN_RULES = {
+    "first": "the first rows in id order",
+    "sample": "seeded sample without replacement of rows in id order",
+}
 DEVICES = ("auto", "cpu", "gpu")
 KMEANS = ("auto", "faiss", "torch")
 
@@ -42,8 +51,13 @@ class IndexSpec:
     shards: int = 1  # rows split by a fixed hash; one shared quantizer; merged for serving
     device: str = "auto"  # where torch computes: "gpu" (CUDA), "cpu"; "auto": the GPU if present
     kmeans: str = "auto"  # who trains and assigns: "faiss" (CPU) or "torch"; "auto": torch on GPU
+    train_rule: str = "first"  # which rows train the quantizer: TRAIN_RULES
 
     def __post_init__(self) -> None:
+        if self.train_rule not in TRAIN_RULES:
+            raise ValueError(
+                f"train_rule {self.train_rule!r}: expected one of {tuple(TRAIN_RULES)}"
+            )
         if self.metric not in METRICS:
             raise ValueError(f"metric {self.metric!r}: expected one of {METRICS}")
         if self.device not in DEVICES:
@@ -191,17 +205,30 @@ class BuiltIndex:
 
 
 def training_sample(n: int, spec: IndexSpec) -> np.ndarray:
-    """Positions of the rows that train the quantizer: a seeded sample without replacement."""
+    """Positions (in id order) of the rows that train the quantizer, by the spec's rule: the
+    first train_sample, or a seeded sample without replacement of that many."""
     take = min(n, spec.train_sample)
-    if take == n:
-        return np.arange(n)
+    if take == n or spec.train_rule == "first":
+        return np.arange(take)
     return np.sort(np.random.default_rng(spec.seed).choice(n, size=take, replace=False))
 
 
-def train_rows(rows: Rows, spec: IndexSpec, factory: str | None = None) -> BuiltIndex:
-    """An empty index with its quantizer trained (IVF) on a seeded sample; Flat needs none.
-    The caller has checked the vectors (vectors.check_vectors)."""
-    n, dim = rows.host.shape
+def train_rule_of(rule: str) -> str:
+    """The spec's train_rule for a receipt's `training.rule` text."""
+    for name, text in TRAIN_RULES.items():
+        if rule == text:
+            return name
+    raise ValueError(f"training.rule {rule!r}: this version trains by {list(TRAIN_RULES.values())}")
+
+
+def train_rows(
+    rows: Rows, spec: IndexSpec, factory: str | None = None, n: int | None = None
+) -> BuiltIndex:
+    """An empty index with its quantizer trained (IVF) on the rows the spec's rule picks out of
+    `n` (default: all of `rows`; `rows` may hold only the first ones, under the "first" rule);
+    Flat needs none. The caller has checked the vectors (vectors.check_vectors)."""
+    dim = rows.host.shape[1]
+    n = len(rows.host) if n is None else n
     factory = factory or resolve_factory(spec, n)
     index = empty_index(dim, factory, spec.metric)
     builder = choose_builder(spec, index)
@@ -246,10 +273,26 @@ def assign(
         return None
     if builder == "faiss-cpu":
         x = rows.on_host(positions) if gathered is None else gathered
-        return np.ascontiguousarray(faiss.extract_index_ivf(trained).quantizer.assign(x, 1).ravel())
+        return assign_in_faiss(trained, x)
     lists = torch.from_numpy(centroids(trained)).to(rows.device.device)
-    labels = torch_search.nearest(rows.on_device(positions), lists, metric)
+    tile = torch_search.ASSIGN_TILE_ROWS
+    labels = torch_search.nearest(rows.on_device(positions), lists, metric, tile_rows=tile)
     return np.ascontiguousarray(labels.cpu().numpy())
+
+
+def assign_in_faiss(trained: faiss.Index, x: np.ndarray) -> np.ndarray:
+    """The list of each row of `x` by the index's own quantizer, in tiles of ASSIGN_TILE_ROWS
+    rows (the last padded): FAISS searches a tile of any other size another way (one row at a
+    time below 20 rows), so a row's list would depend on the rows beside it."""
+    quantizer = faiss.extract_index_ivf(trained).quantizer
+    tile = torch_search.ASSIGN_TILE_ROWS
+    out = np.empty(len(x), dtype=np.int64)
+    for start in range(0, len(x), tile):
+        block = np.ascontiguousarray(x[start : start + tile], dtype=np.float32)
+        if len(block) < tile:
+            block = np.concatenate([block, np.zeros((tile - len(block), x.shape[1]), np.float32)])
+        out[start : start + tile] = quantizer.assign(block, 1).ravel()[: min(tile, len(x) - start)]
+    return out
 
 
 def add_rows(index: faiss.Index, x: np.ndarray, ids: np.ndarray, lists: np.ndarray | None) -> None:

@@ -49,6 +49,7 @@ from fabric_pipelines.lib.core.files import (
 from fabric_pipelines.lib.core.retry import unit_of_work
 from fabric_pipelines.lib.index import shards, vector_tail
 from fabric_pipelines.lib.index.build import (
+    TRAIN_RULES,
     IndexSpec,
     Rows,
     add_rows,
@@ -67,6 +68,7 @@ from fabric_pipelines.lib.index.build import (
     train_rows,
 )
 from fabric_pipelines.lib.index.paths import model_index_folder
+from fabric_pipelines.lib.index.prebuild import Prebuilt
 from fabric_pipelines.lib.index.quality import measure, shortfall
 from fabric_pipelines.lib.index.recall import NprobeChoice
 from fabric_pipelines.lib.index.receipt import (
@@ -108,6 +110,9 @@ class PublishedIndex:
     vectors_followed: bool = False
     # Nothing was built: no row moved since this receipt, which stays the served index.
     unchanged: bool = False
+    # The quantizer was trained and the rows assigned during extraction (index/prebuild.py):
+    # the seconds that took there, off the index step's clock. None: all done here.
+    prebuilt_seconds: dict[str, float] | None = None
 
     @property
     def record(self) -> Receipt:
@@ -231,7 +236,7 @@ def build_and_publish(
         raise ValueError(f"min_recall {min_recall}: a recall target lies within [0, 1]")
     clock = PhaseClock()
     with clock.phase("load"):
-        encoding, versions, source, followed = _load_source(db, model_key, spec.shards)
+        encoding, versions, source, followed, prebuilt = _load_source(db, model_key, spec.shards)
         model = {**model, **encoding}
         counts = check_vectors(source.vectors, spec.metric)
     spec = sized_for(spec, len(source.ids))
@@ -241,13 +246,22 @@ def build_and_publish(
         folder = model_index_folder(index_folder, model_key)
         with clock.phase("prepare"):
             reuse = _reusable(previous, spec, model, folder, source.dim)
-            builder = (
-                recorded_builder(reuse[1])
-                if reuse
-                else planned_builder(spec, len(source.ids), source.dim)
+            # Made ready during extraction: used where it is what this build would make.
+            ready = (
+                prebuilt
+                if reuse is None and prebuilt and prebuilt.serves(spec, source.ids)
+                else None
             )
-            rows = prepare_rows(source.vectors, source.ids, spec, builder)
-        built = _build(pool, clock, source, rows, versions, spec, folder, previous, reuse)
+            if ready is not None:
+                rows = ready.rows
+            else:
+                builder = (
+                    recorded_builder(reuse[1])
+                    if reuse
+                    else planned_builder(spec, len(source.ids), source.dim)
+                )
+                rows = prepare_rows(source.vectors, source.ids, spec, builder)
+        built = _build(pool, clock, source, rows, versions, spec, folder, previous, reuse, ready)
         # The served index is stored the moment its nprobe is chosen, on a thread of its own
         # (not queued behind the pool's hashes), while the rest of its quality is measured.
         with ThreadPoolExecutor(1, thread_name_prefix="index-store") as store:
@@ -330,6 +344,7 @@ def build_and_publish(
         shortfall=missed,
         seconds=dict(clock.seconds),
         vectors_followed=followed,
+        prebuilt_seconds=ready.seconds if ready is not None else None,
     )
 
 
@@ -352,6 +367,7 @@ def _build(
     folder: Path,
     previous: dict[str, Any] | None,
     reuse: tuple[faiss.Index, dict[str, Any]] | None,
+    ready: Prebuilt | None = None,
 ) -> _Built:
     """Train (or reuse the previous quantizer), fill and store the shards, merge them."""
     positions = shard_rows(source, spec.shards)
@@ -375,11 +391,11 @@ def _build(
         if reuse is not None:
             trained, training = reuse
         else:
-            built = train_rows(rows, spec)
+            built = ready.built if ready is not None else train_rows(rows, spec)
             sha, path = store_index(folder / "quantizers", built.index)
             trained = built.index
             training = {
-                "rule": "seeded sample without replacement of rows in id order",
+                "rule": TRAIN_RULES[spec.train_rule],
                 "sample": len(built.train_rows),
                 "seed": spec.seed,
                 "max_sample": spec.train_sample,
@@ -421,7 +437,10 @@ def _build(
             if len(appended) >= SERVED_BEHIND:  # bounds the gathered rows held for the appends
                 appended[-SERVED_BEHIND].result()
             x, ids = rows.on_host(rows_of_shard), source.ids[rows_of_shard]
-            lists = assign(trained, rows, rows_of_shard, builder, spec.metric, gathered=x)
+            if ready is not None:  # assigned as they arrived, alike
+                lists: np.ndarray | None = ready.lists[rows_of_shard]
+            else:
+                lists = assign(trained, rows, rows_of_shard, builder, spec.metric, gathered=x)
             stored: Future[tuple[str, Path]]
             if lists is not None and copies_only:
                 stored = pool.submit(
@@ -495,9 +514,9 @@ def _with_source_hashes(
 @unit_of_work("reading the vectors of {model_key}")
 def _load_source(
     db: Engine, model_key: str, n_shards: int
-) -> tuple[dict[str, Any], list[int], VectorSet, bool]:
-    """How the model's rows are stored, its shards' versions, its vectors and whether they were
-    followed during extraction."""
+) -> tuple[dict[str, Any], list[int], VectorSet, bool, Prebuilt | None]:
+    """How the model's rows are stored, its shards' versions, its vectors, whether they were
+    followed during extraction, and the index made ready as they arrived."""
     with db.begin() as conn:
         try:
             mid = model_id(conn, model_key, create=False)
@@ -518,7 +537,7 @@ def _load_source(
     # an earlier attempt of this unit claimed the tail). The hand-over opens its own
     # transaction: this step's must not sit idle while it runs (PostgreSQL ends a session idle
     # in a transaction for a minute).
-    followed = vector_tail.claim(db, model_key)
+    followed, prebuilt = vector_tail.claim_with_prebuilt(db, model_key)
     if followed is not None:
         source = followed
     else:
@@ -528,7 +547,7 @@ def _load_source(
         raise EmptySourceError(
             f"no embeddings for model {model_key}: materialise extraction_outputs first"
         )
-    return encoding, versions, source, followed is not None
+    return encoding, versions, source, followed is not None, prebuilt
 
 
 @unit_of_work("recording the receipt {sha} of {model_key}")

@@ -22,6 +22,7 @@ from sqlalchemy import Engine
 
 from fabric_pipelines.lib.core.files import CorruptFileError, sha256_file
 from fabric_pipelines.lib.index.build import (
+    TRAIN_RULES,
     IndexSpec,
     add_rows,
     assign,
@@ -33,6 +34,7 @@ from fabric_pipelines.lib.index.build import (
     recorded_builder,
     set_nprobe,
     train_rows,
+    train_rule_of,
 )
 from fabric_pipelines.lib.index.paths import model_index_folder
 from fabric_pipelines.lib.index.probe import RecallProbe
@@ -120,12 +122,22 @@ def spec_from_receipt(receipt: Receipt, device: str | None = None) -> IndexSpec:
         nprobe=index.params.get("nprobe_requested", index.params["nprobe"]),
         train_sample=training.max_sample,
         seed=training.seed,
+        train_rule=_train_rule(training.as_dict()),
         recall_queries=receipt.quality["queries"] or 1,
         k=receipt.quality["k"],
         shards=index.shards,
         device=device or where,
         kmeans=kmeans,
     )
+
+
+def _train_rule(training: dict[str, Any]) -> str:
+    try:
+        return train_rule_of(str(training.get("rule", TRAIN_RULES["sample"])))
+    except ValueError as exc:
+        raise ReceiptError(
+            f"receipt field {exc}; rebuild it with the version that built it"
+        ) from exc
 
 
 def _check_source(receipt: Receipt, source: VectorSet) -> None:

@@ -14,6 +14,11 @@ from contextlib import contextmanager
 import torch
 
 TILE_ELEMENTS = 1 << 27  # entries of one score tile: 512 MiB of float32
+# Rows of every tile that assigns rows to lists, the last one padded: each row's scores then
+# come from a matrix product of one shape wherever the row sits, so its list does not depend
+# on which rows it was assigned with (rows assigned as they arrive get the lists a build of
+# all of them gives).
+ASSIGN_TILE_ROWS = 4096
 
 
 @contextmanager
@@ -28,18 +33,25 @@ def full_float32() -> Iterator[None]:
         torch.set_float32_matmul_precision(before)
 
 
-def nearest(rows: torch.Tensor, centroids: torch.Tensor, metric: str) -> torch.Tensor:
-    """The nearest centroid of each row (int64); among equals the lowest number."""
-    out = torch.empty(rows.shape[0], dtype=torch.int64, device=rows.device)
-    tile = max(1, TILE_ELEMENTS // max(1, centroids.shape[0]))
+def nearest(
+    rows: torch.Tensor, centroids: torch.Tensor, metric: str, tile_rows: int | None = None
+) -> torch.Tensor:
+    """The nearest centroid of each row (int64); among equals the lowest number. With
+    `tile_rows`, every product has that many rows (the last tile padded with zeros), so a row's
+    result does not depend on the rows beside it (ASSIGN_TILE_ROWS)."""
+    n = rows.shape[0]
+    out = torch.empty(n, dtype=torch.int64, device=rows.device)
+    tile = tile_rows or max(1, TILE_ELEMENTS // max(1, centroids.shape[0]))
     squares = None if metric == "cosine" else (centroids * centroids).sum(1)
     with full_float32():
-        for start in range(0, rows.shape[0], tile):
-            dots = rows[start : start + tile] @ centroids.T
-            if squares is None:
-                out[start : start + tile] = dots.argmax(1)
-            else:  # |x|^2 is the same for every centroid of a row: leave it out
-                out[start : start + tile] = dots.mul_(-2.0).add_(squares).argmin(1)
+        for start in range(0, n, tile):
+            block = rows[start : start + tile]
+            if tile_rows is not None and block.shape[0] < tile:
+                block = torch.nn.functional.pad(block, (0, 0, 0, tile - block.shape[0]))
+            dots = block @ centroids.T
+            # Under L2, |x|^2 is the same for every centroid of a row: left out.
+            found = dots.argmax(1) if squares is None else dots.mul_(-2.0).add_(squares).argmin(1)
+            out[start : start + tile] = found[: min(tile, n - start)]
     return out
 
 

@@ -33,10 +33,10 @@ import logging
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import closing, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from sqlalchemy import Connection, Engine, text
@@ -63,6 +63,9 @@ from fabric_pipelines.lib.store.keys import model_id, task_set_id
 from fabric_pipelines.lib.store.schema import has_pgvector_column
 from fabric_pipelines.lib.tasks.arrow_files import read_table
 from fabric_pipelines.lib.tasks.catalog import get_task_set
+
+if TYPE_CHECKING:
+    from fabric_pipelines.lib.index.prebuild import Prebuild, Prebuilt
 
 log = logging.getLogger(__name__)
 
@@ -150,8 +153,18 @@ class VectorTail:
     """The vectors of `model_key` followed while task set `task_set` is extracted (module doc).
     Subclasses say how to read a snapshot, and what arrived since the last one."""
 
-    def __init__(self, db: Engine, model_key: str, task_set: str) -> None:
+    def __init__(
+        self,
+        db: Engine,
+        model_key: str,
+        task_set: str,
+        index_settings: Mapping[str, Any] | None = None,
+    ) -> None:
         self.key = _key(db, model_key)
+        # The index made ready as the rows arrive (index/prebuild.py), for this IndexSpec's build.
+        self._index_settings = index_settings
+        self._prebuild: Prebuild | None = None
+        self.prebuilt: Prebuilt | None = None  # what the hand-over found ready
         self._engine, self._task_set = db, task_set
         self._variant = bool(variant_of_model_key(model_key).key_suffix)
         self._stop = threading.Event()
@@ -210,8 +223,10 @@ class VectorTail:
                     kept_at = self.kept_at
                     if kept_at is not None and time.monotonic() - kept_at > UNCLAIMED_SECONDS:
                         raise TailGaveUp(f"not claimed within {UNCLAIMED_SECONDS:.0f} s")
-                    with self._lock, self._snapshot(db) as cursor:
-                        self._catch_up(cursor)
+                    with self._lock:
+                        with self._snapshot(db) as cursor:
+                            self._catch_up(cursor)
+                        self._advance_prebuild()
         except BaseException as exc:  # kept, never raised: the hand-over reads the table then
             self._give_up(exc)
 
@@ -241,7 +256,19 @@ class VectorTail:
                 np.sort(np.fromiter((row[0] for row in ids), np.int64)), layout
             )
             self._read_model_rows(cursor)
+        if self._index_settings is not None and not self._variant:
+            from fabric_pipelines.lib.index.build import IndexSpec
+            from fabric_pipelines.lib.index.prebuild import Prebuild
+
+            spec = IndexSpec(**self._index_settings)
+            self._prebuild = Prebuild(spec, self._arrivals.ids)
+            with self._lock:
+                self._advance_prebuild()
         self._ready.set()
+
+    def _advance_prebuild(self) -> None:
+        if self._prebuild is not None and self._arrivals is not None:
+            self._prebuild.advance(self._arrivals.vectors, self._arrivals.arrived)
 
     def _version_sum(self, cursor: Any) -> int:
         rows = self._query(
@@ -265,6 +292,8 @@ class VectorTail:
     def _give_up(self, exc: BaseException) -> None:
         self._error = exc
         self._arrivals = None  # lets go of the arrays
+        if self._prebuild is not None and not self._prebuild.why_not:
+            self._prebuild.give_up(str(exc))
 
     # -- handing over -----------------------------------------------------------------------------
 
@@ -301,6 +330,8 @@ class VectorTail:
             if arrivals.vectors is None:  # no rows: the table's own read says so at no cost
                 self._error = TailGaveUp("no rows arrived")
                 return None
+            if self._prebuild is not None:  # before compacting: it follows the rows' places
+                self.prebuilt = self._prebuild.finish(arrivals.vectors, arrivals.arrived)
             # Tasks that reused a stored result hold no row: each takes its source's vector.
             # Links move the watermarks too, so none was made since the registration.
             ids, vectors = with_linked_tasks(conn, self._model, *arrivals.compacted())
@@ -485,12 +516,15 @@ def _key(engine: Engine, model_key: str) -> tuple[str, str]:
 _tails: dict[tuple[str, str], VectorTail] = {}
 _tails_lock = threading.Lock()
 _in_this_process = False  # whether this process's index step follows its extraction
+_index_settings: Mapping[str, Any] | None = None  # the IndexSpec that index step builds with
 
 
-def follow_in_this_process() -> None:
-    """This process runs the index step right after the extraction: follow the vectors."""
-    global _in_this_process
-    _in_this_process = True
+def follow_in_this_process(index_settings: Mapping[str, Any] | None = None) -> None:
+    """This process runs the index step right after the extraction: follow the vectors, and
+    with the fields of the index step's IndexSpec make its index ready as they arrive
+    (index/prebuild.py; the spec is made on the tail's thread, where torch is loaded)."""
+    global _in_this_process, _index_settings
+    _in_this_process, _index_settings = True, index_settings
 
 
 _KINDS: dict[str, type[VectorTail]] = {"sqlite": _SqliteTail, "postgresql": _PostgresTail}
@@ -508,7 +542,7 @@ def following(db: Engine, model_key: str, task_set: str) -> Iterator[VectorTail 
         # PostgreSQL's tail decodes float32 (bytes or pgvector) from its COPY; an output
         # variant's rows there (bytes, halfvec or bit) are read by the table's read.
         kind = None
-    tail = kind(db, model_key, task_set) if kind is not None else None
+    tail = kind(db, model_key, task_set, _index_settings) if kind is not None else None
     if tail is not None:
         with _tails_lock:
             before = _tails.pop(tail.key, None)
@@ -540,10 +574,21 @@ def drop_tail(db: Engine, model_key: str) -> None:
 def claim(db: Engine, model_key: str) -> VectorSet | None:
     """The vectors a tail of this database and model followed, as of a snapshot taken now; None
     where there is none or it cannot stand for the table (the caller reads the table then)."""
+    return claim_with_prebuilt(db, model_key)[0]
+
+
+def claim_with_prebuilt(db: Engine, model_key: str) -> tuple[VectorSet | None, Prebuilt | None]:
+    """claim(), and the index the tail made ready as the rows arrived (None where it made none
+    or could not finish it: prebuild.Prebuild.why_not)."""
     with _tails_lock:
         tail = _tails.pop(_key(db, model_key), None)
     if tail is None:
-        return None
+        return None, None
+    taken = _take(db, model_key, tail)
+    return taken, tail.prebuilt if taken is not None else None
+
+
+def _take(db: Engine, model_key: str, tail: VectorTail) -> VectorSet | None:
     started = time.monotonic()
     # SQLite: BEGIN IMMEDIATE, so the hand-over sees the file's latest state; no write lands
     # between its reads and the task-set names.

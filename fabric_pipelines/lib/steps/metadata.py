@@ -218,6 +218,11 @@ def index_metadata(published: PublishedIndex, nprobe_requested: int, seconds: fl
         "shortfall": published.shortfall or "none",
         "seconds": round(seconds, 3),
         "vectors_followed": published.vectors_followed,
+        # Trained and assigned during extraction (index/prebuild.py): the seconds that took
+        # there; empty where this step did it all.
+        "prebuilt_seconds": Json(
+            {k: round(v, 3) for k, v in (published.prebuilt_seconds or {}).items()}
+        ),
         "phase_seconds": Json({k: round(v, 3) for k, v in published.seconds.items()}),
         # The essentials; the whole receipt is the file at receipt_path.
         "receipt": Markdown(receipt_summary(published.receipt, published.receipt_sha256)),

@@ -1,0 +1,167 @@
+"""The IVF index made ready while extraction runs: its quantizer trained and every row prepared
+and assigned to its list as the row arrives, so that after the last acknowledgement the index
+step only fills the lists, measures and writes.
+
+A VectorTail (index/vector_tail.py) given the spec the index step will build with
+(`vector_tail.follow_in_this_process(spec)`) hands each read to a Prebuild. The quantizer is
+trained, here as in the index step (same rows, same code, same device), once every row its rule
+picks has arrived: under the rule "first" (build.TRAIN_RULES) those are the rows of the smallest
+ids, which a packed plan extracts first, so training happens early; under "sample" they are
+spread over the set and training waits for the end. Each arriving row is prepared
+(build.prepared: unit length under cosine) and, once there is a quantizer, assigned to its list
+(build.assign computes in tiles of a fixed shape, so a row's list does not depend on the rows
+assigned with it).
+
+The index step takes what was made only where it is what it would make itself: the same spec,
+the same rows (every expected row arrived: no failed task, no reused link) and no earlier
+quantizer to reuse. Otherwise it builds as before. Either way the index and its receipt are the
+same bytes (tests/test_index_prebuild.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from fabric_pipelines.lib.index.build import (
+    BuiltIndex,
+    IndexSpec,
+    Rows,
+    assign,
+    choose_builder,
+    compute_device,
+    empty_index,
+    plain_ivf,
+    prepared,
+    resolve_factory,
+    sized_for,
+    train_rows,
+    training_sample,
+)
+
+log = logging.getLogger(__name__)
+
+CHUNK_ROWS = 65_536  # rows prepared and assigned per step: bounds the copies made for each
+
+
+@dataclass
+class Prebuilt:
+    """What extraction made ready for the index step: the trained (empty) index, and for every
+    row in id order its prepared values (on the host, and where torch computes) and its list."""
+
+    spec: IndexSpec  # as sized for these rows (build.sized_for)
+    built: BuiltIndex
+    rows: Rows
+    lists: np.ndarray
+    seconds: dict[str, float] = field(default_factory=dict)  # spent during extraction
+
+    def serves(self, spec: IndexSpec, ids: np.ndarray) -> bool:
+        """Whether a build of `spec` over the rows `ids` would make exactly this."""
+        return self.spec == sized_for(spec, len(ids)) and np.array_equal(self.rows.ids, ids)
+
+
+class Prebuild:
+    """Follows the arrivals of the rows `ids` (every id the model will hold, ascending) for an
+    index of `spec`; `advance` after each read, `finish` at the hand-over."""
+
+    def __init__(self, spec: IndexSpec, ids: np.ndarray) -> None:
+        self.spec = sized_for(spec, len(ids))
+        self.ids = ids
+        self.why_not = ""  # set when it gave up: the index step builds as before
+        self.seconds = {"prepare": 0.0, "train": 0.0, "assign": 0.0}
+        self._sample = training_sample(len(ids), self.spec)
+        self._rows: Rows | None = None
+        self._built: BuiltIndex | None = None
+        self._builder = ""
+        self._lists = np.full(len(ids), -1, dtype=np.int64)
+        self._prepared = np.zeros(len(ids), dtype=bool)
+
+    @property
+    def trained(self) -> bool:
+        return self._built is not None
+
+    def advance(self, vectors: np.ndarray | None, arrived: np.ndarray) -> None:
+        """Prepare the rows arrived since the last call, train once the sample is in, assign
+        what is prepared. `vectors`: every expected row's place (float32, in id order)."""
+        if self.why_not or vectors is None:
+            return
+        try:
+            self._advance(vectors, arrived)
+        except Exception as exc:  # never fails the extraction: the index step builds instead
+            log.warning("index prebuild stopped: %s", exc)
+            self.give_up(f"{type(exc).__name__}: {exc}")
+
+    def finish(self, vectors: np.ndarray | None, arrived: np.ndarray) -> Prebuilt | None:
+        """At the hand-over: the rest advanced, and what is ready when every row arrived."""
+        self.advance(vectors, arrived)
+        if not self.why_not and not arrived.all():
+            self.give_up(f"{int((~arrived).sum())} expected rows did not arrive")
+        if self.why_not or self._built is None or self._rows is None:
+            self.give_up(self.why_not or "not trained")
+            return None
+        prebuilt = Prebuilt(self.spec, self._built, self._rows, self._lists, dict(self.seconds))
+        self._rows = None
+        return prebuilt
+
+    def give_up(self, why: str) -> None:
+        self.why_not = why
+        on_gpu = self._rows is not None and self._rows.device.is_cuda
+        self._rows = self._built = None
+        if on_gpu:
+            torch.cuda.empty_cache()
+
+    def _advance(self, vectors: np.ndarray, arrived: np.ndarray) -> None:
+        if self._rows is None:
+            self._start(vectors)
+        assert self._rows is not None
+        new = np.flatnonzero(arrived & ~self._prepared)
+        started = time.perf_counter()
+        for at in range(0, len(new), CHUNK_ROWS):
+            self._prepare(vectors, new[at : at + CHUNK_ROWS])
+        self.seconds["prepare"] += time.perf_counter() - started
+        if self._built is None and self._prepared[self._sample].all():
+            started = time.perf_counter()
+            self._built = train_rows(self._rows, self.spec, self._factory, n=len(self.ids))
+            self.seconds["train"] += time.perf_counter() - started
+        if self._built is not None:
+            waiting = np.flatnonzero(self._prepared & (self._lists < 0))
+            started = time.perf_counter()
+            for at in range(0, len(waiting), CHUNK_ROWS):
+                chunk = waiting[at : at + CHUNK_ROWS]
+                lists = assign(
+                    self._built.index, self._rows, chunk, self._builder, self.spec.metric,
+                    gathered=self._rows.on_host(chunk),
+                )  # fmt: skip
+                assert lists is not None  # a plain IVF index (_start)
+                self._lists[chunk] = lists
+            self.seconds["assign"] += time.perf_counter() - started
+
+    def _start(self, vectors: np.ndarray) -> None:
+        """With the first rows: the index's factory and builder, and room for the rows."""
+        n, dim = len(self.ids), vectors.shape[1]
+        self._factory = resolve_factory(self.spec, n)
+        empty = empty_index(dim, self._factory, self.spec.metric)
+        if not plain_ivf(empty):
+            raise ValueError(f"{self._factory} is no plain IVF index: nothing to assign ahead")
+        self._builder = choose_builder(self.spec, empty)
+        # Under L2 the rows are used as stored: the arrivals' own array.
+        host = vectors if self.spec.metric != "cosine" else np.empty((n, dim), np.float32)
+        if compute_device(self.spec) == "cuda":
+            device = torch.empty((n, dim), dtype=torch.float32, device="cuda")
+        else:
+            device = torch.from_numpy(host)
+        self._rows = Rows(self.ids, host, device)
+
+    def _prepare(self, vectors: np.ndarray, positions: np.ndarray) -> None:
+        assert self._rows is not None
+        x = prepared(vectors[positions], self.spec.metric, self._builder)
+        if self._rows.host is not vectors:
+            self._rows.host[positions] = x
+        if self._rows.device.is_cuda:
+            index = torch.as_tensor(positions, device="cuda")
+            self._rows.device.index_copy_(0, index, torch.from_numpy(x).to("cuda"))
+        self._prepared[positions] = True

@@ -1,0 +1,248 @@
+"""The index made ready during extraction (lib/index/prebuild.py): the quantizer trained and the
+rows assigned as they arrive give the same index, bit for bit, as the build after the
+extraction, and where it cannot (a task that failed, a rule that needs every row) the index
+step builds as before."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from sqlalchemy import Engine
+
+from fabric_gpu.manifest import EngineManifest
+from fabric_pipelines.lib.core.settings import FabricPaths
+from fabric_pipelines.lib.index import vector_tail
+from fabric_pipelines.lib.index.build import (
+    IndexSpec,
+    assign,
+    prepare_rows,
+    train,
+)
+from fabric_pipelines.lib.index.prebuild import Prebuild
+from fabric_pipelines.lib.index.publish import PublishedIndex, build_and_publish
+from fabric_pipelines.lib.worker.loop import run_worker
+from tests.gpu_marks import TORCH_GPU
+from tests.test_vector_tail import (
+    SQLITE_ONLY,
+    _caught_up,
+    _drop_tails,
+    _planned,
+    _task_set,
+    _write,
+)
+
+# Small enough to run in seconds, big enough that "first" picks a part of the rows and that
+# rows cross many assignment tiles.
+SPEC = IndexSpec(factory="IVF16,Flat", train_sample=500, shards=3, nprobe=4, device="cpu")
+
+
+@pytest.fixture(autouse=True)
+def quick_tails(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setattr(vector_tail, "POLL_SECONDS", 0.01)
+    monkeypatch.setattr(vector_tail, "_in_this_process", True)
+    _drop_tails()
+    yield
+    _drop_tails()
+
+
+def _settings(spec: IndexSpec) -> dict[str, Any]:
+    return {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
+
+
+def _publish(db: Engine, root: Path, spec: IndexSpec, model: str = "m") -> PublishedIndex:
+    (root / "indexes").mkdir(parents=True, exist_ok=True)
+    (root / "receipts").mkdir(parents=True, exist_ok=True)
+    return build_and_publish(
+        db, model_key=model, model={"model_id": "test"}, spec=spec,
+        index_folder=root / "indexes", receipt_folder=root / "receipts", inputs=[],
+    )  # fmt: skip
+
+
+def _same_index(during: PublishedIndex, after: PublishedIndex) -> None:
+    assert during.receipt["index_sha256"] == after.receipt["index_sha256"]
+    assert during.receipt["training"] == after.receipt["training"]
+    assert during.receipt["shards"] == after.receipt["shards"]
+    assert during.receipt_sha256 == after.receipt_sha256  # the whole receipt, byte for byte
+
+
+def _followed_then_after(
+    db: Engine, tmp_path: Path, spec: IndexSpec, monkeypatch: pytest.MonkeyPatch, failed: int = 0
+) -> tuple[PublishedIndex, PublishedIndex]:
+    """A model with 1,200 rows of an earlier set, then 2,400 tasks of a new one written out of
+    order while a tail follows them (less `failed` that never write a row); published from the
+    tail, then built again from the table alone."""
+    monkeypatch.setattr(vector_tail, "_index_settings", _settings(spec))
+    earlier = _task_set(db, "earlier", 1200)
+    _write(db, "m", earlier, list(range(1200)), dim=24)
+    set_id = _task_set(db, "s", 2400)
+    rng = np.random.default_rng(7)
+    written = [int(r) for r in rng.permutation(2400)[failed:]]
+    with vector_tail.following(db, "m", "s") as tail:
+        assert tail is not None and tail.wait_until_following(30)
+        writer = _writer_of(db, set_id, written)
+        writer.start()
+        writer.join()
+    _caught_up(tail, len(written))
+    during = _publish(db, tmp_path / "during", spec)
+    assert during.vectors_followed
+    after = _publish(db, tmp_path / "after", spec)  # no tail: read and built after
+    assert not after.vectors_followed and after.prebuilt_seconds is None
+    return during, after
+
+
+def _writer_of(db: Engine, set_id: int, records: list[int]) -> Any:
+    """As test_vector_tail's writer, with 24-dimensional rows."""
+
+    def write() -> None:
+        for group in np.array_split(np.array(records), 16):
+            _write(db, "m", set_id, [int(r) for r in group], dim=24)
+
+    import threading
+
+    return threading.Thread(target=write)
+
+
+@SQLITE_ONLY
+@pytest.mark.parametrize("kmeans", ["faiss", "torch"])
+def test_an_index_made_ready_during_extraction_is_the_index_built_after(
+    db: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kmeans: str
+) -> None:
+    spec = dataclasses.replace(SPEC, kmeans=kmeans)
+    during, after = _followed_then_after(db, tmp_path, spec, monkeypatch)
+    assert during.prebuilt_seconds is not None, "the tail made nothing ready"
+    _same_index(during, after)
+    assert during.receipt["training"]["rule"] == "the first rows in id order"
+    assert during.receipt["training"]["sample"] == 500
+
+
+@SQLITE_ONLY
+def test_a_rule_that_needs_every_row_trains_at_the_hand_over_and_gives_the_same_index(
+    db: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec = dataclasses.replace(SPEC, train_rule="sample")
+    during, after = _followed_then_after(db, tmp_path, spec, monkeypatch)
+    assert during.prebuilt_seconds is not None
+    _same_index(during, after)
+    assert during.receipt["training"]["rule"].startswith("seeded sample")
+
+
+@SQLITE_ONLY
+def test_tasks_without_a_row_leave_the_build_to_the_index_step_with_the_same_result(
+    db: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    during, after = _followed_then_after(db, tmp_path, SPEC, monkeypatch, failed=5)
+    assert during.prebuilt_seconds is None  # the rows moved up over the failed tasks' places
+    _same_index(during, after)
+    assert during.receipt["source"]["rows"] == 1200 + 2400 - 5
+
+
+@pytest.mark.slow
+def test_a_worker_extracting_with_the_real_path_gets_its_index_made_ready(
+    db: Engine,
+    paths: FabricPaths,
+    tmp_path: Path,
+    cpu_engine: Any,
+    manifest: EngineManifest,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Both databases: the product's worker writes the rows (PostgreSQL's tail reads them by
+    the batches acknowledged); the index made ready equals the one built after."""
+    spec = IndexSpec(factory="IVF4,Flat", train_sample=40, shards=2, nprobe=2, device="cpu")
+    monkeypatch.setattr(vector_tail, "_index_settings", _settings(spec))
+    texts = [f"a line about {' '.join(['stones'] * (i % 9))} and {i}" for i in range(120)]
+    job = _planned(db, paths, tmp_path, manifest, texts)
+    with vector_tail.following(db, manifest.model_key, "s") as tail:
+        assert tail is not None and tail.wait_until_following(30)
+        run_worker(db, cpu_engine, job, owner="test")
+    _caught_up(tail, 120)
+    during = _publish(db, tmp_path / "during", spec, manifest.model_key)
+    after = _publish(db, tmp_path / "after", spec, manifest.model_key)
+    assert during.prebuilt_seconds is not None
+    _same_index(during, after)
+
+
+@pytest.mark.parametrize("kmeans", ["faiss", "torch"])
+def test_a_rows_list_does_not_depend_on_the_rows_assigned_with_it(kmeans: str) -> None:
+    """Rows assigned in pieces of any size, in any order, get the lists of one assignment of all
+    of them (build.assign computes in tiles of one shape)."""
+    rng = np.random.default_rng(3)
+    vectors = rng.standard_normal((9000, 32)).astype(np.float32)
+    spec = dataclasses.replace(SPEC, factory="IVF64,Flat", kmeans=kmeans, train_sample=3000)
+    built = train(vectors, spec)
+    rows = prepare_rows(vectors, np.arange(len(vectors)), spec, built.builder)
+    every = np.arange(len(vectors))
+    whole = assign(built.index, rows, every, built.builder, spec.metric)
+    assert whole is not None
+    pieces = np.empty_like(whole)
+    order, at = rng.permutation(len(vectors)), 0
+    for size in [1, 7, 19, 20, 21, 4095, 4097, 740]:
+        chunk = order[at : at + size]
+        found = assign(built.index, rows, chunk, built.builder, spec.metric)
+        assert found is not None
+        pieces[chunk] = found
+        at += size
+    assert at == len(vectors)
+    assert np.array_equal(pieces, whole)
+
+
+def test_a_prebuild_gives_up_for_an_index_that_assigns_as_it_adds() -> None:
+    ids = np.arange(3000, dtype=np.int64)
+    prebuild = Prebuild(dataclasses.replace(SPEC, factory="PCA8,IVF16,Flat"), ids)
+    vectors = np.random.default_rng(0).standard_normal((3000, 16)).astype(np.float32)
+    prebuild.advance(vectors, np.ones(3000, bool))
+    assert prebuild.finish(vectors, np.ones(3000, bool)) is None
+    assert "no plain IVF" in prebuild.why_not
+
+
+@pytest.mark.parametrize("kmeans", ["faiss", "torch"])
+def test_a_prebuild_fed_in_pieces_holds_the_lists_and_quantizer_of_a_build_of_all(
+    kmeans: str,
+) -> None:
+    spec = dataclasses.replace(SPEC, kmeans=kmeans)
+    rng = np.random.default_rng(5)
+    vectors = rng.standard_normal((5000, 24)).astype(np.float32)
+    ids = np.arange(5000, dtype=np.int64) + 10_000
+    prebuild = Prebuild(spec, ids)
+    arrived = np.zeros(5000, bool)
+    for piece in np.array_split(rng.permutation(5000), 9):
+        arrived[piece] = True
+        prebuild.advance(vectors, arrived)
+        assert prebuild.trained == arrived[:500].all()  # trained once the first 500 are in
+    ready = prebuild.finish(vectors, arrived)
+    assert ready is not None
+    built = train(vectors, spec)
+    assert ready.built.centroids_sha256 == built.centroids_sha256
+    rows = prepare_rows(vectors, ids, spec, built.builder)
+    assert np.array_equal(ready.rows.host, rows.host)
+    whole = assign(built.index, rows, np.arange(5000), built.builder, spec.metric)
+    assert np.array_equal(ready.lists, whole)
+
+
+@pytest.mark.parametrize("mark", [pytest.param(0, marks=TORCH_GPU)])
+def test_on_the_gpu_a_rows_list_does_not_depend_on_the_rows_assigned_with_it(mark: int) -> None:
+    """cuBLAS picks its kernel by shape: fixed tiles make each row's list the same however the
+    rows are grouped, on the GPU too."""
+    rng = np.random.default_rng(11)
+    vectors = rng.standard_normal((20_000, 768)).astype(np.float32)
+    spec = IndexSpec(factory="IVF256,Flat", device="gpu", kmeans="torch", train_sample=20_000)
+    built = train(vectors, spec)
+    assert built.builder == "torch-cuda"
+    rows = prepare_rows(vectors, np.arange(len(vectors)), spec, built.builder)
+    whole = assign(built.index, rows, np.arange(len(vectors)), built.builder, spec.metric)
+    assert whole is not None
+    pieces = np.empty_like(whole)
+    order, at = rng.permutation(len(vectors)), 0
+    for size in [3, 333, 4096, 5000, 10_568]:
+        chunk = order[at : at + size]
+        found = assign(built.index, rows, chunk, built.builder, spec.metric)
+        assert found is not None
+        pieces[chunk] = found
+        at += size
+    assert np.array_equal(pieces, whole)
+    torch.cuda.empty_cache()
