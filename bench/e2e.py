@@ -372,6 +372,8 @@ def stage_seconds(report: dict[str, Any]) -> dict[str, float]:
     }
     phases = built.get("phase_seconds") or {}
     stages.update({f"index_{name}": value for name, value in phases.items()})
+    parts = built.get("quality_seconds") or {}  # a breakdown of index_quality
+    stages.update({f"index_quality_{name}": value for name, value in parts.items()})
     stages["pipeline_total"] = report.get("seconds", 0.0)
     return {k: round(float(v), 3) for k, v in stages.items()}
 

@@ -113,6 +113,8 @@ class PublishedIndex:
     # The quantizer was trained and the rows assigned during extraction (index/prebuild.py):
     # the seconds that took there, off the index step's clock. None: all done here.
     prebuilt_seconds: dict[str, float] | None = None
+    # The quality phase's parts (quality.Quality.seconds).
+    quality_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def record(self) -> Receipt:
@@ -345,6 +347,7 @@ def build_and_publish(
         seconds=dict(clock.seconds),
         vectors_followed=followed,
         prebuilt_seconds=ready.seconds if ready is not None else None,
+        quality_seconds=quality.seconds,
     )
 
 

@@ -8,8 +8,9 @@ rows."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import faiss
@@ -45,6 +46,8 @@ NEAR_DUPLICATE = 1e-6  # a row this close to another (metrics.py's distance) is 
 class Quality:
     measures: dict[str, Any]  # the receipt's "quality"
     choice: NprobeChoice
+    # Wall seconds of its parts (exact neighbours, nprobe, curve, the rest): not in the receipt.
+    seconds: dict[str, float] = field(default_factory=dict)
 
 
 def measure(
@@ -60,12 +63,22 @@ def measure(
     to the nprobe chosen (NprobeChoice). `chosen` is called as soon as the index is final (set to
     that nprobe, searched for the last time): what is measured after only reads it, so the caller
     may store it meanwhile."""
+    clock = [time.perf_counter()]
+    seconds: dict[str, float] = {}
+
+    def lap(name: str) -> None:
+        clock.append(time.perf_counter())
+        seconds[name] = round(clock[-1] - clock[-2], 3)
+
     probe = RecallProbe(rows, spec, max_k=max(100, spec.k))
+    lap("exact_neighbours")
     lists = ListRecall(probe, index) if is_ivf_flat(index) else None
     choice = choose_nprobe(index, probe, spec, min_recall, ks=(1, 10, 100), lists=lists)
+    lap("nprobe")
     curve = nprobe_curve(index, probe, spec, lists)  # IVF-Flat: from the lists, no search
     if chosen is not None:
         chosen(choice)
+    lap("curve")
     recall = choice.recall
     out: dict[str, Any] = {
         "k": spec.k,
@@ -97,7 +110,8 @@ def measure(
         nearest = probe.neighbour_distances(10)
         out["knn_density_10"] = round(float(nearest.mean()) if nearest.size else 0.0, 6)
         out["near_duplicates"] = int((nearest[:, :1] < NEAR_DUPLICATE).sum())
-    return Quality(out, choice)
+    lap("health")
+    return Quality(out, choice, seconds)
 
 
 def _cluster_health(index: faiss.Index, vectors: np.ndarray, spec: IndexSpec) -> dict[str, Any]:

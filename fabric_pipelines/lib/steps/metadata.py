@@ -224,6 +224,7 @@ def index_metadata(published: PublishedIndex, nprobe_requested: int, seconds: fl
             {k: round(v, 3) for k, v in (published.prebuilt_seconds or {}).items()}
         ),
         "phase_seconds": Json({k: round(v, 3) for k, v in published.seconds.items()}),
+        "quality_seconds": Json(published.quality_seconds),
         # The essentials; the whole receipt is the file at receipt_path.
         "receipt": Markdown(receipt_summary(published.receipt, published.receipt_sha256)),
         **input_links(receipt.inputs),
