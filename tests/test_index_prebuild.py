@@ -21,11 +21,15 @@ from fabric_pipelines.lib.index import vector_tail
 from fabric_pipelines.lib.index.build import (
     IndexSpec,
     assign,
+    fill_assigned,
     prepare_rows,
+    serialize,
+    set_nprobe,
     train,
 )
 from fabric_pipelines.lib.index.prebuild import Prebuild
 from fabric_pipelines.lib.index.publish import PublishedIndex, build_and_publish
+from fabric_pipelines.lib.index.shards import shard_of
 from fabric_pipelines.lib.worker.loop import run_worker
 from tests.gpu_marks import TORCH_GPU
 from tests.test_vector_tail import (
@@ -116,9 +120,22 @@ def test_an_index_made_ready_during_extraction_is_the_index_built_after(
     spec = dataclasses.replace(SPEC, kmeans=kmeans)
     during, after = _followed_then_after(db, tmp_path, spec, monkeypatch)
     assert during.prebuilt_seconds is not None, "the tail made nothing ready"
+    assert during.prebuilt_seconds["fill"] > 0  # the shards were filled as rows arrived
     _same_index(during, after)
     assert during.receipt["training"]["rule"] == "the first rows in id order"
     assert during.receipt["training"]["sample"] == 500
+
+
+@SQLITE_ONLY
+def test_an_index_of_encoded_rows_made_ready_during_extraction_is_the_index_built_after(
+    db: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Scalar-quantised lists: trained and assigned ahead, the shards filled by the index step
+    (FAISS encodes as it adds)."""
+    spec = dataclasses.replace(SPEC, factory="IVF16,SQ8")
+    during, after = _followed_then_after(db, tmp_path, spec, monkeypatch)
+    assert during.prebuilt_seconds is not None and "fill" not in during.prebuilt_seconds
+    _same_index(during, after)
 
 
 @SQLITE_ONLY
@@ -222,6 +239,14 @@ def test_a_prebuild_fed_in_pieces_holds_the_lists_and_quantizer_of_a_build_of_al
     assert np.array_equal(ready.rows.host, rows.host)
     whole = assign(built.index, rows, np.arange(5000), built.builder, spec.metric)
     assert np.array_equal(ready.lists, whole)
+    # Each shard's index, filled piece by piece as rows were assigned, is the one filled at once.
+    assert ready.parts is not None and len(ready.parts) == spec.shards
+    owner = shard_of(ids, spec.shards)
+    for shard, part in enumerate(ready.parts):
+        at = np.flatnonzero(owner == shard)
+        once = fill_assigned(built.index, rows.host[at], ids[at], whole[at], spec.nprobe)
+        set_nprobe(part, spec.nprobe)
+        assert serialize(part) == serialize(once)
 
 
 @pytest.mark.parametrize("mark", [pytest.param(0, marks=TORCH_GPU)])

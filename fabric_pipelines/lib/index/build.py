@@ -311,6 +311,19 @@ def add_rows(index: faiss.Index, x: np.ndarray, ids: np.ndarray, lists: np.ndarr
     ivf.add_core(len(ids), faiss.swig_ptr(x), faiss.swig_ptr(ids), faiss.swig_ptr(lists))
 
 
+def append_lists(index: faiss.Index, part: faiss.Index) -> None:
+    """Append each list of `part` (an IVF index of the same quantizer) to the same list of
+    `index`, as merging does, but copying: `part` keeps its rows (merge_from moves them)."""
+    into, source = faiss.extract_index_ivf(index), faiss.extract_index_ivf(part)
+    lists, theirs = into.invlists, source.invlists
+    assert lists is not None and theirs is not None
+    for number in range(theirs.nlist):
+        size = theirs.list_size(number)
+        if size:
+            lists.add_entries(number, size, theirs.get_ids(number), theirs.get_codes(number))
+    into.ntotal += source.ntotal
+
+
 def fill_assigned(
     trained: faiss.Index, x: np.ndarray, ids: np.ndarray, lists: np.ndarray | None, nprobe: int
 ) -> faiss.Index:

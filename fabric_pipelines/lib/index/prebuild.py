@@ -10,7 +10,9 @@ ids, which a packed plan extracts first, so training happens early; under "sampl
 spread over the set and training waits for the end. Each arriving row is prepared
 (build.prepared: unit length under cosine) and, once there is a quantizer, assigned to its list
 (build.assign computes in tiles of a fixed shape, so a row's list does not depend on the rows
-assigned with it).
+assigned with it). An IVF-Flat index's shards are filled as well: each shard's rows go into its
+own index in id order, as far as every row of the shard up to there is assigned (rows arrive
+nearly in id order), so at the hand-over each shard takes only its last rows.
 
 The index step takes what was made only where it is what it would make itself: the same spec,
 the same rows (every expected row arrived: no failed task, no reused link) and no earlier
@@ -24,6 +26,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import faiss
 import numpy as np
 import torch
 
@@ -31,10 +34,12 @@ from fabric_pipelines.lib.index.build import (
     BuiltIndex,
     IndexSpec,
     Rows,
+    add_rows,
     assign,
     choose_builder,
     compute_device,
     empty_index,
+    is_ivf_flat,
     plain_ivf,
     prepared,
     resolve_factory,
@@ -42,6 +47,7 @@ from fabric_pipelines.lib.index.build import (
     train_rows,
     training_sample,
 )
+from fabric_pipelines.lib.index.shards import shard_of
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +64,8 @@ class Prebuilt:
     rows: Rows
     lists: np.ndarray
     seconds: dict[str, float] = field(default_factory=dict)  # spent during extraction
+    # Each shard's own index, filled with its rows in id order (IVF-Flat only; None otherwise).
+    parts: list[faiss.Index] | None = None
 
     def serves(self, spec: IndexSpec, ids: np.ndarray) -> bool:
         """Whether a build of `spec` over the rows `ids` would make exactly this."""
@@ -72,6 +80,7 @@ class Prebuild:
         self.spec = sized_for(spec, len(ids))
         self.ids = ids
         self.why_not = ""  # set when it gave up: the index step builds as before
+        # Seconds spent per part; "fill" only where the shards are filled ahead (IVF-Flat).
         self.seconds = {"prepare": 0.0, "train": 0.0, "assign": 0.0}
         self._sample = training_sample(len(ids), self.spec)
         self._rows: Rows | None = None
@@ -79,6 +88,11 @@ class Prebuild:
         self._builder = ""
         self._lists = np.full(len(ids), -1, dtype=np.int64)
         self._prepared = np.zeros(len(ids), dtype=bool)
+        # Each shard's rows (positions in id order), its index, and how many of them it holds.
+        owner = shard_of(ids, self.spec.shards)
+        self._shard_rows = [np.flatnonzero(owner == s) for s in range(self.spec.shards)]
+        self._parts: list[faiss.Index] | None = None
+        self._filled = [0] * self.spec.shards
 
     @property
     def trained(self) -> bool:
@@ -103,14 +117,21 @@ class Prebuild:
         if self.why_not or self._built is None or self._rows is None:
             self.give_up(self.why_not or "not trained")
             return None
-        prebuilt = Prebuilt(self.spec, self._built, self._rows, self._lists, dict(self.seconds))
+        if self._parts is not None and self._filled != [len(r) for r in self._shard_rows]:
+            self.give_up("a shard was not filled")
+            return None
+        prebuilt = Prebuilt(
+            self.spec, self._built, self._rows, self._lists, dict(self.seconds), self._parts
+        )
         self._rows = None
+        self._parts = None
         return prebuilt
 
     def give_up(self, why: str) -> None:
         self.why_not = why
         on_gpu = self._rows is not None and self._rows.device.is_cuda
         self._rows = self._built = None
+        self._parts = None
         if on_gpu:
             torch.cuda.empty_cache()
 
@@ -139,6 +160,29 @@ class Prebuild:
                 assert lists is not None  # a plain IVF index (_start)
                 self._lists[chunk] = lists
             self.seconds["assign"] += time.perf_counter() - started
+            self._fill_shards()
+
+    def _fill_shards(self) -> None:
+        """Each shard's index takes its rows in id order, up to its first row not assigned yet.
+        Only IVF-Flat: there adding an assigned row copies it, exactly as the index step would."""
+        assert self._built is not None and self._rows is not None
+        if not is_ivf_flat(self._built.index):
+            return
+        started = time.perf_counter()
+        if self._parts is None:
+            self._parts = [faiss.clone_index(self._built.index) for _ in self._shard_rows]
+        for shard, rows in enumerate(self._shard_rows):
+            start = self._filled[shard]
+            waiting = self._lists[rows[start:]] < 0
+            end = start + int(np.argmax(waiting)) if waiting.any() else len(rows)
+            if end > start:
+                take = rows[start:end]
+                add_rows(
+                    self._parts[shard], self._rows.on_host(take), self.ids[take],
+                    self._lists[take],
+                )  # fmt: skip
+                self._filled[shard] = end
+        self.seconds["fill"] = self.seconds.get("fill", 0.0) + time.perf_counter() - started
 
     def _start(self, vectors: np.ndarray) -> None:
         """With the first rows: the index's factory and builder, and room for the rows."""

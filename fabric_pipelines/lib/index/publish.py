@@ -53,6 +53,7 @@ from fabric_pipelines.lib.index.build import (
     IndexSpec,
     Rows,
     add_rows,
+    append_lists,
     assign,
     choose_builder,
     empty_index,
@@ -437,24 +438,32 @@ def _build(
                     continue
             if shard not in shard_hashes:  # a kept shard whose file failed its check
                 shard_hashes[shard] = hashes(shard)
-            if len(appended) >= SERVED_BEHIND:  # bounds the gathered rows held for the appends
-                appended[-SERVED_BEHIND].result()
-            x, ids = rows.on_host(rows_of_shard), source.ids[rows_of_shard]
-            if ready is not None:  # assigned as they arrived, alike
-                lists: np.ndarray | None = ready.lists[rows_of_shard]
-            else:
-                lists = assign(trained, rows, rows_of_shard, builder, spec.metric, gathered=x)
             stored: Future[tuple[str, Path]]
-            if lists is not None and copies_only:
-                stored = pool.submit(
-                    _fill_and_store, trained, x, ids, lists, spec.nprobe, folder / "shards"
-                )
-                appended.append(serving.submit(add_rows, served, x, ids, lists))
-            else:  # FAISS encodes or assigns the rows as it adds them: one add at a time
-                _wait(appended)
-                part = fill_assigned(trained, x, ids, lists, spec.nprobe)
-                add_rows(served, x, ids, lists)
+            if ready is not None and ready.parts is not None:
+                # Filled during extraction: stored as it is, its lists copied into the served
+                # index (both only read it), no rows gathered.
+                part = ready.parts[shard]
+                set_nprobe(part, spec.nprobe)
                 stored = pool.submit(store_index, folder / "shards", part)
+                appended.append(serving.submit(append_lists, served, part))
+            else:
+                if len(appended) >= SERVED_BEHIND:  # bounds the gathered rows held for appends
+                    appended[-SERVED_BEHIND].result()
+                x, ids = rows.on_host(rows_of_shard), source.ids[rows_of_shard]
+                if ready is not None:  # assigned as they arrived, alike
+                    lists: np.ndarray | None = ready.lists[rows_of_shard]
+                else:
+                    lists = assign(trained, rows, rows_of_shard, builder, spec.metric, gathered=x)
+                if lists is not None and copies_only:
+                    stored = pool.submit(
+                        _fill_and_store, trained, x, ids, lists, spec.nprobe, folder / "shards"
+                    )
+                    appended.append(serving.submit(add_rows, served, x, ids, lists))
+                else:  # FAISS encodes or assigns the rows as it adds them: one add at a time
+                    _wait(appended)
+                    part = fill_assigned(trained, x, ids, lists, spec.nprobe)
+                    add_rows(served, x, ids, lists)
+                    stored = pool.submit(store_index, folder / "shards", part)
             entry = {
                 "shard": shard,
                 "rows": len(rows_of_shard),
