@@ -5,7 +5,9 @@ The CPU engine's bytes depend on the padded length a text is computed at (the re
 sequence change with it: 129 of 192 texts differ between their own length and the longest of a
 batch), and on nothing else: not the batch's rows, nor the text's row. The plan computes every
 text at its bucket's length (`ConsumerProfile.bucket_length`, a function of its length alone), so
-a text gets the same bytes in every batch, set and run. Checked here with the real
+a text gets the same bytes in every batch, set and run, given MKL's strict reproducibility mode
+(fabric_gpu/__init__.py: without it, on AVX-512, 119 of 200 texts differed alone and in full
+batches). Checked here with the real
 all-MiniLM-L6-v2 (its own pooling and normalisation) on 200 texts of mixed length, tokenised by
 its own tokenizer and submitted as token ids:
 - the engine: each text alone at its bucket's length; in full batches of its bucket (32 rows);

@@ -1,10 +1,14 @@
 """The CPU reference engine: the Hugging Face encoder in eager fp32.
 
 Every faster backend is compared with this one. It reads its inputs on the CPU, so the runtime
-gives it ordinary host memory.
+gives it ordinary host memory. Its vectors do not depend on the batch under MKL's strict
+reproducibility mode, which `fabric_gpu` turns on before the first product (MKL_CBWR).
 """
 
 from __future__ import annotations
+
+import logging
+import os
 
 import numpy as np
 import torch
@@ -24,6 +28,8 @@ from fabric_gpu.model import offline_environment, resolve_model_dir, weights_sha
 from fabric_gpu.profile import ConsumerProfile
 from fabric_gpu.variants import Int8Calibration
 
+log = logging.getLogger(__name__)
+
 
 class CpuEngine:
     input_location = InputLocation.HOST
@@ -38,6 +44,12 @@ class CpuEngine:
                 f"the CPU reference engine runs float32 only; the manifest says {manifest.dtype!r}"
             )
         offline_environment()
+        if "STRICT" not in os.environ.get("MKL_CBWR", "").upper():
+            log.warning(
+                "MKL_CBWR=%s: without MKL's strict mode (AUTO,STRICT) the CPU engine's vectors "
+                "may depend on the batch, and reuse would hand out other bytes than a recompute",
+                os.environ.get("MKL_CBWR"),
+            )
         model_dir = resolve_model_dir(manifest.model_id)
         manifest.verify_weights(weights_sha256(model_dir))
         self.manifest = manifest

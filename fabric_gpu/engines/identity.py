@@ -6,10 +6,11 @@ by another version of an engine's numerics gives other bits (fp16 cuBLAS against
 GEMMs). A stored result records its engine identity, reuse matches it (it is part of a task's
 content key, lib/broker/reuse.py), and a receipt names every identity whose rows it indexed.
 
-    torch/float16/NVIDIA H200/n2        cpu/float32/cpu/n2
+    torch/float16/NVIDIA H200/n2        cpu/float32/cpu/n3
 
-`ENGINE_NUMERICS` moves whenever an engine's arithmetic changes (a kernel, a reduction order):
-results of the old numerics are then computed again, not reused.
+An engine's numerics version (`ENGINE_NUMERICS`, per backend) moves whenever its arithmetic
+changes (a kernel, a reduction order): results of the old numerics are then computed again, not
+reused.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from typing import Any
 
 from fabric_gpu.manifest import EngineManifest
 
-# 2: packed mean pooling sums each item's tokens in a fixed order (fused.segment_mean).
-ENGINE_NUMERICS = 2
+# Per backend. torch 2: packed mean pooling sums each item's tokens in a fixed order
+# (fused.segment_mean). cpu 3: MKL in strict reproducibility mode (fabric_gpu/__init__.py).
+ENGINE_NUMERICS = {"cpu": 3}
+DEFAULT_NUMERICS = 2
 
 # The contract rows are made under, as a receipt records it: on one engine identity, the same
 # token ids give the same bytes whatever batch, position, bucket, set or run they come in (the CPU
@@ -39,7 +42,8 @@ def device_class(backend: str, device_name: str | None = None) -> str:
 def engine_identity(manifest: EngineManifest, device_name: str | None = None) -> str:
     """backend/dtype/device class/numerics version, as results record it."""
     backend = manifest.backend
-    return f"{backend}/{manifest.dtype}/{device_class(backend, device_name)}/n{ENGINE_NUMERICS}"
+    numerics = ENGINE_NUMERICS.get(backend, DEFAULT_NUMERICS)
+    return f"{backend}/{manifest.dtype}/{device_class(backend, device_name)}/n{numerics}"
 
 
 def planned_identity(manifest: EngineManifest) -> str:
