@@ -80,12 +80,18 @@ def write_sets(
 
 def summary(run: dict[str, Any]) -> dict[str, Any]:
     extraction = run["report"]["extract"].get("extraction_outputs", {})
+    index = run["report"]["index"].get("vector_index", {})
     stages = stage_seconds(run["report"])
     return {
         "wall_seconds": round(run["wall_seconds"], 2),
         "plan_seconds": stages["plan"],
         "extraction_seconds": stages["extraction"],
         "index_seconds": stages["index"],
+        # Where the index step's time went, and whether it took the vectors (and the index made
+        # ready) from the extraction (lib/index/vector_tail.py, prebuild.py) or read the table.
+        "index_phases": {k[6:]: v for k, v in stages.items() if k.startswith("index_")},
+        "vectors_followed": index.get("vectors_followed"),
+        "index_prebuilt": bool(index.get("prebuilt_seconds")),
         "engine_items": extraction.get("engine_items"),
         "completed": run["completed"],
         "reused": run["reused"],

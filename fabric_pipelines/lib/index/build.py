@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import faiss
@@ -311,17 +312,43 @@ def add_rows(index: faiss.Index, x: np.ndarray, ids: np.ndarray, lists: np.ndarr
     ivf.add_core(len(ids), faiss.swig_ptr(x), faiss.swig_ptr(ids), faiss.swig_ptr(lists))
 
 
-def append_lists(index: faiss.Index, part: faiss.Index) -> None:
-    """Append each list of `part` (an IVF index of the same quantizer) to the same list of
-    `index`, as merging does, but copying: `part` keeps its rows (merge_from moves them)."""
-    into, source = faiss.extract_index_ivf(index), faiss.extract_index_ivf(part)
-    lists, theirs = into.invlists, source.invlists
-    assert lists is not None and theirs is not None
-    for number in range(theirs.nlist):
-        size = theirs.list_size(number)
-        if size:
-            lists.add_entries(number, size, theirs.get_ids(number), theirs.get_codes(number))
-    into.ntotal += source.ntotal
+def append_lists(index: faiss.Index, parts: list[faiss.Index], threads: int = 16) -> None:
+    """Append each list of every part (IVF indexes of the same quantizer), in the parts' order,
+    to the same list of `index`, as merging them does, but copying: the parts keep their rows
+    (merge_from moves them). Each list is sized once and filled in place; lists are split over
+    `threads` threads (FAISS lets other threads run during each copy). Growing a list part by
+    part, on one thread, took 6 s for 1 M x 768 rows against 1.5 s for the adds it replaced."""
+    into = faiss.extract_index_ivf(index)
+    lists = into.invlists
+    theirs = []
+    for part in parts:
+        part_lists = faiss.extract_index_ivf(part).invlists
+        assert part_lists is not None
+        theirs.append(part_lists)
+    assert lists is not None
+
+    def fill(numbers: range) -> None:
+        for number in numbers:
+            sizes = [t.list_size(number) for t in theirs]
+            at = lists.list_size(number)
+            if not sum(sizes):
+                continue
+            lists.resize(number, at + sum(sizes))
+            for part_lists, size in zip(theirs, sizes, strict=True):
+                if size:
+                    lists.update_entries(
+                        number, at, size, part_lists.get_ids(number), part_lists.get_codes(number)
+                    )
+                    at += size
+
+    step = -(-into.nlist // threads)
+    with ThreadPoolExecutor(threads, thread_name_prefix="index-lists") as pool:
+        list(
+            pool.map(
+                fill, [range(s, min(s + step, into.nlist)) for s in range(0, into.nlist, step)]
+            )
+        )
+    into.ntotal += sum(faiss.extract_index_ivf(part).ntotal for part in parts)
 
 
 def fill_assigned(

@@ -52,6 +52,9 @@ from fabric_pipelines.lib.index.shards import shard_of
 log = logging.getLogger(__name__)
 
 CHUNK_ROWS = 65_536  # rows prepared and assigned per step: bounds the copies made for each
+# The most GPU memory the prepared rows may take while the engine still runs beside them (1 M x
+# 768 float32 rows: 2.9 GiB). A larger index is built after the extraction, as before.
+DEVICE_ROWS_BYTES = 4 << 30
 
 
 @dataclass
@@ -195,6 +198,11 @@ class Prebuild:
         # Under L2 the rows are used as stored: the arrivals' own array.
         host = vectors if self.spec.metric != "cosine" else np.empty((n, dim), np.float32)
         if compute_device(self.spec) == "cuda":
+            if n * dim * 4 > DEVICE_ROWS_BYTES:
+                raise ValueError(
+                    f"{n:,} x {dim} rows would take {n * dim * 4 / 2**30:.1f} GiB of the GPU "
+                    f"beside the engine (at most {DEVICE_ROWS_BYTES / 2**30:.0f} GiB)"
+                )
             device = torch.empty((n, dim), dtype=torch.float32, device="cuda")
         else:
             device = torch.from_numpy(host)

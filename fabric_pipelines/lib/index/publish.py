@@ -440,12 +440,11 @@ def _build(
                 shard_hashes[shard] = hashes(shard)
             stored: Future[tuple[str, Path]]
             if ready is not None and ready.parts is not None:
-                # Filled during extraction: stored as it is, its lists copied into the served
-                # index (both only read it), no rows gathered.
+                # Filled during extraction: stored as it is; its lists are copied into the
+                # served index below, with every other shard's (both only read it).
                 part = ready.parts[shard]
                 set_nprobe(part, spec.nprobe)
                 stored = pool.submit(store_index, folder / "shards", part)
-                appended.append(serving.submit(append_lists, served, part))
             else:
                 if len(appended) >= SERVED_BEHIND:  # bounds the gathered rows held for appends
                     appended[-SERVED_BEHIND].result()
@@ -474,6 +473,8 @@ def _build(
             entries.append((entry, stored))
             rebuilt.append(shard)
         _wait(appended)
+        if ready is not None and ready.parts is not None:  # every shard, in shard order
+            append_lists(served, ready.parts)
         set_nprobe(served, spec.nprobe)
     return _Built(folder, served, training, entries, rebuilt)
 
