@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from sqlalchemy import Engine
+from sqlalchemy import Engine, delete
 
 from fabric_gpu.manifest import EngineManifest
 from fabric_pipelines.lib.core.settings import FabricPaths
@@ -30,6 +30,8 @@ from fabric_pipelines.lib.index.build import (
 from fabric_pipelines.lib.index.prebuild import Prebuild
 from fabric_pipelines.lib.index.publish import PublishedIndex, build_and_publish
 from fabric_pipelines.lib.index.shards import shard_of
+from fabric_pipelines.lib.index.vectors import ID_STRIDE
+from fabric_pipelines.lib.store.models import Task
 from fabric_pipelines.lib.worker.loop import run_worker
 from tests.gpu_marks import TORCH_GPU
 from tests.test_vector_tail import (
@@ -136,6 +138,56 @@ def test_an_index_of_encoded_rows_made_ready_during_extraction_is_the_index_buil
     during, after = _followed_then_after(db, tmp_path, spec, monkeypatch)
     assert during.prebuilt_seconds is not None and "fill" not in during.prebuilt_seconds
     _same_index(during, after)
+
+
+@SQLITE_ONLY
+@pytest.mark.parametrize("factory", ["IVF16,Flat", "IVF16,SQ8"])
+def test_a_set_added_to_an_indexed_model_is_assigned_with_the_served_quantizer(
+    db: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, factory: str
+) -> None:
+    """A second set on a model whose index stands: the index step reuses the served quantizer
+    and keeps the shards no row of the set lands in; made ready during extraction with that
+    quantizer, it gives the same index as the partial rebuild after."""
+    spec = dataclasses.replace(SPEC, factory=factory)
+    monkeypatch.setattr(vector_tail, "_index_settings", _settings(spec))
+    earlier = _task_set(db, "earlier", 1200)
+    _write(db, "m", earlier, list(range(1200)), dim=24)
+    first = _publish(db, tmp_path, spec)  # no tail: built after
+    set_id = _task_set(db, "s", 2400)
+    # The set's tasks of shard 0 are gone before it runs: that shard is kept, not rebuilt.
+    records = np.arange(2400)
+    in_shard_0 = shard_of(set_id * ID_STRIDE + records, spec.shards) == 0
+    with db.begin() as conn:
+        conn.execute(
+            delete(Task).where(
+                Task.task_set_id == set_id, Task.record_no.in_(records[in_shard_0].tolist())
+            )
+        )
+    written = [int(r) for r in np.random.default_rng(3).permutation(records[~in_shard_0])]
+    folder = tmp_path / "indexes"
+    with vector_tail.following(
+        db, "m", "s", index_folder=folder, receipt_model={"model_id": "test"}
+    ) as tail:
+        assert tail is not None and tail.wait_until_following(30)
+        writer = _writer_of(db, set_id, written)
+        writer.start()
+        writer.join()
+    _caught_up(tail, len(written))
+
+    def again() -> PublishedIndex:
+        return build_and_publish(
+            db, model_key="m", model={"model_id": "test"}, spec=spec, index_folder=folder,
+            receipt_folder=tmp_path / "receipts", inputs=[], previous=first.receipt,
+        )  # fmt: skip
+
+    during = again()
+    assert during.prebuilt_seconds is not None, "the tail made nothing ready"
+    assert during.prebuilt_seconds["train"] == 0  # the served quantizer, not a new one
+    assert during.rebuilt_shards == [1, 2]
+    after = again()  # the vectors read from the table, the same partial rebuild
+    assert after.prebuilt_seconds is None
+    _same_index(during, after)
+    assert during.receipt["training"] == first.receipt["training"]
 
 
 @SQLITE_ONLY

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import faiss
 import numpy as np
@@ -42,6 +43,7 @@ from fabric_pipelines.lib.index.build import (
     is_ivf_flat,
     plain_ivf,
     prepared,
+    recorded_builder,
     resolve_factory,
     sized_for,
     train_rows,
@@ -69,6 +71,8 @@ class Prebuilt:
     seconds: dict[str, float] = field(default_factory=dict)  # spent during extraction
     # Each shard's own index, filled with its rows in id order (IVF-Flat only; None otherwise).
     parts: list[faiss.Index] | None = None
+    # The earlier build's quantizer it assigned with (its sha256), or None: trained here.
+    reused_quantizer: str | None = None
 
     def serves(self, spec: IndexSpec, ids: np.ndarray) -> bool:
         """Whether a build of `spec` over the rows `ids` would make exactly this."""
@@ -77,9 +81,17 @@ class Prebuilt:
 
 class Prebuild:
     """Follows the arrivals of the rows `ids` (every id the model will hold, ascending) for an
-    index of `spec`; `advance` after each read, `finish` at the hand-over."""
+    index of `spec`; `advance` after each read, `finish` at the hand-over. `reuse`: the served
+    index's quantizer and training record where the index step will reuse it (a partial
+    rebuild: publish.reusable_quantizer), so rows are assigned with it from the start."""
 
-    def __init__(self, spec: IndexSpec, ids: np.ndarray) -> None:
+    def __init__(
+        self,
+        spec: IndexSpec,
+        ids: np.ndarray,
+        reuse: tuple[faiss.Index, dict[str, Any]] | None = None,
+    ) -> None:
+        self._reuse = reuse
         self.spec = sized_for(spec, len(ids))
         self.ids = ids
         self.why_not = ""  # set when it gave up: the index step builds as before
@@ -123,9 +135,11 @@ class Prebuild:
         if self._parts is not None and self._filled != [len(r) for r in self._shard_rows]:
             self.give_up("a shard was not filled")
             return None
+        reused = str(self._reuse[1]["quantizer_sha256"]) if self._reuse is not None else None
         prebuilt = Prebuilt(
-            self.spec, self._built, self._rows, self._lists, dict(self.seconds), self._parts
-        )
+            self.spec, self._built, self._rows, self._lists, dict(self.seconds), self._parts,
+            reused,
+        )  # fmt: skip
         self._rows = None
         self._parts = None
         return prebuilt
@@ -190,11 +204,21 @@ class Prebuild:
     def _start(self, vectors: np.ndarray) -> None:
         """With the first rows: the index's factory and builder, and room for the rows."""
         n, dim = len(self.ids), vectors.shape[1]
-        self._factory = resolve_factory(self.spec, n)
-        empty = empty_index(dim, self._factory, self.spec.metric)
+        if self._reuse is not None:  # assigned with the served index's quantizer, as rebuilt
+            quantizer, training = self._reuse
+            self._factory = str(training["factory"])
+            self._builder = recorded_builder(training)
+            self._built = BuiltIndex(
+                quantizer, self._factory, np.arange(0), training.get("centroids_sha256"),
+                self._builder, training.get("iterations"),
+            )  # fmt: skip
+            empty = quantizer
+        else:
+            self._factory = resolve_factory(self.spec, n)
+            empty = empty_index(dim, self._factory, self.spec.metric)
+            self._builder = choose_builder(self.spec, empty)
         if not plain_ivf(empty):
             raise ValueError(f"{self._factory} is no plain IVF index: nothing to assign ahead")
-        self._builder = choose_builder(self.spec, empty)
         # Under L2 the rows are used as stored: the arrivals' own array.
         host = vectors if self.spec.metric != "cosine" else np.empty((n, dim), np.float32)
         if compute_device(self.spec) == "cuda":

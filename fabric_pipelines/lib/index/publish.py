@@ -80,7 +80,7 @@ from fabric_pipelines.lib.index.receipt import (
     canonical_json,
     library_versions,
 )
-from fabric_pipelines.lib.index.staleness import staleness
+from fabric_pipelines.lib.index.staleness import serving_receipt, staleness
 from fabric_pipelines.lib.index.vectors import VectorSet, check_vectors, load_vectors
 from fabric_pipelines.lib.records.calibration import calibration_sha256
 from fabric_pipelines.lib.records.vector_codec import StoredCodec
@@ -249,10 +249,14 @@ def build_and_publish(
         folder = model_index_folder(index_folder, model_key)
         with clock.phase("prepare"):
             reuse = _reusable(previous, spec, model, folder, source.dim)
-            # Made ready during extraction: used where it is what this build would make.
+            # Made ready during extraction: used where it is what this build would make (the same
+            # rows, and trained here or assigned with the quantizer this build reuses).
+            wanted = str(reuse[1]["quantizer_sha256"]) if reuse is not None else None
             ready = (
                 prebuilt
-                if reuse is None and prebuilt and prebuilt.serves(spec, source.ids)
+                if prebuilt is not None
+                and prebuilt.serves(spec, source.ids)
+                and prebuilt.reused_quantizer == wanted
                 else None
             )
             if ready is not None:
@@ -424,6 +428,10 @@ def _build(
     entries: list[dict[str, Any] | tuple[dict[str, Any], Future[tuple[str, Path]]]] = []
     rebuilt = []
     copies_only = is_ivf_flat(trained)  # adding assigned rows copies them: nothing is computed
+    # Shards filled during extraction: the served index copies every shard's lists at the end,
+    # kept ones and filled ones, in shard order (build.append_lists).
+    filled = ready is not None and ready.parts is not None
+    in_order: list[faiss.Index] = []
     with clock.phase("add"), ThreadPoolExecutor(1, thread_name_prefix="index-serve") as serving:
         appended: list[Future[None]] = []  # the served index's appends, in shard order
         for shard, rows_of_shard in enumerate(positions):
@@ -433,7 +441,10 @@ def _build(
                 except (FileNotFoundError, CorruptFileError):
                     pass  # rebuilt below from the same quantizer
                 else:
-                    appended.append(serving.submit(served.merge_from, part, 0))
+                    if filled:
+                        in_order.append(part)
+                    else:
+                        appended.append(serving.submit(served.merge_from, part, 0))
                     entries.append(old[shard])
                     continue
             if shard not in shard_hashes:  # a kept shard whose file failed its check
@@ -445,6 +456,7 @@ def _build(
                 part = ready.parts[shard]
                 set_nprobe(part, spec.nprobe)
                 stored = pool.submit(store_index, folder / "shards", part)
+                in_order.append(part)
             else:
                 if len(appended) >= SERVED_BEHIND:  # bounds the gathered rows held for appends
                     appended[-SERVED_BEHIND].result()
@@ -473,8 +485,8 @@ def _build(
             entries.append((entry, stored))
             rebuilt.append(shard)
         _wait(appended)
-        if ready is not None and ready.parts is not None:  # every shard, in shard order
-            append_lists(served, ready.parts)
+        if in_order:  # every shard, in shard order
+            append_lists(served, in_order)
         set_nprobe(served, spec.nprobe)
     return _Built(folder, served, training, entries, rebuilt)
 
@@ -591,6 +603,23 @@ def shard_rows(source: VectorSet, n_shards: int) -> list[np.ndarray]:
 def split_shards(source: VectorSet, n_shards: int) -> list[tuple[np.ndarray, np.ndarray]]:
     """(ids, vectors) of each shard, in the source's id order."""
     return [(source.ids[r], source.vectors[r]) for r in shard_rows(source, n_shards)]
+
+
+def reusable_quantizer(
+    db: Engine,
+    model_key: str,
+    spec: IndexSpec,
+    index_folder: Path,
+    model: dict[str, Any],
+    dim: int,
+) -> tuple[faiss.Index, dict[str, Any]] | None:
+    """The served index's quantizer and training record, where a build of `spec` now would
+    reuse it (`_reusable`); what the extraction's prebuild assigns rows with."""
+    serving = serving_receipt(db, model_key)
+    if serving is None:
+        return None
+    folder = model_index_folder(index_folder, model_key)
+    return _reusable(serving[1], spec, model, folder, dim)
 
 
 def _reusable(

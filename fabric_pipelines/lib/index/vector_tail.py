@@ -159,10 +159,15 @@ class VectorTail:
         model_key: str,
         task_set: str,
         index_settings: Mapping[str, Any] | None = None,
+        index_folder: Path | None = None,
+        receipt_model: Mapping[str, Any] | None = None,
     ) -> None:
         self.key = _key(db, model_key)
-        # The index made ready as the rows arrive (index/prebuild.py), for this IndexSpec's build.
+        # The index made ready as the rows arrive (index/prebuild.py), for this IndexSpec's build;
+        # with the served index's quantizer where that build will reuse it (the index folder and
+        # the model as receipts record it say which).
         self._index_settings = index_settings
+        self._index_folder, self._receipt_model = index_folder, dict(receipt_model or {})
         self._prebuild: Prebuild | None = None
         self.prebuilt: Prebuilt | None = None  # what the hand-over found ready
         self._engine, self._task_set = db, task_set
@@ -257,11 +262,18 @@ class VectorTail:
             )
             self._read_model_rows(cursor)
         if self._index_settings is not None and not self._variant:
-            from fabric_pipelines.lib.index.build import IndexSpec
+            from fabric_pipelines.lib.index.build import IndexSpec, sized_for
             from fabric_pipelines.lib.index.prebuild import Prebuild
+            from fabric_pipelines.lib.index.publish import reusable_quantizer
 
-            spec = IndexSpec(**self._index_settings)
-            self._prebuild = Prebuild(spec, self._arrivals.ids)
+            spec = sized_for(IndexSpec(**self._index_settings), len(self._arrivals.ids))
+            reuse = None
+            if self._index_folder is not None and self._arrivals.vectors is not None:
+                reuse = reusable_quantizer(
+                    self._engine, self.key[1], spec, self._index_folder, self._receipt_model,
+                    self._arrivals.vectors.shape[1],
+                )  # fmt: skip
+            self._prebuild = Prebuild(spec, self._arrivals.ids, reuse)
             with self._lock:
                 self._advance_prebuild()
         self._ready.set()
@@ -531,10 +543,19 @@ _KINDS: dict[str, type[VectorTail]] = {"sqlite": _SqliteTail, "postgresql": _Pos
 
 
 @contextmanager
-def following(db: Engine, model_key: str, task_set: str) -> Iterator[VectorTail | None]:
+def following(
+    db: Engine,
+    model_key: str,
+    task_set: str,
+    *,
+    index_folder: Path | None = None,
+    receipt_model: Mapping[str, Any] | None = None,
+) -> Iterator[VectorTail | None]:
     """Follow `model_key`'s vectors while the block extracts `task_set`, and keep them for the
     index step when the block succeeds; drop_tail them when it raises. A tail replaces an unclaimed
-    one of the same database and model. Yields the tail (None where there is none)."""
+    one of the same database and model. Yields the tail (None where there is none).
+    `index_folder` and `receipt_model` (the engine's manifest.receipt_model()) let the index
+    made ready reuse the served index's quantizer as the index step will."""
     kind = _KINDS.get(db.dialect.name) if _in_this_process else None
     if db.dialect.name == "sqlite" and db.url.database in (None, "", ":memory:"):
         kind = None  # another connection would open another database
@@ -542,7 +563,11 @@ def following(db: Engine, model_key: str, task_set: str) -> Iterator[VectorTail 
         # PostgreSQL's tail decodes float32 (bytes or pgvector) from its COPY; an output
         # variant's rows there (bytes, halfvec or bit) are read by the table's read.
         kind = None
-    tail = kind(db, model_key, task_set, _index_settings) if kind is not None else None
+    tail = (
+        kind(db, model_key, task_set, _index_settings, index_folder, receipt_model)
+        if kind is not None
+        else None
+    )
     if tail is not None:
         with _tails_lock:
             before = _tails.pop(tail.key, None)

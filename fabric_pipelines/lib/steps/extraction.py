@@ -101,7 +101,13 @@ def run_extraction_step(
         # The index step's vectors are read while the workers write them (index/vector_tail.py);
         # PostgreSQL's fresh pages are marked visible as they fill (store/settle.py).
         with (
-            vector_tail.following(db, manifest.model_key, task_set),
+            vector_tail.following(
+                db,
+                manifest.model_key,
+                task_set,
+                index_folder=paths.indexes,
+                receipt_model=manifest.receipt_model(),
+            ),  # fmt: skip
             settling_meanwhile(db),
             devices() as gpus,
         ):
