@@ -83,7 +83,7 @@ class Prebuild:
     """Follows the arrivals of the rows `ids` (every id the model will hold, ascending) for an
     index of `spec`; `advance` after each read, `finish` at the hand-over. `reuse`: the served
     index's quantizer and training record where the index step will reuse it (a partial
-    rebuild: publish.reusable_quantizer), so rows are assigned with it from the start."""
+    rebuild: quantizers.reusable_quantizer), so rows are assigned with it from the start."""
 
     def __init__(
         self,

@@ -43,7 +43,6 @@ from fabric_pipelines.lib.core.files import (
     CorruptFileError,
     HashingWriter,
     stream_content_addressed,
-    verify_sha256,
     write_bytes,
 )
 from fabric_pipelines.lib.core.retry import unit_of_work
@@ -55,8 +54,6 @@ from fabric_pipelines.lib.index.build import (
     add_rows,
     append_lists,
     assign,
-    choose_builder,
-    empty_index,
     fill_assigned,
     is_ivf,
     is_ivf_flat,
@@ -71,6 +68,7 @@ from fabric_pipelines.lib.index.build import (
 from fabric_pipelines.lib.index.paths import model_index_folder
 from fabric_pipelines.lib.index.prebuild import Prebuilt
 from fabric_pipelines.lib.index.quality import measure, shortfall
+from fabric_pipelines.lib.index.quantizers import read_verified, reusable
 from fabric_pipelines.lib.index.recall import NprobeChoice
 from fabric_pipelines.lib.index.receipt import (
     RECEIPT_SCHEMA,
@@ -80,7 +78,7 @@ from fabric_pipelines.lib.index.receipt import (
     canonical_json,
     library_versions,
 )
-from fabric_pipelines.lib.index.staleness import serving_receipt, staleness
+from fabric_pipelines.lib.index.staleness import staleness
 from fabric_pipelines.lib.index.vectors import VectorSet, check_vectors, load_vectors
 from fabric_pipelines.lib.records.calibration import calibration_sha256
 from fabric_pipelines.lib.records.vector_codec import StoredCodec
@@ -165,12 +163,6 @@ def store_index(folder: Path, index: faiss.Index) -> tuple[str, Path]:
     return stored.sha256, stored.path
 
 
-def read_verified(path: Path, sha256: str) -> faiss.Index:
-    """An index file, refused unless it hashes to what the receipt recorded."""
-    verify_sha256(path, sha256, "index file", "fabric index rebuild --receipt writes it again")
-    return faiss.read_index(str(path))
-
-
 @unit_of_work("checking whether the index of {model_key} is unchanged")
 def unchanged_index(
     db: Engine,
@@ -248,7 +240,7 @@ def build_and_publish(
         vectors_sha256 = pool.submit(array_sha256, source.vectors)
         folder = model_index_folder(index_folder, model_key)
         with clock.phase("prepare"):
-            reuse = _reusable(previous, spec, model, folder, source.dim)
+            reuse = reusable(previous, spec, model, folder, source.dim)
             # Made ready during extraction: used where it is what this build would make (the same
             # rows, and trained here or assigned with the quantizer this build reuses).
             wanted = str(reuse[1]["quantizer_sha256"]) if reuse is not None else None
@@ -603,54 +595,3 @@ def shard_rows(source: VectorSet, n_shards: int) -> list[np.ndarray]:
 def split_shards(source: VectorSet, n_shards: int) -> list[tuple[np.ndarray, np.ndarray]]:
     """(ids, vectors) of each shard, in the source's id order."""
     return [(source.ids[r], source.vectors[r]) for r in shard_rows(source, n_shards)]
-
-
-def reusable_quantizer(
-    db: Engine,
-    model_key: str,
-    spec: IndexSpec,
-    index_folder: Path,
-    model: dict[str, Any],
-    dim: int,
-) -> tuple[faiss.Index, dict[str, Any]] | None:
-    """The served index's quantizer and training record, where a build of `spec` now would
-    reuse it (`_reusable`); what the extraction's prebuild assigns rows with."""
-    serving = serving_receipt(db, model_key)
-    if serving is None:
-        return None
-    folder = model_index_folder(index_folder, model_key)
-    return _reusable(serving[1], spec, model, folder, dim)
-
-
-def _reusable(
-    previous: dict[str, Any] | None,
-    spec: IndexSpec,
-    model: dict[str, Any],
-    folder: Path,
-    dim: int,
-) -> tuple[faiss.Index, dict[str, Any]] | None:
-    """The previous build's trained quantizer, when the previous receipt describes the same
-    index (model, factory, metric, shards, builder) and its quantizer file is intact."""
-    if not previous or previous.get("schema") != RECEIPT_SCHEMA:
-        return None
-    training = previous.get("training", {})
-    if "trained_on" not in training:
-        return None
-    same = (
-        previous["index"]["metric"] == spec.metric
-        and previous["index"]["shards"] == spec.shards
-        and previous["model"].get("weights_sha256") == model.get("weights_sha256")
-        and previous["model"].get("dim") in (None, dim)
-        and (spec.factory == "auto" or training["factory"] == spec.factory)
-    )
-    if not same:
-        return None
-    # New shards must be assigned to lists the way the kept ones were.
-    builder_now = choose_builder(spec, empty_index(dim, training["factory"], spec.metric))
-    if recorded_builder(training) != builder_now:
-        return None
-    try:
-        quantizer = read_verified(folder / training["quantizer_file"], training["quantizer_sha256"])
-    except (FileNotFoundError, CorruptFileError):
-        return None
-    return quantizer, training

@@ -38,7 +38,8 @@ from fabric_pipelines.lib.index.build import (
 )
 from fabric_pipelines.lib.index.paths import model_index_folder
 from fabric_pipelines.lib.index.probe import RecallProbe
-from fabric_pipelines.lib.index.publish import read_verified, shard_rows, store_index
+from fabric_pipelines.lib.index.publish import shard_rows, store_index
+from fabric_pipelines.lib.index.quantizers import read_verified
 from fabric_pipelines.lib.index.receipt import Receipt, ReceiptError, array_sha256, receipt_sha256
 from fabric_pipelines.lib.index.vectors import VectorSet, load_vectors
 

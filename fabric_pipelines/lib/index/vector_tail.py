@@ -264,7 +264,7 @@ class VectorTail:
         if self._index_settings is not None and not self._variant:
             from fabric_pipelines.lib.index.build import IndexSpec, sized_for
             from fabric_pipelines.lib.index.prebuild import Prebuild
-            from fabric_pipelines.lib.index.publish import reusable_quantizer
+            from fabric_pipelines.lib.index.quantizers import reusable_quantizer
 
             spec = sized_for(IndexSpec(**self._index_settings), len(self._arrivals.ids))
             reuse = None
