@@ -14,9 +14,11 @@ assigned with it). An IVF-Flat index's shards are filled as well: each shard's r
 own index in id order, as far as every row of the shard up to there is assigned (rows arrive
 nearly in id order), so at the hand-over each shard takes only its last rows.
 
-The index step takes what was made only where it is what it would make itself: the same spec,
-the same rows (every expected row arrived: no failed task, no reused link) and no earlier
-quantizer to reuse. Otherwise it builds as before. Either way the index and its receipt are the
+Where the index step will reuse the served index's quantizer (a set added to an indexed model),
+rows are assigned with that one from the start and nothing is trained. The index step takes what
+was made only where it is what it would make itself: the same spec, the same rows (every
+expected row arrived: no failed task, no reused link) and the same quantizer. Otherwise it
+builds as before. Either way the index and its receipt are the
 same bytes (tests/test_index_prebuild.py).
 """
 
@@ -190,8 +192,7 @@ class Prebuild:
             self._parts = [faiss.clone_index(self._built.index) for _ in self._shard_rows]
         for shard, rows in enumerate(self._shard_rows):
             start = self._filled[shard]
-            waiting = self._lists[rows[start:]] < 0
-            end = start + int(np.argmax(waiting)) if waiting.any() else len(rows)
+            end = self._assigned_through(rows, start)
             if end > start:
                 take = rows[start:end]
                 add_rows(
@@ -200,6 +201,17 @@ class Prebuild:
                 )  # fmt: skip
                 self._filled[shard] = end
         self.seconds["fill"] = self.seconds.get("fill", 0.0) + time.perf_counter() - started
+
+    def _assigned_through(self, rows: np.ndarray, start: int) -> int:
+        """The end of the run of `rows` from `start` that is all assigned. Looked at a chunk at
+        a time: a look finds the run grown by a few hundred rows, not the shard's rest."""
+        end = start
+        while end < len(rows):
+            waiting = self._lists[rows[end : end + CHUNK_ROWS]] < 0
+            if waiting.any():
+                return end + int(np.argmax(waiting))
+            end += len(waiting)
+        return end
 
     def _start(self, vectors: np.ndarray) -> None:
         """With the first rows: the index's factory and builder, and room for the rows."""

@@ -422,7 +422,7 @@ def _build(
     copies_only = is_ivf_flat(trained)  # adding assigned rows copies them: nothing is computed
     # Shards filled during extraction: the served index copies every shard's lists at the end,
     # kept ones and filled ones, in shard order (build.append_lists).
-    filled = ready is not None and ready.parts is not None
+    filled = ready.parts if ready is not None else None
     in_order: list[faiss.Index] = []
     with clock.phase("add"), ThreadPoolExecutor(1, thread_name_prefix="index-serve") as serving:
         appended: list[Future[None]] = []  # the served index's appends, in shard order
@@ -433,7 +433,7 @@ def _build(
                 except (FileNotFoundError, CorruptFileError):
                     pass  # rebuilt below from the same quantizer
                 else:
-                    if filled:
+                    if filled is not None:
                         in_order.append(part)
                     else:
                         appended.append(serving.submit(served.merge_from, part, 0))
@@ -442,10 +442,10 @@ def _build(
             if shard not in shard_hashes:  # a kept shard whose file failed its check
                 shard_hashes[shard] = hashes(shard)
             stored: Future[tuple[str, Path]]
-            if ready is not None and ready.parts is not None:
+            if filled is not None:
                 # Filled during extraction: stored as it is; its lists are copied into the
                 # served index below, with every other shard's (both only read it).
-                part = ready.parts[shard]
+                part = filled[shard]
                 set_nprobe(part, spec.nprobe)
                 stored = pool.submit(store_index, folder / "shards", part)
                 in_order.append(part)

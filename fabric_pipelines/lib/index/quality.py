@@ -63,12 +63,13 @@ def measure(
     to the nprobe chosen (NprobeChoice). `chosen` is called as soon as the index is final (set to
     that nprobe, searched for the last time): what is measured after only reads it, so the caller
     may store it meanwhile."""
-    clock = [time.perf_counter()]
     seconds: dict[str, float] = {}
+    last = time.perf_counter()
 
     def lap(name: str) -> None:
-        clock.append(time.perf_counter())
-        seconds[name] = round(clock[-1] - clock[-2], 3)
+        nonlocal last
+        now = time.perf_counter()
+        seconds[name], last = round(now - last, 3), now
 
     probe = RecallProbe(rows, spec, max_k=max(100, spec.k))
     lap("exact_neighbours")
