@@ -27,6 +27,7 @@ from fabric_pipelines.lib.index.build import (
     serialize,
     tolerance,
 )
+from fabric_pipelines.lib.index.layout import cut_shards, read_layout
 from fabric_pipelines.lib.index.paths import model_index_folder
 from fabric_pipelines.lib.index.publish import (
     PublishedIndex,
@@ -36,13 +37,13 @@ from fabric_pipelines.lib.index.publish import (
 )
 from fabric_pipelines.lib.index.rebuild import check_files, rebuild_from_receipt
 from fabric_pipelines.lib.index.recall import doublings
-from fabric_pipelines.lib.index.receipt import ReceiptError
+from fabric_pipelines.lib.index.receipt import RECEIPT_SCHEMA, Receipt, ReceiptError
 from fabric_pipelines.lib.index.shards import shard_of
 from fabric_pipelines.lib.index.staleness import staleness
 from fabric_pipelines.lib.index.vectors import ID_STRIDE, load_vectors
 from fabric_pipelines.lib.results.writer import BatchRows, insert_rows
 from fabric_pipelines.lib.store.keys import model_id
-from fabric_pipelines.lib.store.models import Embedding, IndexReceipt
+from fabric_pipelines.lib.store.models import Embedding, IndexReceipt, ShardWatermark
 
 SHARDS = 8
 SPEC = IndexSpec(factory="IVF32,Flat", nprobe=4, shards=SHARDS)
@@ -114,19 +115,25 @@ def test_rebuild_from_receipt_is_bitwise_and_repairs_lost_files(
     _seed_rows(db)
     published = _publish(db, paths)
     receipt = published.receipt
+    assert receipt["schema"] == RECEIPT_SCHEMA
     assert receipt["tolerance"]["kind"] == "bitwise" and receipt["build_device"] == "cpu"
     assert "faiss_compile_options" in receipt["libraries"]
     assert len(receipt["shards"]) == SHARDS and sum(s["rows"] for s in receipt["shards"]) == 3000
+    # The lists are stored once: the served index and the layout, no shard files.
+    assert not any("index_file" in s for s in receipt["shards"])
+    assert [f for f, _ in check_files_named(receipt)] == [
+        receipt["index_file"], receipt["training"]["quantizer_file"], receipt["layout_file"],
+    ]  # fmt: skip
     assert check_files(receipt, paths.indexes) == []
 
     folder = model_index_folder(paths.indexes, "m")
     (folder / receipt["index_file"]).unlink()  # the served index, lost
-    shard_file = folder / receipt["shards"][5]["index_file"]
-    shard_file.write_bytes(shard_file.read_bytes()[:-7] + b"garbage")  # a shard, corrupted
+    layout_file = folder / receipt["layout_file"]
+    layout_file.write_bytes(layout_file.read_bytes()[:-7] + b"garbage")  # the layout, corrupted
     problems = {(p.file, p.problem) for p in check_files(receipt, paths.indexes)}
     assert problems == {
         (receipt["index_file"], "missing"),
-        (receipt["shards"][5]["index_file"], "corrupt"),
+        (receipt["layout_file"], "corrupt"),
     }
 
     report = rebuild_from_receipt(db, receipt, paths.indexes)
@@ -134,6 +141,58 @@ def test_rebuild_from_receipt_is_bitwise_and_repairs_lost_files(
     assert report.rebuilt_sha256 == receipt["index_sha256"]
     assert sorted(report.repaired) == sorted(f for f, _ in problems)
     assert check_files(receipt, paths.indexes) == []
+
+
+def check_files_named(receipt: dict[str, Any]) -> list[tuple[str, str]]:
+    return Receipt.parse(receipt).files()
+
+
+def _bump_watermark(db: Engine, model: int, shard: int) -> None:
+    """Mark `shard` stale without changing a row (as a row written and put back would)."""
+    with db.begin() as conn:
+        conn.execute(
+            update(ShardWatermark)
+            .where(ShardWatermark.model_id == model, ShardWatermark.shard == shard)
+            .values(version=ShardWatermark.version + 1)
+        )
+
+
+def test_a_schema_2_receipt_still_verifies_and_rebuilds(db: Engine, paths: FabricPaths) -> None:
+    """Receipts written before the layout (schema 2) name each shard's own index file: they
+    still check and rebuild bitwise, shard files included; a build after one starts afresh
+    (its quantizer is not reused), and publishes schema 3."""
+    model = _seed_rows(db)
+    spec = IndexSpec(factory="IVF32,Flat", nprobe=4, shards=SHARDS, kmeans="torch", device="cpu")
+    published = _publish(db, paths, spec=spec)
+    receipt = json.loads(json.dumps(published.receipt))
+    folder = model_index_folder(paths.indexes, "m")
+    quantizer = deserialize((folder / receipt["training"]["quantizer_file"]).read_bytes())
+    served = deserialize(published.index_path.read_bytes())
+    counts = read_layout(folder / receipt["layout_file"], receipt["layout_sha256"])
+    parts = cut_shards(served, counts, list(range(SHARDS)), quantizer, spec.nprobe)
+    (folder / "shards").mkdir(exist_ok=True)
+    for entry in receipt["shards"]:  # as a schema 2 build stored them
+        sha, path = publish.store_index(folder / "shards", parts[entry["shard"]])
+        entry["index_sha256"], entry["index_file"] = sha, f"shards/{path.name}"
+    del receipt["layout_file"], receipt["layout_sha256"]
+    receipt["schema"] = "fabric.index_receipt/2"
+    assert check_files(receipt, paths.indexes) == []
+    shard_file = folder / receipt["shards"][3]["index_file"]
+    shard_file.unlink()
+    assert [(p.file, p.problem) for p in check_files(receipt, paths.indexes)] == [
+        (receipt["shards"][3]["index_file"], "missing")
+    ]
+    report = rebuild_from_receipt(db, receipt, paths.indexes)
+    assert report.matches and report.detail == "bitwise identical", report.detail
+    assert report.repaired == [receipt["shards"][3]["index_file"]] and shard_file.is_file()
+    with pytest.raises(ReceiptError, match="layout_file"):  # schema 2 names shard files
+        Receipt.parse({**receipt, "layout_file": "x", "layout_sha256": "y"})
+
+    _bump_watermark(db, model, 5)
+    after = _publish(db, paths, spec=spec, previous=receipt)
+    assert after.receipt["schema"] == RECEIPT_SCHEMA
+    assert after.rebuilt_shards == list(range(SHARDS))
+    assert after.receipt["index_sha256"] == published.receipt["index_sha256"]
 
 
 def test_rebuild_refuses_rows_the_receipt_does_not_describe(db: Engine, paths: FabricPaths) -> None:
@@ -169,17 +228,18 @@ def test_a_gpu_build_is_rebuilt_on_the_cpu_within_its_recall_tolerance(
 def test_a_torch_build_rebuilds_bitwise_and_partly(db: Engine, paths: FabricPaths) -> None:
     """Torch on the CPU is deterministic: its receipt promises bitwise rebuilds, and keeps it,
     whole or shard by shard."""
-    _seed_rows(db)
+    model = _seed_rows(db)
     spec = IndexSpec(factory="IVF32,Flat", nprobe=4, shards=SHARDS, kmeans="torch", device="cpu")
     first = _publish(db, paths, spec=spec)
     assert first.receipt["tolerance"]["kind"] == "bitwise"
     assert first.receipt["training"]["iterations"] == 10
     report = rebuild_from_receipt(db, first.receipt, paths.indexes)
     assert report.matches and report.detail == "bitwise identical"
-    (model_index_folder(paths.indexes, "m") / first.receipt["shards"][6]["index_file"]).unlink()
+    _bump_watermark(db, model, 6)
     second = _publish(db, paths, spec=spec, previous=first.receipt)
     assert second.rebuilt_shards == [6]
     assert second.receipt["index_sha256"] == first.receipt["index_sha256"]
+    assert second.receipt["layout_sha256"] == first.receipt["layout_sha256"]
 
 
 def test_only_the_changed_shard_is_rebuilt_and_search_equals_a_full_rebuild(
@@ -247,12 +307,13 @@ def test_only_the_changed_shard_is_rebuilt_and_search_equals_a_full_rebuild(
     assert rebuild_from_receipt(db, second.receipt, paths.indexes).matches
 
 
-def test_shards_filled_beside_the_served_index_make_the_files_of_a_serial_build(
+def test_the_served_index_appended_beside_the_gathering_is_a_serial_build(
     db: Engine, paths: FabricPaths, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The served index takes each shard's rows on a thread of its own while the shards' own
-    indexes are filled on the pool: however those threads interleave (here made to by random
-    delays), every list holds its rows in shard order, then id order, as a serial build's."""
+    """The served index takes each shard's rows on a thread of its own while the next shard is
+    gathered and assigned: however those threads interleave (here made to by random delays),
+    every list holds its rows in shard order, then id order, as a serial build's; and the
+    layout cuts each shard back out as filling it alone gives."""
     _seed_rows(db)
     delays = random.Random(0)
 
@@ -264,16 +325,23 @@ def test_shards_filled_beside_the_served_index_make_the_files_of_a_serial_build(
         return run
 
     monkeypatch.setattr(publish, "add_rows", delayed(publish.add_rows))
-    monkeypatch.setattr(publish, "fill_assigned", delayed(publish.fill_assigned))
     published = _publish(db, paths)
     folder = model_index_folder(paths.indexes, "m")
     quantizer = deserialize((folder / published.receipt["training"]["quantizer_file"]).read_bytes())
     with db.connect() as conn:
         source = load_vectors(conn, "m")
     parts = [fill(quantizer, v, i, SPEC) for i, v in split_shards(source, SHARDS)]
-    for entry, part in zip(published.receipt["shards"], parts, strict=True):
-        assert (folder / entry["index_file"]).read_bytes() == serialize(part), entry["shard"]
+    served = deserialize(published.index_path.read_bytes())
+    counts = read_layout(
+        folder / published.receipt["layout_file"], published.receipt["layout_sha256"]
+    )
+    assert counts.shape == (SHARDS, 32) and counts.sum() == 3000
+    cut = cut_shards(served, counts, list(range(SHARDS)), quantizer, SPEC.nprobe)
+    for shard, part in enumerate(parts):
+        assert serialize(cut[shard]) == serialize(part), shard
     assert published.index_path.read_bytes() == serialize(merge(parts, SPEC))
+    with pytest.raises(ValueError, match="does not describe the served index"):
+        cut_shards(served, counts[::-1, ::-1].copy(), [0], quantizer, SPEC.nprobe)
 
 
 def test_after_an_in_place_update_the_receipt_rebuilds_from_its_stored_quantizer(
@@ -299,13 +367,22 @@ def test_after_an_in_place_update_the_receipt_rebuilds_from_its_stored_quantizer
     assert report.matches, report.detail
 
 
-def test_a_missing_shard_file_is_rebuilt_on_the_next_build(db: Engine, paths: FabricPaths) -> None:
-    _seed_rows(db)
+@pytest.mark.parametrize("lost", ["layout", "served index"])
+def test_a_stale_shard_with_its_layout_or_served_index_lost_rebuilds_every_shard(
+    db: Engine, paths: FabricPaths, lost: str
+) -> None:
+    """Kept shards are cut from the previous served index by its layout: with either file gone
+    there is nothing to cut them from, so every shard is filled again, to the same bytes."""
+    model = _seed_rows(db)
     first = _publish(db, paths)
-    (model_index_folder(paths.indexes, "m") / first.receipt["shards"][2]["index_file"]).unlink()
+    folder = model_index_folder(paths.indexes, "m")
+    name = first.receipt["layout_file"] if lost == "layout" else first.receipt["index_file"]
+    (folder / name).unlink()
+    _bump_watermark(db, model, 2)
     second = _publish(db, paths, previous=first.receipt)
-    assert second.rebuilt_shards == [2]
+    assert second.rebuilt_shards == list(range(SHARDS))
     assert second.receipt["index_sha256"] == first.receipt["index_sha256"]
+    assert check_files(second.receipt, paths.indexes) == []
 
 
 def test_nprobe_is_raised_until_recall_meets_the_target(db: Engine, paths: FabricPaths) -> None:
@@ -334,10 +411,6 @@ def test_nprobe_is_raised_until_recall_meets_the_target(db: Engine, paths: Fabri
     assert published.recall_at_k == tried[chosen]
     served = faiss.extract_index_ivf(deserialize(published.index_path.read_bytes()))
     assert served.nprobe == chosen
-    folder = model_index_folder(paths.indexes, "m")
-    for entry in published.receipt["shards"]:  # shards keep what was asked, whatever was chosen
-        shard = deserialize((folder / entry["index_file"]).read_bytes())
-        assert faiss.extract_index_ivf(shard).nprobe == 1
     # The curve over every nprobe agrees with what was searched.
     assert published.receipt["quality"]["nprobe_curve"][str(chosen)] == tried[chosen]
     assert rebuild_from_receipt(db, published.receipt, paths.indexes).matches

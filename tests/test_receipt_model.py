@@ -19,7 +19,7 @@ from fabric_pipelines.lib.index.receipt import (
     canonical_json,
     receipt_sha256,
 )
-from tests.test_index_lifecycle import SHARDS, _publish, _seed_rows
+from tests.test_index_lifecycle import _publish, _seed_rows
 
 
 def test_a_published_receipt_round_trips_to_its_bytes_and_names_its_files(
@@ -34,7 +34,10 @@ def test_a_published_receipt_round_trips_to_its_bytes_and_names_its_files(
     assert typed.as_dict() == json.loads(stored)
     assert typed.index.shard_rule == SHARD_RULE and typed.model_key == "m"
     files = typed.files()
-    assert len(files) == 2 + SHARDS and len(set(files)) == len(files)
+    # The served index, its quantizer and its layout: no file per shard (the lists are stored
+    # once; tests/test_index_lifecycle.py cuts the shards back out).
+    assert len(files) == 3 and len(set(files)) == len(files)
+    assert files[2] == (published.receipt["layout_file"], published.receipt["layout_sha256"])
     assert files[0] == (published.receipt["index_file"], published.receipt["index_sha256"])
     assert typed.recall_at_k == published.recall_at_k
 
@@ -46,7 +49,14 @@ def test_a_published_receipt_round_trips_to_its_bytes_and_names_its_files(
         (lambda r: r["source"].update(rows="1200"), "source.rows"),
         (lambda r: r["index"].update(shard_rule="record_no mod shards"), "index.shard_rule"),
         (lambda r: r.update(extra_field=1), "extra_field"),
-        (lambda r: r["shards"][0].pop("index_file"), "shards.0.index_file"),
+        # Schema 2 named a file per shard: a receipt of that schema without one is refused.
+        (
+            lambda r: [r.update(schema="fabric.index_receipt/2"), r.pop("layout_file")],
+            "shards.0.index_file",
+        ),
+        (lambda r: r.pop("layout_file"), "layout_file and layout_sha256 come together"),
+        (lambda r: [r.pop("layout_file"), r.pop("layout_sha256")], "needs its layout_file"),
+        (lambda r: r["shards"][0].update(index_file="shards/x.faiss"), "no shard index files"),
     ],
 )
 def test_a_receipt_the_rebuild_cannot_use_is_refused_naming_the_field(

@@ -146,7 +146,7 @@ def test_a_clean_run_is_clean_and_says_what_was_checked(
     assert report.checked["batches"] == len(batches) == report.checked["shard_files"]
     assert report.checked["embedding_rows"] == 150
     assert report.checked["hidden_state_tasks"] == 150 * 2  # two hook layers
-    assert report.checked["index_files"] == 1 + 1 + 2  # served index, quantizer, two shards
+    assert report.checked["index_files"] == 1 + 1  # served index, quantizer (Flat: no layout)
     assert _cli(db_url, paths, monkeypatch, "verify") == 0
     out = capsys.readouterr().out
     assert "clean:" in out and "embedding rows: 150" in out
@@ -299,7 +299,7 @@ def test_index_and_receipt_files_are_checked_against_receipt_and_name(
 ) -> None:  # fmt: skip
     receipt = done.receipt
     folder = model_index_folder(paths.indexes, receipt["model"]["model_key"])
-    (folder / receipt["shards"][1]["index_file"]).unlink()
+    (folder / receipt["training"]["quantizer_file"]).unlink()
     edited = json.loads(done.receipt_path.read_text())
     edited["source"]["rows"] += 1  # a receipt edited after it was written
     done.receipt_path.write_text(json.dumps(edited))
@@ -307,7 +307,7 @@ def test_index_and_receipt_files_are_checked_against_receipt_and_name(
     stray.write_text("{}")  # named like a receipt, published by nobody
     report = verify(db, paths)
     index = _only(report, "index_file")
-    assert index.subject == str(folder / receipt["shards"][1]["index_file"])
+    assert index.subject == str(folder / receipt["training"]["quantizer_file"])
     assert index.problem == "missing"
     assert index.repair == (
         f"fabric receipt restore {done.receipt_sha256} && "

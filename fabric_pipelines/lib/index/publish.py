@@ -1,10 +1,11 @@
 """Build an index over a model's embeddings, measure it, and publish it with its receipt.
 
 The rows are split into shards by a fixed hash (index/shards.py). One quantizer is trained for
-all of them (IVF; Flat needs none) and stored; each shard is filled from it with its rows in id
-order and stored; the shards are merged into the serving index. With the previous receipt at
-hand, only shards whose database watermark moved (or whose file is missing or corrupt) are
-rebuilt; the rest are reused, verified against their recorded sha256.
+all of them (IVF; Flat needs none) and stored; the served index takes each shard's rows in id
+order, shard after shard, and a layout (index/layout.py) records where each shard's rows lie in
+its lists: the lists are stored once. With the previous receipt at hand, only shards whose
+database watermark moved are refilled; the rest are cut from the previous served index,
+verified against its recorded sha256 (all are refilled where that or the layout is unusable).
 
 The serving index searches with the nprobe it was asked for, or, where that misses the recall
 target, the smallest doubling of it that meets it (index/recall.py); the receipt records both.
@@ -15,10 +16,9 @@ an index below its recall floor never gets the row.
 
 Hashes of the source rows run in background threads from the start (hashlib lets other threads
 run). The served index takes each shard's rows on a thread of its own, in shard order, while the
-next shard is gathered and assigned and each shard's own index is filled and stored on the pool.
-Files are streamed from FAISS and hashed on the way, never read back (files.py), and in parallel
-(the served index as soon as its nprobe is chosen, while the rest of its quality is measured).
-`PublishedIndex.seconds` says where the time went, phase by phase.
+next shard is gathered and assigned. The served index is streamed from FAISS into its file and
+hashed on the way, never read back (files.py), as soon as its nprobe is chosen, while the rest of
+its quality is measured. `PublishedIndex.seconds` says where the time went, phase by phase.
 """
 
 from __future__ import annotations
@@ -54,9 +54,10 @@ from fabric_pipelines.lib.index.build import (
     add_rows,
     append_lists,
     assign,
-    fill_assigned,
     is_ivf,
     is_ivf_flat,
+    list_sizes,
+    nlist,
     planned_builder,
     prepare_rows,
     recorded_builder,
@@ -65,6 +66,7 @@ from fabric_pipelines.lib.index.build import (
     tolerance,
     train_rows,
 )
+from fabric_pipelines.lib.index.layout import counts_of, cut_shards, read_layout, store_layout
 from fabric_pipelines.lib.index.paths import model_index_folder
 from fabric_pipelines.lib.index.prebuild import Prebuilt
 from fabric_pipelines.lib.index.quality import measure, shortfall
@@ -278,7 +280,10 @@ def build_and_publish(
             if on_gpu:
                 torch.cuda.empty_cache()
             with clock.phase("write"):
-                entries = [_entry(e) for e in built.entries]
+                entries = [_resolved(e) for e in built.entries]
+                layout = (
+                    store_layout(built.folder, built.counts) if built.counts is not None else None
+                )
                 index_sha, index_path = served_file[0].result()
                 source_hashes = ids_sha256.result(), vectors_sha256.result()
     training = _with_source_hashes(built.training, *source_hashes)
@@ -322,6 +327,8 @@ def build_and_publish(
         "inputs": inputs,
         "code": code or {},
     }
+    if layout is not None:
+        receipt["layout_sha256"], receipt["layout_file"] = layout
     with clock.phase("write"):
         # Read back as the rebuild will read it: a receipt it could not use is never written.
         typed = Receipt.parse(receipt, f"the receipt of {model_key}")
@@ -353,8 +360,9 @@ class _Built:
     folder: Path
     served: faiss.Index
     training: dict[str, Any]
-    entries: list[dict[str, Any] | tuple[dict[str, Any], Future[tuple[str, Path]]]]
+    entries: list[dict[str, Any]]
     rebuilt: list[int]
+    counts: np.ndarray | None  # the layout: rows of each list per shard (IVF); None otherwise
 
 
 def _build(
@@ -369,24 +377,28 @@ def _build(
     reuse: tuple[faiss.Index, dict[str, Any]] | None,
     ready: Prebuilt | None = None,
 ) -> _Built:
-    """Train (or reuse the previous quantizer), fill and store the shards, merge them."""
+    """Train (or reuse the previous quantizer) and fill the served index shard after shard,
+    keeping the shards whose rows did not move (cut from the previous served index)."""
     positions = shard_rows(source, spec.shards)
-    (folder / "shards").mkdir(parents=True, exist_ok=True)
     (folder / "quantizers").mkdir(parents=True, exist_ok=True)
     old = {s["shard"]: s for s in previous["shards"]} if (previous and reuse is not None) else {}
-    # Shards unchanged since the previous build are read back (verified) in parallel.
-    kept = {
-        shard: pool.submit(read_verified, folder / before["index_file"], before["index_sha256"])
+    unmoved = [
+        shard
         for shard, before in old.items()
         if shard < spec.shards and before["version"] == versions[shard]
-    }
+    ]
+    # Shards unchanged since the previous build are cut from its served index (read back,
+    # verified) while the rest is gathered; if its files fail their check, they are rebuilt.
+    kept_parts: Future[dict[int, faiss.Index]] | None = None
+    if unmoved and previous is not None and reuse is not None:
+        kept_parts = pool.submit(_kept_shards, previous, folder, unmoved, reuse[0], spec.nprobe)
 
     def hashes(shard: int) -> tuple[Future[str], Future[str]]:
         ids = pool.submit(array_sha256, source.ids, positions[shard])
         return ids, pool.submit(array_sha256, source.vectors, positions[shard])
 
     # The rows of each shard to build are hashed beside the work, from now on.
-    shard_hashes = {s: hashes(s) for s in range(spec.shards) if s not in kept}
+    shard_hashes = {s: hashes(s) for s in range(spec.shards) if s not in unmoved}
     with clock.phase("train"):
         if reuse is not None:
             trained, training = reuse
@@ -411,43 +423,42 @@ def _build(
             if built.builder == "torch-cuda":
                 training["gpu"] = torch.cuda.get_device_name()
     builder = recorded_builder(training)
-    # The served index gets each shard's rows as the shard does: the same lists as merging the
-    # shards, while the shards' own indexes stay whole for their files. Its appends run on a
-    # thread of their own, one shard after the other (so each list holds shard 0's rows, then
-    # shard 1's, ...), while the next shard is gathered and assigned here and each shard's own
-    # index is filled and stored on the pool.
+    # The served index gets each shard's rows in shard order (each list holds shard 0's rows,
+    # then shard 1's, ...): the layout records the runs, so a shard can be cut back out. Its
+    # appends run on a thread of their own while the next shard is gathered and assigned here.
     served = faiss.clone_index(trained)
-    entries: list[dict[str, Any] | tuple[dict[str, Any], Future[tuple[str, Path]]]] = []
+    ivf = is_ivf(trained)
+    n_lists = nlist(trained)
+    counts = np.zeros((spec.shards, n_lists), dtype=np.int64) if ivf else None
+    entries: list[dict[str, Any]] = []
     rebuilt = []
     copies_only = is_ivf_flat(trained)  # adding assigned rows copies them: nothing is computed
     # Shards filled during extraction: the served index copies every shard's lists at the end,
     # kept ones and filled ones, in shard order (build.append_lists).
     filled = ready.parts if ready is not None else None
+    kept = kept_parts.result() if kept_parts is not None else {}
     in_order: list[faiss.Index] = []
     with clock.phase("add"), ThreadPoolExecutor(1, thread_name_prefix="index-serve") as serving:
         appended: list[Future[None]] = []  # the served index's appends, in shard order
         for shard, rows_of_shard in enumerate(positions):
             if shard in kept:
-                try:
-                    part = kept[shard].result()
-                except (FileNotFoundError, CorruptFileError):
-                    pass  # rebuilt below from the same quantizer
+                part = kept[shard]
+                if counts is not None:
+                    counts[shard] = list_sizes(part)
+                if filled is not None:
+                    in_order.append(part)
                 else:
-                    if filled is not None:
-                        in_order.append(part)
-                    else:
-                        appended.append(serving.submit(served.merge_from, part, 0))
-                    entries.append(old[shard])
-                    continue
-            if shard not in shard_hashes:  # a kept shard whose file failed its check
+                    appended.append(serving.submit(served.merge_from, part, 0))
+                entries.append(old[shard])
+                continue
+            if shard not in shard_hashes:  # an unmoved shard that could not be kept
                 shard_hashes[shard] = hashes(shard)
-            stored: Future[tuple[str, Path]]
             if filled is not None:
-                # Filled during extraction: stored as it is; its lists are copied into the
-                # served index below, with every other shard's (both only read it).
+                # Filled during extraction: its lists are copied into the served index below,
+                # with every other shard's.
                 part = filled[shard]
-                set_nprobe(part, spec.nprobe)
-                stored = pool.submit(store_index, folder / "shards", part)
+                if counts is not None:
+                    counts[shard] = list_sizes(part)
                 in_order.append(part)
             else:
                 if len(appended) >= SERVED_BEHIND:  # bounds the gathered rows held for appends
@@ -458,61 +469,56 @@ def _build(
                 else:
                     lists = assign(trained, rows, rows_of_shard, builder, spec.metric, gathered=x)
                 if lists is not None and copies_only:
-                    stored = pool.submit(
-                        _fill_and_store, trained, x, ids, lists, spec.nprobe, folder / "shards"
-                    )
                     appended.append(serving.submit(add_rows, served, x, ids, lists))
+                    if counts is not None:
+                        counts[shard] = counts_of(lists, n_lists)
                 else:  # FAISS encodes or assigns the rows as it adds them: one add at a time
                     _wait(appended)
-                    part = fill_assigned(trained, x, ids, lists, spec.nprobe)
+                    before = list_sizes(served) if counts is not None else None
                     add_rows(served, x, ids, lists)
-                    stored = pool.submit(store_index, folder / "shards", part)
-            entry = {
-                "shard": shard,
-                "rows": len(rows_of_shard),
-                "version": versions[shard],
-                "ids_sha256": shard_hashes[shard][0],
-                "vectors_sha256": shard_hashes[shard][1],
-            }
-            entries.append((entry, stored))
+                    if counts is not None and before is not None:
+                        counts[shard] = list_sizes(served) - before
+            entries.append(
+                {
+                    "shard": shard,
+                    "rows": len(rows_of_shard),
+                    "version": versions[shard],
+                    "ids_sha256": shard_hashes[shard][0],
+                    "vectors_sha256": shard_hashes[shard][1],
+                }
+            )
             rebuilt.append(shard)
         _wait(appended)
         if in_order:  # every shard, in shard order
             append_lists(served, in_order)
         set_nprobe(served, spec.nprobe)
-    return _Built(folder, served, training, entries, rebuilt)
+    return _Built(folder, served, training, entries, rebuilt, counts)
 
 
-def _fill_and_store(
-    trained: faiss.Index,
-    x: np.ndarray,
-    ids: np.ndarray,
-    lists: np.ndarray,
-    nprobe: int,
-    folder: Path,
-) -> tuple[str, Path]:
-    """A shard's own index, filled from the trained one (fill_assigned) and stored."""
-    return store_index(folder, fill_assigned(trained, x, ids, lists, nprobe))
+def _kept_shards(
+    previous: dict[str, Any], folder: Path, wanted: list[int], trained: faiss.Index, nprobe: int
+) -> dict[int, faiss.Index]:
+    """The shards `wanted`, cut from the previous served index by its layout (both verified
+    against the previous receipt); none where either file is missing or corrupt (then they are
+    rebuilt from their rows)."""
+    if not previous.get("layout_file") or not is_ivf(trained):
+        return {}
+    try:
+        served = read_verified(folder / previous["index_file"], previous["index_sha256"])
+        counts = read_layout(folder / previous["layout_file"], previous["layout_sha256"])
+    except (FileNotFoundError, CorruptFileError):
+        return {}
+    return cut_shards(served, counts, wanted, trained, nprobe)
+
+
+def _resolved(entry: dict[str, Any]) -> dict[str, Any]:
+    """A shard's receipt entry, once its hashes are done."""
+    return {k: v.result() if isinstance(v, Future) else v for k, v in entry.items()}
 
 
 def _wait(futures: list[Future[None]]) -> None:
     for future in futures:
         future.result()
-
-
-def _entry(
-    entry: dict[str, Any] | tuple[dict[str, Any], Future[tuple[str, Path]]],
-) -> dict[str, Any]:
-    """A shard's receipt entry, once its file is written and its hashes are done."""
-    if isinstance(entry, dict):
-        return entry
-    fields, stored = entry
-    sha, path = stored.result()
-    return {
-        **{k: v.result() if isinstance(v, Future) else v for k, v in fields.items()},
-        "index_sha256": sha,
-        "index_file": f"shards/{path.name}",
-    }
 
 
 def _with_source_hashes(

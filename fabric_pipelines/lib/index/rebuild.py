@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import faiss
+import numpy as np
 from sqlalchemy import Engine
 
 from fabric_pipelines.lib.core.files import CorruptFileError, sha256_file
@@ -29,6 +30,8 @@ from fabric_pipelines.lib.index.build import (
     choose_builder,
     fill_assigned,
     index_sha256,
+    list_sizes,
+    nlist,
     planned_builder,
     prepare_rows,
     recorded_builder,
@@ -36,6 +39,7 @@ from fabric_pipelines.lib.index.build import (
     train_rows,
     train_rule_of,
 )
+from fabric_pipelines.lib.index.layout import layout_sha256, store_layout
 from fabric_pipelines.lib.index.paths import model_index_folder
 from fabric_pipelines.lib.index.probe import RecallProbe
 from fabric_pipelines.lib.index.publish import shard_rows, store_index
@@ -62,7 +66,8 @@ class RebuildReport:
 
 
 def check_files(receipt: Receipt | dict[str, Any], index_folder: Path) -> list[FileProblem]:
-    """Every file the receipt names (served index, quantizer, shards), hashed against it."""
+    """Every file the receipt names (served index, quantizer, layout or shards), hashed
+    against it."""
     typed = receipt if isinstance(receipt, Receipt) else Receipt.parse(receipt)
     folder = model_index_folder(index_folder, typed.model_key)
     problems = []
@@ -192,15 +197,24 @@ def rebuild_from_receipt(
         builder = choose_builder(spec, quantizer)
         rows = prepare_rows(source.vectors, source.ids, spec, builder)
     served = faiss.clone_index(quantizer)
-    for entry, positions in zip(receipt.shards, shard_rows(source, spec.shards), strict=True):
+    n_lists = nlist(quantizer)
+    counts = np.zeros((len(receipt.shards), n_lists), dtype=np.int64)
+    pairs = zip(receipt.shards, shard_rows(source, spec.shards), strict=True)
+    for number, (entry, positions) in enumerate(pairs):
         x, ids = rows.on_host(positions), source.ids[positions]
         lists = assign(quantizer, rows, positions, builder, spec.metric, gathered=x)
-        outputs[entry.index_file] = fill_assigned(quantizer, x, ids, lists, spec.nprobe)
-        add_rows(served, x, ids, lists)  # as merging the shards does
+        if entry.index_file is not None:  # schema 2: each shard had an index file of its own
+            outputs[entry.index_file] = fill_assigned(quantizer, x, ids, lists, spec.nprobe)
+        before = list_sizes(served) if n_lists else None
+        add_rows(served, x, ids, lists)  # shard after shard, as the build appends them
+        if before is not None:
+            counts[number] = list_sizes(served) - before
     set_nprobe(served, receipt.index.params["nprobe"])
     outputs[receipt.index_file] = served
     with ThreadPoolExecutor(len(outputs)) as pool:  # hashlib lets the threads run side by side
         hashes = dict(zip(outputs, pool.map(index_sha256, outputs.values()), strict=True))
+    if receipt.layout_file is not None:  # schema 3: where each shard's rows lie in the lists
+        hashes[receipt.layout_file] = layout_sha256(counts)
 
     expected = receipt.index_sha256
     rebuilt_sha = hashes[receipt.index_file]
@@ -208,6 +222,10 @@ def rebuild_from_receipt(
     if builder == recorded_by and tol["kind"] == "bitwise":
         matches = rebuilt_sha == expected
         detail = "bitwise identical" if matches else f"sha256 {rebuilt_sha} differs from {expected}"
+        layout = receipt.layout_file
+        if matches and layout is not None and hashes[layout] != receipt.layout_sha256:
+            matches = False
+            detail = f"index identical, but its layout's sha256 {hashes[layout]} differs"
     elif rebuilt_sha == expected:
         matches, detail = True, "bitwise identical"
     else:
@@ -222,7 +240,7 @@ def rebuild_from_receipt(
         )
     report = RebuildReport(expected, rebuilt_sha, builder, tol, matches, detail)
     if repair and matches and rebuilt_sha == expected:
-        report.repaired = _repair(receipt, folder, outputs, hashes)
+        report.repaired = _repair(receipt, folder, outputs, counts, hashes)
     return report
 
 
@@ -230,6 +248,7 @@ def _repair(
     receipt: Receipt,
     folder: Path,
     outputs: dict[str, faiss.Index],
+    counts: np.ndarray,
     hashes: dict[str, str],
 ) -> list[str]:
     """Write back each missing or corrupt file whose rebuilt bytes hash to what the receipt says
@@ -237,10 +256,14 @@ def _repair(
     repaired = []
     for problem in check_files(receipt, folder.parent):
         sha = hashes.get(problem.file, "")
-        if sha and Path(problem.file).name == f"{sha}.faiss":
-            target = folder / problem.file
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.unlink(missing_ok=True)
+        if not sha or not Path(problem.file).name.startswith(sha):
+            continue
+        target = folder / problem.file
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.unlink(missing_ok=True)
+        if problem.file in outputs:
             store_index(target.parent, outputs[problem.file])
-            repaired.append(problem.file)
+        else:  # the layout
+            store_layout(folder, counts)
+        repaired.append(problem.file)
     return repaired

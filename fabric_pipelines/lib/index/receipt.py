@@ -21,11 +21,15 @@ from typing import Any
 import faiss
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fabric_pipelines.lib.store.watermarks import SHARD_PRIME
 
-RECEIPT_SCHEMA = "fabric.index_receipt/2"
+RECEIPT_SCHEMA = "fabric.index_receipt/3"
+# Receipts this version reads. Schema 2 stored each shard's own index file beside the served
+# index (the lists twice); schema 3 stores the served index once and a layout file saying how
+# many of each list's rows each shard holds, so a shard is a run of rows in every list.
+READABLE_SCHEMAS = ("fabric.index_receipt/2", RECEIPT_SCHEMA)
 BLOCK_BYTES = 1 << 24  # rows gathered per hash update when hashing a selection of rows
 # Which shard a row is in; index/shards.py and the database's triggers compute exactly this.
 SHARD_RULE = f"(task_set_id * {SHARD_PRIME} + record_no) mod shards"
@@ -93,8 +97,9 @@ class Training(_OpenPart):
 
 
 class ShardEntry(_OpenPart):
-    index_file: str
-    index_sha256: str
+    # Schema 2 only: the shard's own index file. Schema 3 cuts a shard from the served index.
+    index_file: str | None = None
+    index_sha256: str | None = None
 
 
 class Receipt(_Part):
@@ -115,15 +120,37 @@ class Receipt(_Part):
     quality: dict[str, Any]
     inputs: list[dict[str, Any]]
     code: dict[str, Any]
+    # Schema 3, IVF: rows of each list per shard (layout.py), an int64 array [shards, lists].
+    layout_file: str | None = None
+    layout_sha256: str | None = None
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _files_of_schema(self) -> Receipt:
+        if self.schema_ == RECEIPT_SCHEMA:
+            stray = [s for s in self.shards if s.index_file is not None]
+            if stray:
+                raise ValueError("a schema 3 receipt names no shard index files")
+            if (self.layout_file is None) != (self.layout_sha256 is None):
+                raise ValueError("layout_file and layout_sha256 come together")
+            if "IVF" in self.index.factory and self.layout_file is None:
+                raise ValueError(f"an {self.index.factory} index needs its layout_file")
+        else:
+            if self.layout_file is not None:
+                raise ValueError(f"{self.schema_} has no layout_file")
+            for number, shard in enumerate(self.shards):
+                if shard.index_file is None or shard.index_sha256 is None:
+                    raise ValueError(f"shards.{number}.index_file: {self.schema_} needs it")
+        return self
 
     @classmethod
     def parse(cls, receipt: dict[str, Any], where: str = "receipt") -> Receipt:
         """The typed receipt; ReceiptError naming `where` and each field that is wrong."""
-        if receipt.get("schema") != RECEIPT_SCHEMA:
+        if receipt.get("schema") not in READABLE_SCHEMAS:
             raise ReceiptError(
-                f"{where}: schema {receipt.get('schema')!r}, this version reads {RECEIPT_SCHEMA}"
+                f"{where}: schema {receipt.get('schema')!r}, this version reads "
+                f"{' and '.join(READABLE_SCHEMAS)}"
             )
         try:
             return cls.model_validate(receipt)
@@ -144,7 +171,8 @@ class Receipt(_Part):
         return cls.parse(loaded, where)
 
     def as_dict(self) -> dict[str, Any]:
-        return self.model_dump(mode="json", by_alias=True)
+        # exclude_unset: a field the receipt does not hold (one of another schema) stays out.
+        return self.model_dump(mode="json", by_alias=True, exclude_unset=True)
 
     def canonical_json(self) -> bytes:
         return canonical_json(self.as_dict())
@@ -161,11 +189,17 @@ class Receipt(_Part):
         return float(self.quality["recall_at_k"])
 
     def files(self) -> list[tuple[str, str]]:
-        """(file, sha256) of every index file the receipt names, relative to the model's
-        folder: the served index, the quantizer and each shard."""
+        """(file, sha256) of every file the receipt names, relative to the model's folder: the
+        served index, the quantizer, and the layout (schema 3) or each shard's file (schema 2)."""
         named = [(self.index_file, self.index_sha256)]
         named.append((self.training.quantizer_file, self.training.quantizer_sha256))
-        return named + [(s.index_file, s.index_sha256) for s in self.shards]
+        if self.layout_file is not None and self.layout_sha256 is not None:
+            named.append((self.layout_file, self.layout_sha256))
+        return named + [
+            (s.index_file, s.index_sha256)
+            for s in self.shards
+            if s.index_file is not None and s.index_sha256 is not None
+        ]
 
 
 def canonical_json(receipt: dict[str, Any]) -> bytes:
