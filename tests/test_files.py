@@ -5,13 +5,16 @@ read back), nothing left behind."""
 from __future__ import annotations
 
 import multiprocessing
+import os
 import threading
 from pathlib import Path
+from typing import Any
 
 import faiss
 import numpy as np
 import pytest
 
+from fabric_pipelines.lib.core import files as files_module
 from fabric_pipelines.lib.core.files import (
     CorruptFileError,
     HashingWriter,
@@ -25,7 +28,7 @@ from fabric_pipelines.lib.core.files import (
     write_file,
 )
 from fabric_pipelines.lib.index.build import index_sha256, serialize
-from fabric_pipelines.lib.index.publish import store_index
+from fabric_pipelines.lib.index.index_file import ivf_flat_pieces, store_index
 from fabric_pipelines.lib.results.hidden_states import read_shard, write_shard
 
 CALLS_PER_THREAD = 150
@@ -254,8 +257,8 @@ def test_a_stored_index_is_what_faiss_writes_and_hashes_to_its_name(tmp_path: Pa
 def test_an_index_write_failing_half_way_leaves_no_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """FAISS calls back into the stream; an error there (a full disk) ends its write, and
-    nothing is left in the folder."""
+    """FAISS calls back into the stream (an IVF-PQ index); an error there (a full disk) ends its
+    write, and nothing is left in the folder."""
     real_write = HashingWriter.write
 
     def fails_after_a_while(self: HashingWriter, chunk: bytes) -> int:
@@ -264,9 +267,48 @@ def test_an_index_write_failing_half_way_leaves_no_file(
         return real_write(self, chunk)
 
     monkeypatch.setattr(HashingWriter, "write", fails_after_a_while)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((20_000, 32), dtype=np.float32)  # 320 KB of codes and ids
+    index = faiss.IndexIVFPQ(faiss.IndexFlatL2(32), 32, 16, 8, 8)
+    index.train(x)
+    index.add(x)
+    assert ivf_flat_pieces(index) is None  # streamed by FAISS
     with pytest.raises((OSError, RuntimeError)):
-        store_index(tmp_path / "shards", _ivf())
+        store_index(tmp_path / "shards", index)
     assert list((tmp_path / "shards").iterdir()) == []
+
+
+def test_an_ivf_flat_index_is_written_in_pieces_as_faiss_writes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An IVF-Flat index is written from its own lists on several threads: the same bytes FAISS
+    writes, lists full or sparse; a write failing half way (a full disk) leaves nothing."""
+    sparse = faiss.IndexIVFFlat(faiss.IndexFlatL2(32), 32, 16)
+    sparse.train(np.random.default_rng(1).standard_normal((3000, 32), dtype=np.float32))
+    sparse.add(np.random.default_rng(2).standard_normal((3, 32), dtype=np.float32))
+    for index in (_ivf(), sparse):  # most lists hold rows; three at most do
+        pieces = ivf_flat_pieces(index)
+        assert pieces is not None
+        assert b"".join(bytes(p) for p in pieces) == serialize(index)
+    index = _ivf(rows=20_000, dim=64)
+    monkeypatch.setattr(files_module, "PIECE_BYTES", 1 << 16)  # many runs, so many writers at once
+    calls = 0
+    real_pwrite = os.pwrite
+
+    def fails_after_a_while(fd: int, data: Any, offset: int) -> int:
+        nonlocal calls
+        calls += 1
+        if calls > 20:
+            raise OSError("disk full")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(files_module.os, "pwrite", fails_after_a_while)
+    with pytest.raises(OSError, match="disk full"):
+        store_index(tmp_path / "indexes", index)
+    assert list((tmp_path / "indexes").iterdir()) == []
+    monkeypatch.setattr(files_module.os, "pwrite", real_pwrite)
+    sha, path = store_index(tmp_path / "indexes", index)
+    assert path.read_bytes() == serialize(index) and sha == sha256_file(path)
 
 
 def test_two_threads_storing_the_same_index_at_once_both_succeed(tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ from fabric_pipelines.lib.index.build import (
     serialize,
     tolerance,
 )
+from fabric_pipelines.lib.index.index_file import store_index
 from fabric_pipelines.lib.index.layout import cut_shards, read_layout
 from fabric_pipelines.lib.index.paths import model_index_folder
 from fabric_pipelines.lib.index.publish import (
@@ -172,7 +173,7 @@ def test_a_schema_2_receipt_still_verifies_and_rebuilds(db: Engine, paths: Fabri
     parts = cut_shards(served, counts, list(range(SHARDS)), quantizer, spec.nprobe)
     (folder / "shards").mkdir(exist_ok=True)
     for entry in receipt["shards"]:  # as a schema 2 build stored them
-        sha, path = publish.store_index(folder / "shards", parts[entry["shard"]])
+        sha, path = store_index(folder / "shards", parts[entry["shard"]])
         entry["index_sha256"], entry["index_file"] = sha, f"shards/{path.name}"
     del receipt["layout_file"], receipt["layout_sha256"]
     receipt["schema"] = "fabric.index_receipt/2"

@@ -16,6 +16,9 @@ Where the recorded hash comes from depends on how the file is written:
     finds when the file is read.
   - written by a function given the staging path (`write_file`, `write_content_addressed`, for a
     library that writes to a path itself): the staged file is read back and hashed.
+  - made of pieces already in memory (`store_pieces_content_addressed`: a FAISS index's lists):
+    the pieces are written at their offsets by several threads while one thread hashes them in
+    file order, so a large file costs about its hashing, not a stream's one-thread write.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import sys
 import threading
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +43,8 @@ BACKGROUND_HASH_BYTES = 1 << 20  # chunks this large are hashed beside the write
 HASHES_IN_FLIGHT = 4  # chunks (held, not copied) hashed behind the write at most
 WRITEBACK_BYTES = 64 << 20  # a stream asks the OS to start writing to disk this often
 SYNC_FILE_RANGE_WRITE = 2  # Linux: start writeback of the range's dirty pages, do not wait
+PIECE_WRITERS = 8  # threads writing a file's pieces at their offsets
+PIECE_BYTES = 64 << 20  # a piece is written (and its writeback started) this much at a time
 
 Chunk = bytes | bytearray | memoryview
 
@@ -310,6 +315,70 @@ def stream_content_addressed(
     """write_content_addressed for a writer that streams into `out` (stream_file)."""
     staging, sha, size = _stage(folder, f"new{suffix}", _streamed(write))
     return _content_addressed(folder, suffix, staging, sha, size, fan_out)
+
+
+def store_pieces_content_addressed(
+    folder: Path, suffix: str, pieces: Sequence[Chunk], *, fan_out: bool = False
+) -> StoredFile:
+    """write_content_addressed for a file that is `pieces` (buffers in memory) one after the
+    other. They are neither copied nor joined: PIECE_WRITERS threads write them at their offsets
+    in PIECE_BYTES runs, taken in file order, while one thread hashes them in order. The
+    pieces must not change until this returns."""
+    staging, sha, size = _stage(folder, f"new{suffix}", _from_pieces(pieces))
+    return _content_addressed(folder, suffix, staging, sha, size, fan_out)
+
+
+def _from_pieces(pieces: Sequence[Chunk]) -> Callable[[Path], tuple[str, int]]:
+    """Write `pieces` into the staged file in parallel, hash them in order, then fsync."""
+    views = [memoryview(piece).cast("B") for piece in pieces]
+    runs: list[tuple[int, memoryview]] = []  # (offset, bytes), in file order
+    offset = 0
+    for view in views:
+        for start in range(0, len(view), PIECE_BYTES):
+            runs.append((offset + start, view[start : start + PIECE_BYTES]))
+        offset += len(view)
+    total = offset
+
+    def digest() -> str:
+        sha = hashlib.sha256()
+        for view in views:
+            sha.update(view)  # hashlib lets the writers run meanwhile
+        return sha.hexdigest()
+
+    def fill(staging: Path) -> tuple[str, int]:
+        fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            taken = iter(runs)
+            lock = threading.Lock()
+
+            def write_runs() -> None:
+                while True:
+                    with lock:  # the next run in file order, so the disk is filled front to back
+                        run = next(taken, None)
+                    if run is None:
+                        return
+                    at, view = run
+                    done = 0
+                    while done < len(view):
+                        done += os.pwrite(fd, view[done:], at + done)
+                    if _SYNC_FILE_RANGE is not None:  # start its writeback: fsync waits less
+                        _SYNC_FILE_RANGE(fd, at, len(view), SYNC_FILE_RANGE_WRITE)
+
+            with ThreadPoolExecutor(PIECE_WRITERS + 1, thread_name_prefix="pieces") as pool:
+                hashed = pool.submit(digest)
+                writers = [pool.submit(write_runs) for _ in range(PIECE_WRITERS)]
+                for writer in writers:
+                    writer.result()
+                sha = hashed.result()
+            os.fsync(fd)
+            on_disk = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        if on_disk != total:
+            raise OSError(f"{staging} holds {on_disk} bytes but its pieces are {total}")
+        return sha, total
+
+    return fill
 
 
 def _content_addressed(

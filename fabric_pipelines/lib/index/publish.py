@@ -39,10 +39,7 @@ from sqlalchemy import Engine
 from fabric_gpu.engines.identity import BATCH_INVARIANCE
 from fabric_pipelines.lib.broker.ledger import model_engines
 from fabric_pipelines.lib.core.files import (
-    CHUNK_BYTES,
     CorruptFileError,
-    HashingWriter,
-    stream_content_addressed,
     write_bytes,
 )
 from fabric_pipelines.lib.core.retry import unit_of_work
@@ -66,6 +63,7 @@ from fabric_pipelines.lib.index.build import (
     tolerance,
     train_rows,
 )
+from fabric_pipelines.lib.index.index_file import store_index
 from fabric_pipelines.lib.index.layout import counts_of, cut_shards, read_layout, store_layout
 from fabric_pipelines.lib.index.paths import model_index_folder
 from fabric_pipelines.lib.index.prebuild import Prebuilt
@@ -150,19 +148,6 @@ def stored_encoding(codec: StoredCodec) -> dict[str, Any]:
     if codec.calibration is not None:
         fields["int8_calibration_sha256"] = calibration_sha256(codec.calibration)
     return fields
-
-
-def store_index(folder: Path, index: faiss.Index) -> tuple[str, Path]:
-    """Store `index` as <folder>/<sha256>.faiss, streamed by FAISS into the file in large chunks
-    and hashed on the way (no copy of its bytes in memory, no reading the file back); returns
-    (sha256, path)."""
-
-    def write(out: HashingWriter) -> None:
-        writer = faiss.PyCallbackIOWriter(out.write, CHUNK_BYTES)  # type: ignore[attr-defined]
-        faiss.write_index(index, writer)
-
-    stored = stream_content_addressed(folder, ".faiss", write)
-    return stored.sha256, stored.path
 
 
 @unit_of_work("checking whether the index of {model_key} is unchanged")

@@ -39,10 +39,11 @@ from fabric_pipelines.lib.index.build import (
     train_rows,
     train_rule_of,
 )
+from fabric_pipelines.lib.index.index_file import store_index
 from fabric_pipelines.lib.index.layout import layout_sha256, store_layout
 from fabric_pipelines.lib.index.paths import model_index_folder
 from fabric_pipelines.lib.index.probe import RecallProbe
-from fabric_pipelines.lib.index.publish import shard_rows, store_index
+from fabric_pipelines.lib.index.publish import shard_rows
 from fabric_pipelines.lib.index.quantizers import read_verified
 from fabric_pipelines.lib.index.receipt import Receipt, ReceiptError, array_sha256, receipt_sha256
 from fabric_pipelines.lib.index.vectors import VectorSet, load_vectors
