@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from sqlalchemy import Engine, delete
+from sqlalchemy import Engine, delete, insert
 
 from fabric_gpu.manifest import EngineManifest
 from fabric_pipelines.lib.core.settings import FabricPaths
@@ -31,7 +31,9 @@ from fabric_pipelines.lib.index.prebuild import Prebuild
 from fabric_pipelines.lib.index.publish import PublishedIndex, build_and_publish
 from fabric_pipelines.lib.index.shards import shard_of
 from fabric_pipelines.lib.index.vectors import ID_STRIDE
-from fabric_pipelines.lib.store.models import Task
+from fabric_pipelines.lib.store.keys import model_id
+from fabric_pipelines.lib.store.models import ReusedResult, Task
+from fabric_pipelines.lib.store.watermarks import count_inserted
 from fabric_pipelines.lib.worker.loop import run_worker
 from tests.gpu_marks import TORCH_GPU
 from tests.test_vector_tail import (
@@ -126,6 +128,85 @@ def test_an_index_made_ready_during_extraction_is_the_index_built_after(
     _same_index(during, after)
     assert during.receipt["training"]["rule"] == "the first rows in id order"
     assert during.receipt["training"]["sample"] == 500
+
+
+def _link(db: Engine, set_id: int, pairs: list[tuple[int, int, int]], model: str = "m") -> None:
+    """Tasks of `set_id` reusing results, as planning links them: (record, source set, source
+    record); the links move the watermarks as planning's do."""
+    with db.begin() as conn:
+        key = model_id(conn, model)
+        rows = [
+            {"model_id": key, "task_set_id": set_id, "record_no": r,
+             "from_task_set_id": s, "from_record_no": f}
+            for r, s, f in pairs
+        ]  # fmt: skip
+        conn.execute(insert(ReusedResult), rows)
+        records = np.array([r for r, _, _ in pairs], np.int64)
+        count_inserted(
+            conn.connection.driver_connection.cursor(),  # type: ignore[union-attr]
+            np.full(len(pairs), set_id, np.int64), np.full(len(pairs), key, np.int64), records,
+        )  # fmt: skip
+
+
+@SQLITE_ONLY
+def test_a_set_with_reused_results_is_made_ready_during_extraction_as_built_after(
+    db: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """300 tasks reuse an earlier set's stored results and 100 repeat tasks of their own set that
+    run later: each takes its source's vector in its place as the source is there, every place
+    fills, and the index made ready is the one built after from the table (which reads the
+    links)."""
+    monkeypatch.setattr(vector_tail, "_index_settings", _settings(SPEC))
+    earlier = _task_set(db, "earlier", 1200)
+    _write(db, "m", earlier, list(range(1200)), dim=24)
+    set_id = _task_set(db, "s", 2400)
+    _link(db, set_id, [(r, earlier, 3 * r) for r in range(300)])
+    _link(db, set_id, [(r, set_id, r + 2000) for r in range(300, 400)])  # run later, in the set
+    rng = np.random.default_rng(7)
+    written = [int(r) for r in rng.permutation(np.arange(400, 2400))]
+    with vector_tail.following(db, "m", "s") as tail:
+        assert tail is not None and tail.wait_until_following(30)
+        writer = _writer_of(db, set_id, written)
+        writer.start()
+        writer.join()
+    _caught_up(tail, len(written))
+    during = _publish(db, tmp_path / "during", SPEC)
+    assert during.vectors_followed
+    assert during.prebuilt_seconds is not None, "the tail made nothing ready"
+    after = _publish(db, tmp_path / "after", SPEC)
+    assert during.receipt["source"]["rows"] == 1200 + 2400
+    _same_index(during, after)
+
+
+@SQLITE_ONLY
+@pytest.mark.parametrize("change", ["made", "dropped"])
+def test_a_link_made_or_dropped_after_the_first_read_sends_the_index_step_to_the_table(
+    db: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: str
+) -> None:
+    """The places hold the links of the first read: one made later (a wait settled into a
+    link) or dropped (SQLite counts no deletes) and the tail is not used; the index is the
+    table's, as built after."""
+    monkeypatch.setattr(vector_tail, "_index_settings", _settings(SPEC))
+    earlier = _task_set(db, "earlier", 1200)
+    _write(db, "m", earlier, list(range(1200)), dim=24)
+    set_id = _task_set(db, "s", 2400)
+    _link(db, set_id, [(r, earlier, r) for r in range(200)])
+    written = list(range(300, 2400))
+    with vector_tail.following(db, "m", "s") as tail:
+        assert tail is not None and tail.wait_until_following(30)
+        if change == "made":
+            _link(db, set_id, [(r, earlier, r) for r in range(200, 300)])
+        else:
+            with db.begin() as conn:
+                conn.execute(delete(ReusedResult).where(ReusedResult.record_no < 10))
+        writer = _writer_of(db, set_id, written)
+        writer.start()
+        writer.join()
+    _caught_up(tail, len(written))
+    during = _publish(db, tmp_path / "during", SPEC)
+    assert not during.vectors_followed and during.prebuilt_seconds is None
+    after = _publish(db, tmp_path / "after", SPEC)
+    _same_index(during, after)
 
 
 @SQLITE_ONLY

@@ -8,8 +8,12 @@ the rows committed since. SQLite's rowids grow with each insert, so there "since
 rowids; on PostgreSQL a batch's rows land in the transaction that acknowledges it, so "since" is
 the batches of the set's plan acknowledged since, whose tasks the plan names. Each row goes
 straight to its place in id order among the ids to expect (the model's rows already there and
-every task of the set), so nothing is sorted afterwards. The index step, in the same process,
-takes the arrays instead of reading the table (`claim`).
+every task of the set), so nothing is sorted afterwards. A task that reuses another's result
+(a link, broker/reuse.py) holds no row: its place takes its source's vector as soon as the source
+is there (at the first read for a result stored before, on arrival for a repeat inside the set),
+so the arrays hold one row per task, as the index does, and the index can be made ready while
+they fill (index/prebuild.py). The index step, in the same process, takes the arrays instead of
+reading the table (`claim`).
 
 That the tail holds exactly what the table holds is proved, not assumed, with the shard
 watermarks, which the tail registers before it reads: every row the writer inserts and every row
@@ -18,8 +22,9 @@ In one snapshot taken at the hand-over, the versions' sum must have moved by exa
 of rows the tail saw arrive, and the model's row count must equal the rows it holds. A row
 inserted unseen (a rowid reused after a delete; a row written by another run), inserted by hand
 (SQLite counts only the writer's inserts), deleted, or changed breaks one of the two, and the index step reads the table as before; so do a row of
-another task set arriving, a vector of another size, and any error. The tail is a head start,
-never a second source of truth.
+another task set arriving, a vector of another size, a link made or dropped since the first
+read (their count and sums are compared), and any error. The tail is a head start, never a
+second source of truth.
 
 Only in a process that runs both steps, one after the other (`fabric submit --run`, `fabric run`
 say so with `follow_in_this_process()`): under Dagster's multiprocess or Kubernetes executors
@@ -56,7 +61,6 @@ from fabric_pipelines.lib.index.vectors import (
     memory_mapped,
     read_only_connection,
     vector_set,
-    with_linked_tasks,
 )
 from fabric_pipelines.lib.records.vector_codec import StoredCodec
 from fabric_pipelines.lib.store.keys import model_id, task_set_id
@@ -129,6 +133,14 @@ class _Arrivals:
         assert self.vectors is not None
         self.vectors[at] = vectors
 
+    def copy_rows(self, sources: np.ndarray, targets: np.ndarray) -> None:
+        """Places `targets` take the vectors of places `sources` (arrived): reused results."""
+        assert self.vectors is not None
+        if self.arrived[targets].any():
+            raise TailGaveUp("a row arrived for a task that reuses another's result")
+        self.vectors[targets] = self.vectors[sources]
+        self.arrived[targets] = True
+
     @property
     def held(self) -> int:
         return int(self.arrived.sum())
@@ -147,6 +159,53 @@ class _Arrivals:
             chunk = rows[start : start + 65536]
             self.vectors[start : start + len(chunk)] = self.vectors[chunk]
         return self.ids[rows], self.vectors[:held]
+
+
+# The model's links whose task holds no row of its own (vectors.linked_task_ids): (task, source).
+LINKS_SQL = (
+    "SELECT r.task_set_id * {s} + r.record_no, r.from_task_set_id * {s} + r.from_record_no "
+    "FROM reused_results r WHERE r.model_id = {p} AND NOT EXISTS (SELECT 1 FROM embeddings t "
+    "WHERE t.model_id = r.model_id AND t.task_set_id = r.task_set_id "
+    "AND t.record_no = r.record_no)"
+)
+LINKS_DIGEST_SQL = (
+    "SELECT count(*), coalesce(sum(r.task_set_id), 0), coalesce(sum(r.record_no), 0), "
+    "coalesce(sum(r.from_task_set_id), 0), coalesce(sum(r.from_record_no), 0) "
+    "FROM reused_results r WHERE r.model_id = {p} AND NOT EXISTS (SELECT 1 FROM embeddings t "
+    "WHERE t.model_id = r.model_id AND t.task_set_id = r.task_set_id "
+    "AND t.record_no = r.record_no)"
+)
+
+
+class _Links:
+    """Tasks that reuse another task's result hold no row: each takes its source's vector in its
+    own place as soon as the source is there (at the first read for a result stored before; as
+    it arrives for a repeat inside the set, linked to its first), so the arrays hold one row per
+    task as the index does, and the index can be made ready while they arrive."""
+
+    def __init__(self, arrivals: _Arrivals, targets: np.ndarray, sources: np.ndarray) -> None:
+        ids = arrivals.ids
+        self.targets = np.searchsorted(ids, targets)
+        self.sources = np.minimum(np.searchsorted(ids, sources), max(len(ids) - 1, 0))
+        if len(sources) and not np.array_equal(ids[self.sources], sources):
+            raise TailGaveUp("a reused result's source is none of the rows expected")
+        self.waiting = np.ones(len(targets), bool)
+        self.placed = 0
+        # What the table's links must still add up to at the hand-over (LINKS_DIGEST_SQL).
+        self.digest = (
+            len(targets),
+            int((targets // ID_STRIDE).sum()),
+            int((targets % ID_STRIDE).sum()),
+            int((sources // ID_STRIDE).sum()),
+            int((sources % ID_STRIDE).sum()),
+        )
+
+    def place(self, arrivals: _Arrivals) -> None:
+        ready = self.waiting & arrivals.arrived[self.sources]
+        if ready.any():
+            arrivals.copy_rows(self.sources[ready], self.targets[ready])
+            self.waiting[ready] = False
+            self.placed += int(ready.sum())
 
 
 class VectorTail:
@@ -178,6 +237,7 @@ class VectorTail:
         self._error: BaseException | None = None
         self.kept_at: float | None = None  # monotonic time the extraction ended and kept it
         self._arrivals: _Arrivals | None = None
+        self._links: _Links | None = None
         self._model = self._set = self._versions = self._arrived_since = 0
         self.read_at_hand_over = 0  # rows the hand-over itself read: the tail was behind by these
         self._thread = threading.Thread(target=self._follow, name="fabric-vector-tail", daemon=True)
@@ -231,6 +291,7 @@ class VectorTail:
                     with self._lock:
                         with self._snapshot(db) as cursor:
                             self._catch_up(cursor)
+                        self._place_links()
                         self._advance_prebuild()
         except BaseException as exc:  # kept, never raised: the hand-over reads the table then
             self._give_up(exc)
@@ -255,12 +316,15 @@ class VectorTail:
                 + " UNION SELECT task_set_id * {s} + record_no FROM tasks WHERE task_set_id = {p}",
                 (self._model, self._set),
             )
+            expected = np.fromiter((row[0] for row in ids), np.int64)
+            links = self._query(cursor, LINKS_SQL, (self._model,))
+            pairs = np.array([tuple(row) for row in links], dtype=np.int64).reshape(-1, 2)
             # An output variant's rows are kept as bytes; decoded at the hand-over.
             layout = np.dtype(np.uint8) if self._variant else FLOAT32_ROWS
-            self._arrivals = _Arrivals(
-                np.sort(np.fromiter((row[0] for row in ids), np.int64)), layout
-            )
+            self._arrivals = _Arrivals(np.union1d(expected, pairs[:, 0]), layout)
+            self._links = _Links(self._arrivals, pairs[:, 0], pairs[:, 1])
             self._read_model_rows(cursor)
+            self._place_links()
         if self._index_settings is not None and not self._variant:
             from fabric_pipelines.lib.index.build import IndexSpec, sized_for
             from fabric_pipelines.lib.index.prebuild import Prebuild
@@ -277,6 +341,10 @@ class VectorTail:
             with self._lock:
                 self._advance_prebuild()
         self._ready.set()
+
+    def _place_links(self) -> None:
+        if self._links is not None and self._arrivals is not None:
+            self._links.place(self._arrivals)
 
     def _advance_prebuild(self) -> None:
         if self._prebuild is not None and self._arrivals is not None:
@@ -333,20 +401,29 @@ class VectorTail:
                     (self._model,),
                 )
                 rows = int(next(iter(count))[0])
-            arrivals = self._arrivals
-            if moved != self._arrived_since or rows != arrivals.held:
+                digest = tuple(int(v) for v in next(iter(
+                    self._query(cursor, LINKS_DIGEST_SQL, (self._model,))
+                )))  # fmt: skip
+            arrivals, links = self._arrivals, self._links
+            assert links is not None
+            self._place_links()
+            stored = arrivals.held - links.placed  # rows of the table, not reused places
+            if moved != self._arrived_since or rows != stored:
                 raise TailGaveUp(
                     f"{moved} row changes counted against {self._arrived_since} rows seen "
-                    f"arriving; {rows} rows in the table against {arrivals.held} held"
+                    f"arriving; {rows} rows in the table against {stored} held"
                 )
+            # Links made or dropped since the first read (they move the watermarks on
+            # PostgreSQL; SQLite counts only inserts): the places would not be the table's.
+            if digest != links.digest:
+                raise TailGaveUp("the reused results' links changed since the first read")
             if arrivals.vectors is None:  # no rows: the table's own read says so at no cost
                 self._error = TailGaveUp("no rows arrived")
                 return None
             if self._prebuild is not None:  # before compacting: it follows the rows' places
                 self.prebuilt = self._prebuild.finish(arrivals.vectors, arrivals.arrived)
-            # Tasks that reused a stored result hold no row: each takes its source's vector.
-            # Links move the watermarks too, so none was made since the registration.
-            ids, vectors = with_linked_tasks(conn, self._model, *arrivals.compacted())
+            # Tasks that reused a stored result hold their source's vector already (_Links).
+            ids, vectors = arrivals.compacted()
             if self._variant:
                 # Read now, not at the start: an int8 key's first run records its calibration
                 # while it extracts. The same decoding as the table's read (vectors.py).
