@@ -54,6 +54,7 @@ SPEC = IndexSpec(factory="IVF16,Flat", train_sample=500, shards=3, nprobe=4, dev
 def quick_tails(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(vector_tail, "POLL_SECONDS", 0.01)
     monkeypatch.setattr(vector_tail, "_in_this_process", True)
+    monkeypatch.setattr(vector_tail, "_min_recall", 0.0)  # _publish's floor: finished ahead
     _drop_tails()
     yield
     _drop_tails()
@@ -91,7 +92,8 @@ def _followed_then_after(
     set_id = _task_set(db, "s", 2400)
     rng = np.random.default_rng(7)
     written = [int(r) for r in rng.permutation(2400)[failed:]]
-    with vector_tail.following(db, "m", "s") as tail:
+    # The index folder the step publishes to: where the tail stores the index it finishes.
+    with vector_tail.following(db, "m", "s", index_folder=tmp_path / "during" / "indexes") as tail:
         assert tail is not None and tail.wait_until_following(30)
         writer = _writer_of(db, set_id, written)
         writer.start()
@@ -125,6 +127,7 @@ def test_an_index_made_ready_during_extraction_is_the_index_built_after(
     during, after = _followed_then_after(db, tmp_path, spec, monkeypatch)
     assert during.prebuilt_seconds is not None, "the tail made nothing ready"
     assert during.prebuilt_seconds["fill"] > 0  # the shards were filled as rows arrived
+    assert "finish_quality" in during.prebuilt_seconds  # assembled and measured there too
     _same_index(during, after)
     assert during.receipt["training"]["rule"] == "the first rows in id order"
     assert during.receipt["training"]["sample"] == 500
@@ -206,6 +209,19 @@ def test_a_link_made_or_dropped_after_the_first_read_sends_the_index_step_to_the
     during = _publish(db, tmp_path / "during", SPEC)
     assert not during.vectors_followed and during.prebuilt_seconds is None
     after = _publish(db, tmp_path / "after", SPEC)
+    _same_index(during, after)
+
+
+@SQLITE_ONLY
+def test_an_index_finished_at_another_recall_floor_is_measured_again_to_the_same_bytes(
+    db: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tail finishes the index at the floor it was told; the step, asked for another,
+    measures the assembled shards itself: the same index and receipt as a build after."""
+    monkeypatch.setattr(vector_tail, "_min_recall", 0.5)
+    during, after = _followed_then_after(db, tmp_path, SPEC, monkeypatch)
+    assert during.prebuilt_seconds is not None and "fill" in during.prebuilt_seconds
+    assert not any(k.startswith("finish_") for k in during.prebuilt_seconds)
     _same_index(during, after)
 
 

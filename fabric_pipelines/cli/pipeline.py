@@ -88,7 +88,8 @@ def run_pipeline(
     validate_task_set_name(task_set)  # InvalidNameError: main() prints it, exit 2
     # Both jobs run here, the index right after extraction, with the index's default settings
     # (the CLI sets none): its vectors are followed and its index made ready as they arrive.
-    vector_tail.follow_in_this_process(IndexConfig().spec_settings())
+    defaults = IndexConfig()
+    vector_tail.follow_in_this_process(defaults.spec_settings(), defaults.min_recall)
     mark("dagster_imported")
     try:
         if prepared is None:

@@ -14,6 +14,12 @@ assigned with it). An IVF-Flat index's shards are filled as well: each shard's r
 own index in id order, as far as every row of the shard up to there is assigned (rows arrive
 nearly in id order), so at the hand-over each shard takes only its last rows.
 
+Once every row is in and every shard filled, the tail also finishes the index on a thread of
+its own while the extraction step closes (its checks, the step change): the served index is
+assembled from the shards, measured (quality.measure, at the index step's recall floor) and
+stored. The index step takes that where no shard is kept from an earlier build and its recall
+floor is the one measured at; otherwise it assembles and measures itself.
+
 Where the index step will reuse the served index's quantizer (a set added to an indexed model),
 rows are assigned with that one from the start and nothing is trained. The index step takes what
 was made only where it is what it would make itself: the same spec, the same rows (every
@@ -26,7 +32,9 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import faiss
@@ -38,6 +46,7 @@ from fabric_pipelines.lib.index.build import (
     IndexSpec,
     Rows,
     add_rows,
+    append_lists,
     assign,
     choose_builder,
     compute_device,
@@ -47,11 +56,15 @@ from fabric_pipelines.lib.index.build import (
     prepared,
     recorded_builder,
     resolve_factory,
+    set_nprobe,
     sized_for,
     train_rows,
     training_sample,
 )
+from fabric_pipelines.lib.index.index_file import store_index
+from fabric_pipelines.lib.index.quality import Quality, measure
 from fabric_pipelines.lib.index.shards import shard_of
+from fabric_pipelines.lib.index.vectors import check_vectors
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +72,18 @@ CHUNK_ROWS = 65_536  # rows prepared and assigned per step: bounds the copies ma
 # The most GPU memory the prepared rows may take while the engine still runs beside them (1 M x
 # 768 float32 rows: 2.9 GiB). A larger index is built after the extraction, as before.
 DEVICE_ROWS_BYTES = 4 << 30
+
+
+@dataclass
+class Finished:
+    """The served index assembled from every filled shard, measured at `min_recall` (left at the
+    nprobe chosen) and stored: what the index step would do after the last ack."""
+
+    served: faiss.Index
+    quality: Quality
+    min_recall: float
+    stored: tuple[str, Path]  # (sha256, path) of the served index's file
+    seconds: dict[str, float]
 
 
 @dataclass
@@ -75,6 +100,8 @@ class Prebuilt:
     parts: list[faiss.Index] | None = None
     # The earlier build's quantizer it assigned with (its sha256), or None: trained here.
     reused_quantizer: str | None = None
+    # The index finished while the extraction step closed (start_finishing), or None.
+    finished: Future[Finished] | None = None
 
     def serves(self, spec: IndexSpec, ids: np.ndarray) -> bool:
         """Whether a build of `spec` over the rows `ids` would make exactly this."""
@@ -110,6 +137,32 @@ class Prebuild:
         self._shard_rows = [np.flatnonzero(owner == s) for s in range(self.spec.shards)]
         self._parts: list[faiss.Index] | None = None
         self._filled = [0] * self.spec.shards
+        self._finishing: Future[Finished] | None = None
+
+    @property
+    def complete(self) -> bool:
+        """Every row prepared and assigned, and every shard filled (IVF-Flat)."""
+        return (
+            not self.why_not
+            and self._built is not None
+            and self._parts is not None
+            and bool(self._prepared.all())
+            and self._filled == [len(r) for r in self._shard_rows]
+        )
+
+    def start_finishing(self, vectors: np.ndarray, folder: Path, min_recall: float) -> None:
+        """Once complete, assemble, measure and store the served index on a thread of its own
+        (Finished), at most once. `vectors`: every row, as stored, in id order; `folder`: the
+        model's index folder."""
+        if self._finishing is not None or not self.complete:
+            return
+        assert self._built is not None and self._parts is not None and self._rows is not None
+        pool = ThreadPoolExecutor(1, thread_name_prefix="index-finish")
+        self._finishing = pool.submit(
+            _finish, self._built.index, self._parts, self._rows, vectors, self.spec, folder,
+            min_recall,
+        )  # fmt: skip
+        pool.shutdown(wait=False)  # its one thread ends with the work
 
     @property
     def trained(self) -> bool:
@@ -140,7 +193,7 @@ class Prebuild:
         reused = str(self._reuse[1]["quantizer_sha256"]) if self._reuse is not None else None
         prebuilt = Prebuilt(
             self.spec, self._built, self._rows, self._lists, dict(self.seconds), self._parts,
-            reused,
+            reused, self._finishing,
         )  # fmt: skip
         self._rows = None
         self._parts = None
@@ -253,3 +306,37 @@ class Prebuild:
             index = torch.as_tensor(positions, device="cuda")
             self._rows.device.index_copy_(0, index, torch.from_numpy(x).to("cuda"))
         self._prepared[positions] = True
+
+
+def _finish(
+    trained: faiss.Index,
+    parts: list[faiss.Index],
+    rows: Rows,
+    vectors: np.ndarray,
+    spec: IndexSpec,
+    folder: Path,
+    min_recall: float,
+) -> Finished:
+    """What the index step does after the last ack with shards filled during extraction and none
+    kept: the served index copies every shard's lists in shard order, is measured, and is
+    stored the moment its nprobe is chosen (publish.build_and_publish, the same calls)."""
+    seconds: dict[str, float] = {}
+    started = time.perf_counter()
+    served = faiss.clone_index(trained)
+    append_lists(served, parts)
+    set_nprobe(served, spec.nprobe)
+    seconds["add"] = time.perf_counter() - started
+    counts = check_vectors(vectors, spec.metric)
+    folder.mkdir(parents=True, exist_ok=True)
+    with ThreadPoolExecutor(1, thread_name_prefix="index-store") as store:
+        stored: list[Future[tuple[str, Path]]] = []
+        started = time.perf_counter()
+        quality = measure(
+            served, rows, vectors, counts, spec, min_recall,
+            lambda _: stored.append(store.submit(store_index, folder, served)),
+        )  # fmt: skip
+        seconds["quality"] = time.perf_counter() - started
+        started = time.perf_counter()
+        file = stored[0].result()
+        seconds["write"] = time.perf_counter() - started
+    return Finished(served, quality, min_recall, file, seconds)

@@ -23,6 +23,7 @@ its quality is measured. `PublishedIndex.seconds` says where the time went, phas
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -66,7 +67,7 @@ from fabric_pipelines.lib.index.build import (
 from fabric_pipelines.lib.index.index_file import store_index
 from fabric_pipelines.lib.index.layout import counts_of, cut_shards, read_layout, store_layout
 from fabric_pipelines.lib.index.paths import model_index_folder
-from fabric_pipelines.lib.index.prebuild import Prebuilt
+from fabric_pipelines.lib.index.prebuild import Finished, Prebuilt
 from fabric_pipelines.lib.index.quality import measure, shortfall
 from fabric_pipelines.lib.index.quantizers import read_verified, reusable
 from fabric_pipelines.lib.index.recall import NprobeChoice
@@ -85,6 +86,8 @@ from fabric_pipelines.lib.records.vector_codec import StoredCodec
 from fabric_pipelines.lib.store.db import insert_ignoring_duplicates
 from fabric_pipelines.lib.store.keys import model_id
 from fabric_pipelines.lib.store.models import IndexReceipt
+
+log = logging.getLogger(__name__)
 
 WORKERS = 8  # threads for hashing, reading and writing files beside the build
 SERVED_BEHIND = 2  # shards gathered and assigned at most ahead of the served index's appends
@@ -247,7 +250,10 @@ def build_and_publish(
                     else planned_builder(spec, len(source.ids), source.dim)
                 )
                 rows = prepare_rows(source.vectors, source.ids, spec, builder)
-        built = _build(pool, clock, source, rows, versions, spec, folder, previous, reuse, ready)
+        finished = _finished_ahead(ready, min_recall)
+        built = _build(
+            pool, clock, source, rows, versions, spec, folder, previous, reuse, ready, finished
+        )
         # The served index is stored the moment its nprobe is chosen, on a thread of its own
         # (not queued behind the pool's hashes), while the rest of its quality is measured.
         with ThreadPoolExecutor(1, thread_name_prefix="index-store") as store:
@@ -257,9 +263,15 @@ def build_and_publish(
                 served_file.append(store.submit(store_index, built.folder, built.served))
 
             with clock.phase("quality"):
-                quality = measure(
-                    built.served, rows, source.vectors, counts, spec, min_recall, store_served
-                )
+                if finished is not None and built.served is finished.served:
+                    # Measured and stored while the extraction step closed (prebuild.py).
+                    quality = finished.quality
+                    served_file.append(store.submit(lambda: finished.stored))
+                else:
+                    quality = measure(
+                        built.served, rows, source.vectors, counts, spec, min_recall,
+                        store_served,
+                    )  # fmt: skip
             on_gpu = rows.device.is_cuda
             del rows  # the device's copy of the rows is no longer needed: hand its memory back
             if on_gpu:
@@ -335,7 +347,7 @@ def build_and_publish(
         shortfall=missed,
         seconds=dict(clock.seconds),
         vectors_followed=followed,
-        prebuilt_seconds=ready.seconds if ready is not None else None,
+        prebuilt_seconds=_prebuilt_seconds(ready, finished, built.served),
         quality_seconds=quality.seconds,
     )
 
@@ -361,6 +373,7 @@ def _build(
     previous: dict[str, Any] | None,
     reuse: tuple[faiss.Index, dict[str, Any]] | None,
     ready: Prebuilt | None = None,
+    finished: Finished | None = None,
 ) -> _Built:
     """Train (or reuse the previous quantizer) and fill the served index shard after shard,
     keeping the shards whose rows did not move (cut from the previous served index)."""
@@ -474,10 +487,39 @@ def _build(
             )
             rebuilt.append(shard)
         _wait(appended)
+        if finished is not None and not kept and filled is not None:
+            # Every shard filled during extraction, none kept: the tail assembled (and measured)
+            # this very index while the extraction step closed.
+            return _Built(folder, finished.served, training, entries, rebuilt, counts)
         if in_order:  # every shard, in shard order
             append_lists(served, in_order)
         set_nprobe(served, spec.nprobe)
     return _Built(folder, served, training, entries, rebuilt, counts)
+
+
+def _finished_ahead(ready: Prebuilt | None, min_recall: float) -> Finished | None:
+    """The index the tail finished from `ready` (prebuild.Finished), where it was measured at
+    this recall floor; None otherwise, or where finishing failed (then this step does it)."""
+    if ready is None or ready.finished is None:
+        return None
+    try:
+        finished = ready.finished.result()
+    except Exception as exc:  # never fails the step: it assembles and measures itself
+        log.warning("the index finished during extraction is not used: %s", exc)
+        return None
+    return finished if finished.min_recall == min_recall else None
+
+
+def _prebuilt_seconds(
+    ready: Prebuilt | None, finished: Finished | None, served: faiss.Index
+) -> dict[str, float] | None:
+    """What extraction's prebuild spent, and where the tail finished the index, on what."""
+    if ready is None:
+        return None
+    seconds = dict(ready.seconds)
+    if finished is not None and served is finished.served:
+        seconds.update({f"finish_{name}": round(v, 3) for name, v in finished.seconds.items()})
+    return seconds
 
 
 def _kept_shards(

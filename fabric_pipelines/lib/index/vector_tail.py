@@ -52,6 +52,7 @@ from fabric_pipelines.lib.broker.plans import current_plan, load_plan_order
 from fabric_pipelines.lib.core.retry import retry
 from fabric_pipelines.lib.index import shards
 from fabric_pipelines.lib.index.copy_rows import vector_rows
+from fabric_pipelines.lib.index.paths import model_index_folder
 from fabric_pipelines.lib.index.vectors import (
     DOCUMENTS,
     ID_STRIDE,
@@ -349,6 +350,12 @@ class VectorTail:
     def _advance_prebuild(self) -> None:
         if self._prebuild is not None and self._arrivals is not None:
             self._prebuild.advance(self._arrivals.vectors, self._arrivals.arrived)
+            # Every row in: finish the index while the extraction step closes (prebuild.py).
+            vectors, folder = self._arrivals.vectors, self._index_folder
+            if vectors is not None and folder is not None and _min_recall is not None:
+                self._prebuild.start_finishing(
+                    vectors, model_index_folder(folder, self.key[1]), _min_recall
+                )
 
     def _version_sum(self, cursor: Any) -> int:
         rows = self._query(
@@ -606,14 +613,18 @@ _tails: dict[tuple[str, str], VectorTail] = {}
 _tails_lock = threading.Lock()
 _in_this_process = False  # whether this process's index step follows its extraction
 _index_settings: Mapping[str, Any] | None = None  # the IndexSpec that index step builds with
+_min_recall: float | None = None  # and its recall floor: the index is finished ahead at it
 
 
-def follow_in_this_process(index_settings: Mapping[str, Any] | None = None) -> None:
+def follow_in_this_process(
+    index_settings: Mapping[str, Any] | None = None, min_recall: float | None = None
+) -> None:
     """This process runs the index step right after the extraction: follow the vectors, and
     with the fields of the index step's IndexSpec make its index ready as they arrive
-    (index/prebuild.py; the spec is made on the tail's thread, where torch is loaded)."""
-    global _in_this_process, _index_settings
-    _in_this_process, _index_settings = True, index_settings
+    (index/prebuild.py; the spec is made on the tail's thread, where torch is loaded); with its
+    recall floor as well, finish it (assembled, measured, stored) once every row is in."""
+    global _in_this_process, _index_settings, _min_recall
+    _in_this_process, _index_settings, _min_recall = True, index_settings, min_recall
 
 
 _KINDS: dict[str, type[VectorTail]] = {"sqlite": _SqliteTail, "postgresql": _PostgresTail}
