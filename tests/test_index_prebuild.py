@@ -93,17 +93,31 @@ def _followed_then_after(
     rng = np.random.default_rng(7)
     written = [int(r) for r in rng.permutation(2400)[failed:]]
     # The index folder the step publishes to: where the tail stores the index it finishes.
-    with vector_tail.following(db, "m", "s", index_folder=tmp_path / "during" / "indexes") as tail:
-        assert tail is not None and tail.wait_until_following(30)
-        writer = _writer_of(db, set_id, written)
-        writer.start()
-        writer.join()
-    _caught_up(tail, len(written))
+    _follow(db, set_id, written, index_folder=tmp_path / "during" / "indexes")
     during = _publish(db, tmp_path / "during", spec)
     assert during.vectors_followed
     after = _publish(db, tmp_path / "after", spec)  # no tail: read and built after
     assert not after.vectors_followed and after.prebuilt_seconds is None
     return during, after
+
+
+def _follow(
+    db: Engine,
+    set_id: int,
+    written: list[int],
+    meanwhile: Any = None,
+    index_folder: Path | None = None,
+) -> None:
+    """Set "s" followed by a tail (finishing into `index_folder`) while `written` rows arrive
+    from another thread, `meanwhile` done first; returns once the tail saw every row."""
+    with vector_tail.following(db, "m", "s", index_folder=index_folder) as tail:
+        assert tail is not None and tail.wait_until_following(30)
+        if meanwhile is not None:
+            meanwhile()
+        writer = _writer_of(db, set_id, written)
+        writer.start()
+        writer.join()
+    _caught_up(tail, len(written))
 
 
 def _writer_of(db: Engine, set_id: int, records: list[int]) -> Any:
@@ -167,12 +181,7 @@ def test_a_set_with_reused_results_is_made_ready_during_extraction_as_built_afte
     _link(db, set_id, [(r, set_id, r + 2000) for r in range(300, 400)])  # run later, in the set
     rng = np.random.default_rng(7)
     written = [int(r) for r in rng.permutation(np.arange(400, 2400))]
-    with vector_tail.following(db, "m", "s") as tail:
-        assert tail is not None and tail.wait_until_following(30)
-        writer = _writer_of(db, set_id, written)
-        writer.start()
-        writer.join()
-    _caught_up(tail, len(written))
+    _follow(db, set_id, written)
     during = _publish(db, tmp_path / "during", SPEC)
     assert during.vectors_followed
     assert during.prebuilt_seconds is not None, "the tail made nothing ready"
@@ -195,17 +204,15 @@ def test_a_link_made_or_dropped_after_the_first_read_sends_the_index_step_to_the
     set_id = _task_set(db, "s", 2400)
     _link(db, set_id, [(r, earlier, r) for r in range(200)])
     written = list(range(300, 2400))
-    with vector_tail.following(db, "m", "s") as tail:
-        assert tail is not None and tail.wait_until_following(30)
+
+    def change_links() -> None:
         if change == "made":
             _link(db, set_id, [(r, earlier, r) for r in range(200, 300)])
         else:
             with db.begin() as conn:
                 conn.execute(delete(ReusedResult).where(ReusedResult.record_no < 10))
-        writer = _writer_of(db, set_id, written)
-        writer.start()
-        writer.join()
-    _caught_up(tail, len(written))
+
+    _follow(db, set_id, written, change_links)
     during = _publish(db, tmp_path / "during", SPEC)
     assert not during.vectors_followed and during.prebuilt_seconds is None
     after = _publish(db, tmp_path / "after", SPEC)
