@@ -6,6 +6,7 @@ step builds as before."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -217,6 +218,36 @@ def test_a_link_made_or_dropped_after_the_first_read_sends_the_index_step_to_the
     assert not during.vectors_followed and during.prebuilt_seconds is None
     after = _publish(db, tmp_path / "after", SPEC)
     _same_index(during, after)
+
+
+@SQLITE_ONLY
+def test_a_slow_first_prebuild_step_neither_delays_following_nor_loses_the_hand_over(
+    db: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Preparing the rows already there (a rerun's reused results: most of a set) may take
+    longer than a short extraction: the tail follows as soon as it has read them, and a
+    hand-over that comes meanwhile waits for the prebuild rather than give the tail up."""
+    monkeypatch.setattr(vector_tail, "_index_settings", _settings(SPEC))
+    real_advance = Prebuild.advance
+    calls = 0
+
+    def slow_first(self: Prebuild, vectors: Any, arrived: Any) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            time.sleep(3.0)
+        real_advance(self, vectors, arrived)
+
+    monkeypatch.setattr(Prebuild, "advance", slow_first)
+    earlier = _task_set(db, "earlier", 1200)
+    _write(db, "m", earlier, list(range(1200)), dim=24)
+    set_id = _task_set(db, "s", 300)
+    with vector_tail.following(db, "m", "s") as tail:
+        assert tail is not None and tail.wait_until_following(1.5), "the first read waited"
+        _write(db, "m", set_id, list(range(300)), dim=24)
+    during = _publish(db, tmp_path / "during", SPEC)  # within the slow step: waits for it
+    assert during.vectors_followed and during.prebuilt_seconds is not None
+    _same_index(during, _publish(db, tmp_path / "after", SPEC))
 
 
 @SQLITE_ONLY

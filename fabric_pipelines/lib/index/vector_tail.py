@@ -338,9 +338,10 @@ class VectorTail:
                     self._engine, self.key[1], spec, self._index_folder, self._receipt_model,
                     self._arrivals.vectors.shape[1],
                 )  # fmt: skip
+            # Advanced by the polls from here on, not in the first read: preparing and assigning
+            # every row already there (a rerun's reused results: most of them) may outlast a
+            # short extraction, and a hand-over finds a first read unfinished unusable.
             self._prebuild = Prebuild(spec, self._arrivals.ids, reuse)
-            with self._lock:
-                self._advance_prebuild()
         self._ready.set()
 
     def _place_links(self) -> None:
