@@ -16,9 +16,11 @@ an index below its recall floor never gets the row.
 
 Hashes of the source rows run in background threads from the start (hashlib lets other threads
 run). The served index takes each shard's rows on a thread of its own, in shard order, while the
-next shard is gathered and assigned. The served index is streamed from FAISS into its file and
-hashed on the way, never read back (files.py), as soon as its nprobe is chosen, while the rest of
-its quality is measured. `PublishedIndex.seconds` says where the time went, phase by phase.
+next shard is gathered and assigned. The served index is stored (index_file.py: an IVF-Flat
+index's lists written on several threads while one hashes them, never read back) as soon as its
+nprobe is chosen, while the rest of its quality is measured. Where the vector tail finished the
+index while the extraction step closed (prebuild.Finished), the step takes it as it is.
+`PublishedIndex.seconds` says where the time went, phase by phase.
 """
 
 from __future__ import annotations
