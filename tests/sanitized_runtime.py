@@ -1,5 +1,6 @@
 """A pytest plugin for scripts/sanitize: the runtime built with AddressSanitizer and
-UndefinedBehaviorSanitizer (FABRIC_RUNTIME_SO) stands in for the installed one. Loaded with
+UndefinedBehaviorSanitizer (FABRIC_RUNTIME_SO) stands in for the installed one, and so does the
+content-key hasher's build where FABRIC_CONTENT_KEYS_SO names one. Loaded with
 `-p tests.sanitized_runtime`, before the conftest: it must be in place before anything imports
 fabric_gpu, whose device probe loads the runtime."""
 
@@ -13,19 +14,24 @@ from importlib.util import module_from_spec, spec_from_loader
 import pytest
 
 
-def _load_runtime_from(path: str) -> None:
-    loader = ExtensionFileLoader("fabric_gpu._runtime", path)
-    spec = spec_from_loader("fabric_gpu._runtime", loader)
+def _load_from(name: str, path: str) -> None:
+    loader = ExtensionFileLoader(name, path)
+    spec = spec_from_loader(name, loader)
     if spec is None:
-        raise ImportError(f"FABRIC_RUNTIME_SO={path}: not an extension module")
+        raise ImportError(f"{path}: not an extension module for {name}")
     module = module_from_spec(spec)
-    sys.modules["fabric_gpu._runtime"] = module
+    sys.modules[name] = module
     loader.exec_module(module)
 
 
-if "fabric_gpu._runtime" in sys.modules:
-    raise RuntimeError("the installed runtime was loaded before tests.sanitized_runtime")
-_load_runtime_from(os.environ["FABRIC_RUNTIME_SO"])
+for _name, _variable in (
+    ("fabric_gpu._runtime", "FABRIC_RUNTIME_SO"),
+    ("fabric_gpu._content_keys", "FABRIC_CONTENT_KEYS_SO"),
+):
+    if _name in sys.modules:
+        raise RuntimeError(f"the installed {_name} was loaded before tests.sanitized_runtime")
+    if _variable in os.environ or _name == "fabric_gpu._runtime":
+        _load_from(_name, os.environ[_variable])
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
