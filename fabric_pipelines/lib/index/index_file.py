@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import struct
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import faiss
@@ -47,6 +48,32 @@ def store_index(folder: Path, index: faiss.Index) -> tuple[str, Path]:
 
     stored = stream_content_addressed(folder, ".faiss", write)
     return stored.sha256, stored.path
+
+
+class StoredWhenChosen:
+    """quality.measure's `chosen` hook: stores `index` in `folder` (store_index) on a thread of
+    its own the moment it is final, while the rest of its quality is measured; `result()`
+    waits for the file. A context: leaving it waits for the thread."""
+
+    def __init__(self, folder: Path, index: faiss.Index) -> None:
+        self._folder, self._index = folder, index
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="index-store")
+        self._stored: Future[tuple[str, Path]] | None = None
+
+    def __call__(self, _: object) -> None:
+        self._stored = self._pool.submit(store_index, self._folder, self._index)
+
+    def result(self) -> tuple[str, Path]:
+        """(sha256, path) of the stored file."""
+        if self._stored is None:
+            raise RuntimeError("the index was never chosen, so never stored")
+        return self._stored.result()
+
+    def __enter__(self) -> StoredWhenChosen:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._pool.shutdown(wait=True)
 
 
 def ivf_flat_pieces(index: faiss.Index) -> list[Chunk] | None:

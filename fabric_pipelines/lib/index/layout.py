@@ -61,11 +61,6 @@ def counts_of(lists: np.ndarray, n_lists: int) -> np.ndarray:
     return np.bincount(np.asarray(lists, dtype=np.int64), minlength=n_lists).astype(np.int64)
 
 
-def counts_of_index(part: faiss.Index) -> np.ndarray:
-    """How many rows each list of an IVF index holds."""
-    return list_sizes(part)
-
-
 def cut_shards(
     served: faiss.Index,
     counts: np.ndarray,

@@ -61,7 +61,7 @@ from fabric_pipelines.lib.index.build import (
     train_rows,
     training_sample,
 )
-from fabric_pipelines.lib.index.index_file import store_index
+from fabric_pipelines.lib.index.index_file import StoredWhenChosen
 from fabric_pipelines.lib.index.quality import Quality, measure
 from fabric_pipelines.lib.index.shards import shard_of
 from fabric_pipelines.lib.index.vectors import check_vectors
@@ -147,8 +147,12 @@ class Prebuild:
             and self._built is not None
             and self._parts is not None
             and bool(self._prepared.all())
-            and self._filled == [len(r) for r in self._shard_rows]
+            and self._all_filled
         )
+
+    @property
+    def _all_filled(self) -> bool:
+        return self._filled == [len(r) for r in self._shard_rows]
 
     def start_finishing(self, vectors: np.ndarray, folder: Path, min_recall: float) -> None:
         """Once complete, assemble, measure and store the served index on a thread of its own
@@ -187,7 +191,7 @@ class Prebuild:
         if self.why_not or self._built is None or self._rows is None:
             self.give_up(self.why_not or "not trained")
             return None
-        if self._parts is not None and self._filled != [len(r) for r in self._shard_rows]:
+        if self._parts is not None and not self._all_filled:
             self.give_up("a shard was not filled")
             return None
         reused = str(self._reuse[1]["quantizer_sha256"]) if self._reuse is not None else None
@@ -327,16 +331,11 @@ def _finish(
     set_nprobe(served, spec.nprobe)
     seconds["add"] = time.perf_counter() - started
     counts = check_vectors(vectors, spec.metric)
-    folder.mkdir(parents=True, exist_ok=True)
-    with ThreadPoolExecutor(1, thread_name_prefix="index-store") as store:
-        stored: list[Future[tuple[str, Path]]] = []
+    with StoredWhenChosen(folder, served) as stored:
         started = time.perf_counter()
-        quality = measure(
-            served, rows, vectors, counts, spec, min_recall,
-            lambda _: stored.append(store.submit(store_index, folder, served)),
-        )  # fmt: skip
+        quality = measure(served, rows, vectors, counts, spec, min_recall, stored)
         seconds["quality"] = time.perf_counter() - started
         started = time.perf_counter()
-        file = stored[0].result()
+        file = stored.result()
         seconds["write"] = time.perf_counter() - started
     return Finished(served, quality, min_recall, file, seconds)

@@ -66,13 +66,12 @@ from fabric_pipelines.lib.index.build import (
     tolerance,
     train_rows,
 )
-from fabric_pipelines.lib.index.index_file import store_index
+from fabric_pipelines.lib.index.index_file import StoredWhenChosen, store_index
 from fabric_pipelines.lib.index.layout import counts_of, cut_shards, read_layout, store_layout
 from fabric_pipelines.lib.index.paths import model_index_folder
 from fabric_pipelines.lib.index.prebuild import Finished, Prebuilt
 from fabric_pipelines.lib.index.quality import measure, shortfall
 from fabric_pipelines.lib.index.quantizers import read_verified, reusable
-from fabric_pipelines.lib.index.recall import NprobeChoice
 from fabric_pipelines.lib.index.receipt import (
     RECEIPT_SCHEMA,
     SHARD_RULE,
@@ -258,22 +257,16 @@ def build_and_publish(
         )
         # The served index is stored the moment its nprobe is chosen, on a thread of its own
         # (not queued behind the pool's hashes), while the rest of its quality is measured.
-        with ThreadPoolExecutor(1, thread_name_prefix="index-store") as store:
-            served_file: list[Future[tuple[str, Path]]] = []
-
-            def store_served(_: NprobeChoice) -> None:
-                served_file.append(store.submit(store_index, built.folder, built.served))
-
+        # Where the tail finished this very index, it was measured and stored then (prebuild.py).
+        ahead = finished if finished is not None and built.served is finished.served else None
+        with StoredWhenChosen(built.folder, built.served) as stored:
             with clock.phase("quality"):
-                if finished is not None and built.served is finished.served:
-                    # Measured and stored while the extraction step closed (prebuild.py).
-                    quality = finished.quality
-                    served_file.append(store.submit(lambda: finished.stored))
+                if ahead is not None:
+                    quality = ahead.quality
                 else:
                     quality = measure(
-                        built.served, rows, source.vectors, counts, spec, min_recall,
-                        store_served,
-                    )  # fmt: skip
+                        built.served, rows, source.vectors, counts, spec, min_recall, stored
+                    )
             on_gpu = rows.device.is_cuda
             del rows  # the device's copy of the rows is no longer needed: hand its memory back
             if on_gpu:
@@ -283,7 +276,7 @@ def build_and_publish(
                 layout = (
                     store_layout(built.folder, built.counts) if built.counts is not None else None
                 )
-                index_sha, index_path = served_file[0].result()
+                index_sha, index_path = ahead.stored if ahead is not None else stored.result()
                 source_hashes = ids_sha256.result(), vectors_sha256.result()
     training = _with_source_hashes(built.training, *source_hashes)
     params: dict[str, Any] = {"nprobe": spec.nprobe}
@@ -349,7 +342,7 @@ def build_and_publish(
         shortfall=missed,
         seconds=dict(clock.seconds),
         vectors_followed=followed,
-        prebuilt_seconds=_prebuilt_seconds(ready, finished, built.served),
+        prebuilt_seconds=_prebuilt_seconds(ready, ahead),
         quality_seconds=quality.seconds,
     )
 
@@ -512,15 +505,13 @@ def _finished_ahead(ready: Prebuilt | None, min_recall: float) -> Finished | Non
     return finished if finished.min_recall == min_recall else None
 
 
-def _prebuilt_seconds(
-    ready: Prebuilt | None, finished: Finished | None, served: faiss.Index
-) -> dict[str, float] | None:
+def _prebuilt_seconds(ready: Prebuilt | None, ahead: Finished | None) -> dict[str, float] | None:
     """What extraction's prebuild spent, and where the tail finished the index, on what."""
     if ready is None:
         return None
     seconds = dict(ready.seconds)
-    if finished is not None and served is finished.served:
-        seconds.update({f"finish_{name}": round(v, 3) for name, v in finished.seconds.items()})
+    if ahead is not None:
+        seconds.update({f"finish_{name}": round(v, 3) for name, v in ahead.seconds.items()})
     return seconds
 
 

@@ -56,6 +56,8 @@ from fabric_pipelines.lib.index.paths import model_index_folder
 from fabric_pipelines.lib.index.vectors import (
     DOCUMENTS,
     ID_STRIDE,
+    LINK_PAIRS_SQL,
+    LINKS_WITHOUT_ROWS,
     VectorSet,
     copy_records_sql,
     copy_sql,
@@ -162,19 +164,10 @@ class _Arrivals:
         return self.ids[rows], self.vectors[:held]
 
 
-# The model's links whose task holds no row of its own (vectors.linked_task_ids): (task, source).
-LINKS_SQL = (
-    "SELECT r.task_set_id * {s} + r.record_no, r.from_task_set_id * {s} + r.from_record_no "
-    "FROM reused_results r WHERE r.model_id = {p} AND NOT EXISTS (SELECT 1 FROM embeddings t "
-    "WHERE t.model_id = r.model_id AND t.task_set_id = r.task_set_id "
-    "AND t.record_no = r.record_no)"
-)
+# What the links the tail placed must still add up to at the hand-over (_Links.digest).
 LINKS_DIGEST_SQL = (
     "SELECT count(*), coalesce(sum(r.task_set_id), 0), coalesce(sum(r.record_no), 0), "
-    "coalesce(sum(r.from_task_set_id), 0), coalesce(sum(r.from_record_no), 0) "
-    "FROM reused_results r WHERE r.model_id = {p} AND NOT EXISTS (SELECT 1 FROM embeddings t "
-    "WHERE t.model_id = r.model_id AND t.task_set_id = r.task_set_id "
-    "AND t.record_no = r.record_no)"
+    "coalesce(sum(r.from_task_set_id), 0), coalesce(sum(r.from_record_no), 0) " + LINKS_WITHOUT_ROWS
 )
 
 
@@ -318,7 +311,7 @@ class VectorTail:
                 (self._model, self._set),
             )
             expected = np.fromiter((row[0] for row in ids), np.int64)
-            links = self._query(cursor, LINKS_SQL, (self._model,))
+            links = self._query(cursor, LINK_PAIRS_SQL, (self._model,))
             pairs = np.array([tuple(row) for row in links], dtype=np.int64).reshape(-1, 2)
             # An output variant's rows are kept as bytes; decoded at the hand-over.
             layout = np.dtype(np.uint8) if self._variant else FLOAT32_ROWS

@@ -101,20 +101,26 @@ def load_vectors(conn: Connection, model_key: str) -> VectorSet:
     return vector_set(conn, model_key, *with_linked_tasks(conn, model, ids, vectors))
 
 
+# The model's links whose task holds no row of its own (broker/reuse.py), {p} the model id.
+LINKS_WITHOUT_ROWS = (
+    "FROM reused_results r WHERE r.model_id = {p} AND NOT EXISTS (SELECT 1 FROM embeddings t "
+    "WHERE t.model_id = r.model_id AND t.task_set_id = r.task_set_id "
+    "AND t.record_no = r.record_no)"
+)
+# (the task's index id, its source's), {s} the id stride.
+LINK_PAIRS_SQL = (
+    "SELECT r.task_set_id * {s} + r.record_no, r.from_task_set_id * {s} + r.from_record_no "
+    + LINKS_WITHOUT_ROWS
+)
+
+
 def linked_task_ids(conn: Connection, model: int) -> tuple[np.ndarray, np.ndarray]:
     """(id of each task that reused another's result, its source's id), as index ids, for the
     model's links whose task holds no row of its own (broker/reuse.py)."""
     raw: Any = conn.connection.driver_connection
     mark = "%s" if _is_postgres(conn) else "?"
     with closing(raw.cursor()) as cursor:
-        cursor.execute(
-            f"SELECT r.task_set_id * {mark} + r.record_no, "
-            f"r.from_task_set_id * {mark} + r.from_record_no FROM reused_results r "
-            f"WHERE r.model_id = {mark} AND NOT EXISTS (SELECT 1 FROM embeddings t "
-            "WHERE t.model_id = r.model_id AND t.task_set_id = r.task_set_id "
-            "AND t.record_no = r.record_no)",
-            (ID_STRIDE, ID_STRIDE, model),
-        )
+        cursor.execute(LINK_PAIRS_SQL.format(s=mark, p=mark), (ID_STRIDE, ID_STRIDE, model))
         pairs = np.array(cursor.fetchall(), dtype=np.int64).reshape(-1, 2)
     return pairs[:, 0], pairs[:, 1]
 
