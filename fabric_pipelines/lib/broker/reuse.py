@@ -58,7 +58,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from fabric_gpu._content_keys import digest_runs
 from sqlalchemy import (
     Connection,
     Engine,
@@ -73,6 +72,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import aliased
 
+from fabric_gpu._content_keys import digest_runs
 from fabric_pipelines.lib.broker.ledger import record_nos_of
 from fabric_pipelines.lib.core.retry import unit_of_work
 from fabric_pipelines.lib.store.db import insert_ignoring_duplicates
