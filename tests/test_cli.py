@@ -173,6 +173,11 @@ def test_submit_and_run_then_status(tmp_path: Path) -> None:
     for step in ("tokenised_tasks", "shape_batches", "extraction_outputs", "index:vector_index"):
         assert steps[step]["start"] <= steps[step]["end"], step
     assert steps["extraction_outputs"]["end"] <= steps["index:vector_index"]["start"]
+    # The set was ingested and planned while Dagster loaded; its steps took both over.
+    extract = json.loads(report.read_text())["extract"]
+    assert extract["tokenised_tasks"]["started_ahead"] is True, extract["tokenised_tasks"]
+    assert extract["shape_batches"]["started_ahead"] is True, extract["shape_batches"]
+    assert marks["submitted"] <= marks["ahead_planned"] <= steps["shape_batches"]["end"]
     assert "receipt sha256" in run.stdout and "accounting passed" in run.stdout
     status = _fabric(home, "status", "small", "--failures")
     assert status.returncode == 0

@@ -179,6 +179,48 @@ def prestart_for_run(task_set: str, args: argparse.Namespace) -> Any:
     )
 
 
+def start_ahead_for_run(task_set: str, args: argparse.Namespace) -> None:
+    """Ingest and plan the set on a thread now, while Dagster loads (lib/steps/ahead.py); its
+    steps in this process take the results over. Where the settings cannot be read here,
+    nothing starts and the steps report why. FABRIC_AHEAD=off: the steps make both calls
+    themselves, one after the other, as a run launched from the UI does."""
+    from fabric_pipelines.cli.run_clock import mark
+    from fabric_pipelines.lib.steps.ahead import start_ahead
+
+    if os.environ.get("FABRIC_AHEAD", "on").strip().lower() in ("off", "0", "false", "no"):
+        return
+    try:
+        paths, manifest, ingest, plan = ahead_inputs(task_set, args)
+    except Exception:  # the steps read the same settings, and report what is wrong with them
+        return
+    start_ahead(paths, ingest, plan, manifest, on_mark=mark)
+
+
+def ahead_inputs(task_set: str, args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
+    """The data root, manifest, and the ingest's and plan's inputs as the run's steps will have
+    them: the manifest, the long-input policy and reuse from the same options and defaults as
+    the engine resource (`engine_config`), the database and root from the same environment."""
+    from fabric_gpu.engines import input_layout
+    from fabric_pipelines.lib.core.settings import FabricPaths, database_url
+    from fabric_pipelines.lib.steps.ahead import IngestInputs, PlanInputs
+    from fabric_pipelines.lib.tasks.prompts import set_prompt
+    from fabric_pipelines.lib.tasks.windows import long_input_policy
+
+    manifest = engine_manifest(args)
+    paths = FabricPaths(prepare_environment()).ensure()
+    url = database_url(paths)
+    policy = long_input_policy(
+        getattr(args, "long_inputs", None), getattr(args, "window_overlap", None)
+    )
+    prompt = set_prompt(paths.inbox, task_set, manifest.model_id)
+    ingest = IngestInputs.of(url, paths, task_set, manifest, policy, prompt)
+    plan = PlanInputs.of(
+        url, paths, task_set, manifest, input_layout(manifest),
+        getattr(args, "reuse_results", None),
+    )  # fmt: skip
+    return paths, manifest, ingest, plan
+
+
 def engine_manifest(args: argparse.Namespace) -> Any:
     """The run's engine manifest: a manifest file is read directly (no Dagster import, which
     takes seconds); the options' defaults come from the engine resource."""

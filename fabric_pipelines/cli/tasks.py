@@ -25,6 +25,7 @@ from fabric_pipelines.cli.pipeline import (
     print_summary,
     refuse_unreachable_database,
     run_pipeline,
+    start_ahead_for_run,
     write_report,
 )
 from fabric_pipelines.cli.prepare import dagster_instance
@@ -99,6 +100,8 @@ def _submit(args: argparse.Namespace, prepared: Future[tuple[Any, Any]] | None =
     except (SubmissionError, InvalidNameError, PromptError) as exc:
         print(f"fabric submit: {exc}", file=sys.stderr)
         return 2
+    if args.run:  # ingested and planned while Dagster loads; the steps take both over
+        start_ahead_for_run(staged.task_set, args)
     mark("submitted")
     print(
         f"submitted {args.file} as task set {staged.task_set!r} ({staged.path}, sha256 {staged.sha256[:16]}…)"
@@ -133,6 +136,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         paths, db = open_database()  # the schema first, before two runs' steps race to make it
         _read_ahead_if_new(paths, db, args.task_set)
         db.dispose()
+        start_ahead_for_run(args.task_set, args)  # ingest and plan while Dagster loads
         summary = run_pipeline(args.task_set, args, prepared)
     write_report(args, summary)
     print_summary(summary)

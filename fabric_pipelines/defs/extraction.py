@@ -6,7 +6,6 @@ through resources, and each returns a MaterializeResult with a data version and 
 """
 
 import contextlib
-import time
 import warnings
 from datetime import UTC, datetime
 from typing import Any
@@ -21,16 +20,15 @@ from fabric_pipelines.defs.partitions import TASK_SET_PARTITIONS, task_sets
 from fabric_pipelines.defs.resources import ArtifactStore, Database, EngineConfig
 from fabric_pipelines.defs.worker_pipes import worker_launcher
 from fabric_pipelines.lib.broker.ledger import Accounting
-from fabric_pipelines.lib.broker.plans import plan_task_set
 from fabric_pipelines.lib.core.alerts import (
     InboxRejection,
     record_inbox_rejection,
 )
 from fabric_pipelines.lib.core.signals import StopRequested
+from fabric_pipelines.lib.steps.ahead import IngestInputs, PlanInputs, ingested, planned
 from fabric_pipelines.lib.steps.extraction import run_extraction_step
 from fabric_pipelines.lib.steps.metadata import ingest_metadata, plan_metadata
 from fabric_pipelines.lib.steps.progress import stage
-from fabric_pipelines.lib.tasks.catalog import ingest_task_set
 from fabric_pipelines.lib.tasks.inbox import record_first_seen, scan
 from fabric_pipelines.lib.tasks.ingest import SubmissionError
 from fabric_pipelines.lib.tasks.prompts import set_prompt
@@ -55,20 +53,22 @@ def tokenised_tasks(
     engine: EngineConfig,
 ) -> dg.MaterializeResult:
     manifest = engine.manifest()
-    started = time.perf_counter()
     stage("ingest")
     paths, task_set = store.paths(), context.partition_key
     try:
-        summary = ingest_task_set(
-            database.engine(), paths, task_set, model_id=manifest.model_id,
-            max_seq_len=manifest.profile.max_seq_len, long_inputs=engine.long_input_policy(),
-            prompt=set_prompt(paths.inbox, task_set, manifest.model_id),
+        inputs = IngestInputs.of(
+            database.resolved_url(), paths, task_set, manifest, engine.long_input_policy(),
+            set_prompt(paths.inbox, task_set, manifest.model_id),
         )  # fmt: skip
+        # Made ahead by `fabric submit --run` in this process while Dagster loaded, else now.
+        made = ingested(database.engine(), paths, inputs)
     except (SubmissionError, ValueError) as exc:
         raise dg.Failure(description=str(exc), allow_retries=False) from exc
     return dg.MaterializeResult(
-        metadata=dagster_metadata(ingest_metadata(summary, time.perf_counter() - started)),
-        data_version=dg.DataVersion(summary.content_sha256),
+        metadata=dagster_metadata(
+            {**ingest_metadata(made.result, made.seconds), **made.metadata()}
+        ),
+        data_version=dg.DataVersion(made.result.content_sha256),
     )
 
 
@@ -91,15 +91,16 @@ def shape_batches(
     engine: EngineConfig,
 ) -> dg.MaterializeResult:
     manifest = engine.manifest()
-    started = time.perf_counter()
     stage("plan")
-    summary = plan_task_set(
-        database.engine(), store.paths(), context.partition_key, manifest, input_layout(manifest),
-        reuse=engine.reuse_results,
+    paths = store.paths()
+    inputs = PlanInputs.of(
+        database.resolved_url(), paths, context.partition_key, manifest, input_layout(manifest),
+        engine.reuse_results,
     )  # fmt: skip
+    made = planned(database.engine(), paths, inputs, manifest)  # ahead, as the ingest
     return dg.MaterializeResult(
-        metadata=dagster_metadata(plan_metadata(summary, time.perf_counter() - started)),
-        data_version=dg.DataVersion(summary.plan_id),
+        metadata=dagster_metadata({**plan_metadata(made.result, made.seconds), **made.metadata()}),
+        data_version=dg.DataVersion(made.result.plan_id),
     )
 
 

@@ -21,7 +21,12 @@ from fabric_pipelines.lib.core.settings import FabricPaths, database_url, defaul
 from fabric_pipelines.lib.steps.extraction import WorkerOptions
 from fabric_pipelines.lib.steps.run_extraction import DEFAULT_MAX_RESTARTS
 from fabric_pipelines.lib.store.db import create_schema, make_engine
-from fabric_pipelines.lib.tasks.windows import DEFAULT_OVERLAP, LongInputs
+from fabric_pipelines.lib.tasks.windows import (
+    DEFAULT_MODE,
+    DEFAULT_OVERLAP,
+    LongInputs,
+    long_input_policy,
+)
 from fabric_pipelines.lib.worker.devices import lease_devices, visible_gpus
 from fabric_pipelines.lib.worker.pool.client import idle_seconds_setting
 from fabric_pipelines.lib.worker.prestart import prestarted_devices
@@ -87,15 +92,13 @@ class EngineConfig(dg.ConfigurableResource):
     # Items longer than max_seq_len (lib/tasks/windows.py): "chunk" into windows of the model's
     # length overlapping by window_overlap tokens, one vector per document from them; "truncate"
     # to it, as sentence-transformers' encode() does (counted); or "fail" with the reason.
-    long_inputs: str = "chunk"
+    long_inputs: str = DEFAULT_MODE
     window_overlap: int = DEFAULT_OVERLAP
     # The earlier spelling: True is long_inputs "truncate", False "fail"; None: long_inputs.
     truncate: bool | None = None
 
     def long_input_policy(self) -> LongInputs:
-        if self.truncate is not None:
-            return LongInputs("truncate" if self.truncate else "fail")
-        return LongInputs.of(self.long_inputs, self.window_overlap)
+        return long_input_policy(self.long_inputs, self.window_overlap, self.truncate)
 
     # Worker processes pulling batches from the ledger (0: run in the Dagster step's process).
     # GPU engines: at most one per GPU; each gets its own device.

@@ -20,13 +20,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, cast
 
-__all__ = ["WINDOW_BASE", "LongInputs", "Windows", "split", "weighted_mean"]
+__all__ = ["WINDOW_BASE", "LongInputs", "Windows", "long_input_policy", "split", "weighted_mean"]
 
 import numpy as np
 
 from fabric_pipelines.lib.store.models import WINDOW_BASE
 
 MODES = ("chunk", "truncate", "fail")
+DEFAULT_MODE = "chunk"
 DEFAULT_OVERLAP = 32
 
 Mode = Literal["chunk", "truncate", "fail"]
@@ -77,6 +78,19 @@ def window_starts(n_tokens: int, max_seq_len: int, overlap: int) -> np.ndarray:
     starts = np.arange(n_windows, dtype=np.int64) * step
     starts[-1] = inner - width  # the last one flush with the end: never a short tail window
     return starts
+
+
+def long_input_policy(
+    mode: str | None = None, overlap: int | None = None, truncate: bool | None = None
+) -> LongInputs:
+    """The policy the engine's settings name, with the defaults for what they leave out (one
+    place for the step's resource and the CLI's ingest ahead, which must agree):
+    `truncate`, the earlier spelling, wins where given (True "truncate", False "fail")."""
+    if truncate is not None:
+        return LongInputs("truncate" if truncate else "fail")
+    return LongInputs.of(
+        DEFAULT_MODE if mode is None else mode, DEFAULT_OVERLAP if overlap is None else overlap
+    )
 
 
 @dataclass
