@@ -16,7 +16,11 @@ def digest_runs(
         NDArray[numpy.int64], dict(shape=(None,), order="C", device="cpu", writable=False)
     ],
     threads: int = 0,
+    implementation: str = "auto",
 ) -> bytes:
     """
-    The 32-byte sha256 of prefix + data[offsets[i]:offsets[i+1]] for each i, joined.
+    The 32-byte sha256 of prefix + data[offsets[i]:offsets[i+1]] for each i, joined. implementation: 'auto' (the CPU's SHA extensions where it has them), 'portable' or 'sha-extensions'.
     """
+
+def sha_extensions() -> bool:
+    """Whether this CPU has the SHA extensions digest_runs uses where it can."""

@@ -1,6 +1,7 @@
 """The compiled content-key hasher (csrc/sha256.cpp, fabric_gpu._content_keys): hashlib's
 sha256, byte for byte, for every length around the block edges, any prefix, one thread or many,
-and from several Python threads at once; bad offsets are refused, naming what is wrong."""
+each way of compressing blocks (portable C++, the CPU's SHA extensions), and from several Python
+threads at once; bad offsets and unknown implementations are refused, naming what is wrong."""
 
 from __future__ import annotations
 
@@ -12,8 +13,20 @@ import threading
 import numpy as np
 import pytest
 
-from fabric_gpu._content_keys import digest_runs
+from fabric_gpu._content_keys import digest_runs, sha_extensions
 from fabric_pipelines.lib.broker.reuse import content_keys, key_bytes
+
+
+IMPLEMENTATIONS = [
+    "auto",
+    "portable",
+    pytest.param(
+        "sha-extensions",
+        marks=pytest.mark.skipif(
+            not sha_extensions(), reason="this CPU has no SHA extensions (x86 SHA-NI)"
+        ),
+    ),
+]
 
 
 def _expected(prefix: bytes, data: np.ndarray, offsets: np.ndarray) -> bytes:
@@ -23,8 +36,9 @@ def _expected(prefix: bytes, data: np.ndarray, offsets: np.ndarray) -> bytes:
     )
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("prefix_bytes", [0, 1, 14, 55, 56, 63, 64, 65, 200])
-def test_every_run_length_hashes_as_hashlib_does(prefix_bytes: int) -> None:
+def test_every_run_length_hashes_as_hashlib_does(prefix_bytes: int, implementation: str) -> None:
     rng = np.random.default_rng(prefix_bytes)
     prefix = rng.integers(0, 256, prefix_bytes, dtype=np.uint8).tobytes()
     lengths = np.array([*range(0, 300), 447, 448, 511, 512, 513, 4096, 100_000])
@@ -32,7 +46,7 @@ def test_every_run_length_hashes_as_hashlib_does(prefix_bytes: int) -> None:
     data = rng.integers(0, 256, int(offsets[-1]), dtype=np.uint8)
     expected = _expected(prefix, data, offsets)
     for threads in (1, 3, 0):  # 0: every core
-        assert digest_runs(prefix, data, offsets, threads) == expected, threads
+        assert digest_runs(prefix, data, offsets, threads, implementation) == expected, threads
 
 
 def test_runs_may_start_anywhere_and_overlap() -> None:
@@ -74,6 +88,16 @@ def test_bad_offsets_are_refused_naming_the_problem(offsets: list[int], message:
     data = np.zeros(10, dtype=np.uint8)
     with pytest.raises(ValueError, match=message):
         digest_runs(b"", data, np.array(offsets, dtype=np.int64))
+
+
+def test_an_unknown_implementation_is_refused_naming_the_choices() -> None:
+    data = np.zeros(10, dtype=np.uint8)
+    offsets = np.array([0, 10], dtype=np.int64)
+    with pytest.raises(ValueError, match="'sha-ni': choose 'auto', 'portable' or 'sha-extensions'"):
+        digest_runs(b"", data, offsets, 0, "sha-ni")
+    if not sha_extensions():
+        with pytest.raises(ValueError, match="no SHA extensions"):
+            digest_runs(b"", data, offsets, 0, "sha-extensions")
 
 
 def test_content_keys_are_the_documented_sha256() -> None:
