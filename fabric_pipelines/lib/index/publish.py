@@ -512,6 +512,9 @@ def _prebuilt_seconds(ready: Prebuilt | None, ahead: Finished | None) -> dict[st
     seconds = dict(ready.seconds)
     if ahead is not None:
         seconds.update({f"finish_{name}": round(v, 3) for name, v in ahead.seconds.items()})
+        # The measuring's parts: what comes before the nprobe is chosen is after the last ack;
+        # the health after it runs beside the store.
+        seconds.update({f"finish_quality_{name}": v for name, v in ahead.quality.seconds.items()})
     return seconds
 
 
