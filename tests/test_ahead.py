@@ -189,7 +189,7 @@ def test_the_cli_makes_ahead_what_the_steps_will_ask_for(
     monkeypatch.delenv("FABRIC_DATABASE_URL", raising=False)
     monkeypatch.delenv("FABRIC_ENGINE_MANIFEST", raising=False)
     args: argparse.Namespace = build_parser().parse_args(["run", "s", *options])
-    paths, manifest, ingest_inputs, plan_inputs = ahead_inputs("s", args)
+    paths, _, ingest_inputs, plan_inputs = ahead_inputs("s", args)
     engine = EngineConfig(**engine_config(args))  # the run's resource, as Dagster builds it
     step_manifest = engine.manifest()
     url = database_url(paths)

@@ -16,7 +16,6 @@ import pytest
 from fabric_gpu._content_keys import digest_runs, sha_extensions
 from fabric_pipelines.lib.broker.reuse import content_keys, key_bytes
 
-
 IMPLEMENTATIONS = [
     "auto",
     "portable",

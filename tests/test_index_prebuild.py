@@ -148,6 +148,46 @@ def test_an_index_made_ready_during_extraction_is_the_index_built_after(
     assert during.receipt["training"]["sample"] == 500
 
 
+@SQLITE_ONLY
+def test_the_rows_counted_and_hashed_as_they_arrived_are_not_read_again_after(
+    db: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After the hand-over neither the tail's finish nor the index step passes over every row
+    for the counts or the sha256s (index/row_summary.py); the receipt is the one the table's
+    build, which does, writes."""
+    from fabric_pipelines.lib.index import prebuild, publish
+
+    monkeypatch.setattr(vector_tail, "_index_settings", _settings(SPEC))
+    earlier = _task_set(db, "earlier", 1200)
+    _write(db, "m", earlier, list(range(1200)), dim=24)
+    set_id = _task_set(db, "s", 2400)
+    passes: list[str] = []
+    real_hash, real_check = publish.array_sha256, publish.check_vectors
+
+    def hash_seen(array: np.ndarray, rows: np.ndarray | None = None) -> str:
+        if array.ndim == 2:  # vectors (ids are 1-D)
+            passes.append("sha256 of every row" if rows is None else "sha256 of a shard's rows")
+        return real_hash(array, rows)
+
+    def check_seen(vectors: np.ndarray, metric: str) -> Any:
+        passes.append("bad-row counts")
+        return real_check(vectors, metric)
+
+    monkeypatch.setattr(publish, "array_sha256", hash_seen)
+    monkeypatch.setattr(publish, "check_vectors", check_seen)
+    monkeypatch.setattr(prebuild, "check_vectors", check_seen)
+    written = [int(r) for r in np.random.default_rng(7).permutation(2400)]
+    _follow(db, set_id, written, index_folder=tmp_path / "during" / "indexes")
+    during = _publish(db, tmp_path / "during", SPEC)
+    assert during.vectors_followed and during.prebuilt_seconds is not None
+    assert "summary" in during.prebuilt_seconds and "finish_quality" in during.prebuilt_seconds
+    assert passes == [], passes
+    after = _publish(db, tmp_path / "after", SPEC)  # from the table: every pass, as before
+    assert "bad-row counts" in passes and "sha256 of every row" in passes
+    assert passes.count("sha256 of a shard's rows") == SPEC.shards
+    _same_index(during, after)
+
+
 def _link(db: Engine, set_id: int, pairs: list[tuple[int, int, int]], model: str = "m") -> None:
     """Tasks of `set_id` reusing results, as planning links them: (record, source set, source
     record); the links move the watermarks as planning's do."""

@@ -26,6 +26,10 @@ was made only where it is what it would make itself: the same spec, the same row
 expected row arrived: no failed task, no reused link) and the same quantizer. Otherwise it
 builds as before. Either way the index and its receipt are the
 same bytes (tests/test_index_prebuild.py).
+
+The rows' bad-row counts and the sha256s the receipt records (all the vectors, each shard's) are
+made as the rows arrive too (row_summary.py): after the last ack neither the tail's finish nor
+the index step reads the 3 GB of a million 768-d rows again for them.
 """
 
 from __future__ import annotations
@@ -63,8 +67,9 @@ from fabric_pipelines.lib.index.build import (
 )
 from fabric_pipelines.lib.index.index_file import StoredWhenChosen
 from fabric_pipelines.lib.index.quality import Quality, measure
+from fabric_pipelines.lib.index.row_summary import RowSummary, Summary
 from fabric_pipelines.lib.index.shards import shard_of
-from fabric_pipelines.lib.index.vectors import check_vectors
+from fabric_pipelines.lib.index.vectors import VectorCounts, check_vectors, refuse_bad_vectors
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +107,8 @@ class Prebuilt:
     reused_quantizer: str | None = None
     # The index finished while the extraction step closed (start_finishing), or None.
     finished: Future[Finished] | None = None
+    # Every row's bad-row counts and sha256s, made as they arrived (row_summary.py), or None.
+    summary: Summary | None = None
 
     def serves(self, spec: IndexSpec, ids: np.ndarray) -> bool:
         """Whether a build of `spec` over the rows `ids` would make exactly this."""
@@ -138,6 +145,8 @@ class Prebuild:
         self._parts: list[faiss.Index] | None = None
         self._filled = [0] * self.spec.shards
         self._finishing: Future[Finished] | None = None
+        # Counts and digests of the rows as stored, for the index step (row_summary.py).
+        self._summary: RowSummary | None = None
 
     @property
     def complete(self) -> bool:
@@ -162,9 +171,10 @@ class Prebuild:
             return
         assert self._built is not None and self._parts is not None and self._rows is not None
         pool = ThreadPoolExecutor(1, thread_name_prefix="index-finish")
+        counts = self._summary.counts if self._summary is not None else None  # every row's
         self._finishing = pool.submit(
             _finish, self._built.index, self._parts, self._rows, vectors, self.spec, folder,
-            min_recall,
+            min_recall, counts,
         )  # fmt: skip
         pool.shutdown(wait=False)  # its one thread ends with the work
 
@@ -195,12 +205,14 @@ class Prebuild:
             self.give_up("a shard was not filled")
             return None
         reused = str(self._reuse[1]["quantizer_sha256"]) if self._reuse is not None else None
+        summary = self._summary.finish() if self._summary is not None else None
         prebuilt = Prebuilt(
             self.spec, self._built, self._rows, self._lists, dict(self.seconds), self._parts,
-            reused, self._finishing,
+            reused, self._finishing, summary,
         )  # fmt: skip
         self._rows = None
         self._parts = None
+        self._summary = None
         return prebuilt
 
     def give_up(self, why: str) -> None:
@@ -208,6 +220,7 @@ class Prebuild:
         on_gpu = self._rows is not None and self._rows.device.is_cuda
         self._rows = self._built = None
         self._parts = None
+        self._summary = None
         if on_gpu:
             torch.cuda.empty_cache()
 
@@ -220,6 +233,12 @@ class Prebuild:
         for at in range(0, len(new), CHUNK_ROWS):
             self._prepare(vectors, new[at : at + CHUNK_ROWS])
         self.seconds["prepare"] += time.perf_counter() - started
+        if self._summary is not None:
+            started = time.perf_counter()
+            self._summary.advance(arrived)
+            self.seconds["summary"] = self.seconds.get("summary", 0.0) + (
+                time.perf_counter() - started
+            )
         if self._built is None and self._prepared[self._sample].all():
             started = time.perf_counter()
             self._built = train_rows(self._rows, self.spec, self._factory, n=len(self.ids))
@@ -300,10 +319,15 @@ class Prebuild:
         else:
             device = torch.from_numpy(host)
         self._rows = Rows(self.ids, host, device)
+        if RowSummary.can_summarise(vectors):
+            self._summary = RowSummary(vectors, self._shard_rows)
 
     def _prepare(self, vectors: np.ndarray, positions: np.ndarray) -> None:
         assert self._rows is not None
-        x = prepared(vectors[positions], self.spec.metric, self._builder)
+        arrived = vectors[positions]
+        if self._summary is not None:
+            self._summary.count(arrived)
+        x = prepared(arrived, self.spec.metric, self._builder)
         if self._rows.host is not vectors:
             self._rows.host[positions] = x
         if self._rows.device.is_cuda:
@@ -320,6 +344,7 @@ def _finish(
     spec: IndexSpec,
     folder: Path,
     min_recall: float,
+    counts: VectorCounts | None = None,
 ) -> Finished:
     """What the index step does after the last ack with shards filled during extraction and none
     kept: the served index copies every shard's lists in shard order, is measured, and is
@@ -330,7 +355,12 @@ def _finish(
     append_lists(served, parts)
     set_nprobe(served, spec.nprobe)
     seconds["add"] = time.perf_counter() - started
-    counts = check_vectors(vectors, spec.metric)
+    # Counted as the rows arrived where they could be (row_summary.py): not another pass now.
+    counts = (
+        refuse_bad_vectors(counts, spec.metric)
+        if counts is not None
+        else check_vectors(vectors, spec.metric)
+    )
     with StoredWhenChosen(folder, served) as stored:
         started = time.perf_counter()
         quality = measure(served, rows, vectors, counts, spec, min_recall, stored)

@@ -80,8 +80,14 @@ from fabric_pipelines.lib.index.receipt import (
     canonical_json,
     library_versions,
 )
+from fabric_pipelines.lib.index.row_summary import Summary
 from fabric_pipelines.lib.index.staleness import staleness
-from fabric_pipelines.lib.index.vectors import VectorSet, check_vectors, load_vectors
+from fabric_pipelines.lib.index.vectors import (
+    VectorSet,
+    check_vectors,
+    load_vectors,
+    refuse_bad_vectors,
+)
 from fabric_pipelines.lib.records.calibration import calibration_sha256
 from fabric_pipelines.lib.records.vector_codec import StoredCodec
 from fabric_pipelines.lib.store.db import insert_ignoring_duplicates
@@ -224,11 +230,21 @@ def build_and_publish(
     with clock.phase("load"):
         encoding, versions, source, followed, prebuilt = _load_source(db, model_key, spec.shards)
         model = {**model, **encoding}
-        counts = check_vectors(source.vectors, spec.metric)
+        # Counted and hashed as the rows arrived, where these are the rows summarised.
+        summary = _summary_of(prebuilt, source)
+        counts = (
+            refuse_bad_vectors(summary.counts, spec.metric)
+            if summary is not None
+            else check_vectors(source.vectors, spec.metric)
+        )
     spec = sized_for(spec, len(source.ids))
     with ThreadPoolExecutor(WORKERS, thread_name_prefix="index") as pool:
         ids_sha256 = pool.submit(array_sha256, source.ids)
-        vectors_sha256 = pool.submit(array_sha256, source.vectors)
+        vectors_sha256 = (
+            _done(summary.vectors_sha256)
+            if summary is not None
+            else pool.submit(array_sha256, source.vectors)
+        )
         folder = model_index_folder(index_folder, model_key)
         with clock.phase("prepare"):
             reuse = reusable(previous, spec, model, folder, source.dim)
@@ -253,8 +269,9 @@ def build_and_publish(
                 rows = prepare_rows(source.vectors, source.ids, spec, builder)
         finished = _finished_ahead(ready, min_recall)
         built = _build(
-            pool, clock, source, rows, versions, spec, folder, previous, reuse, ready, finished
-        )
+            pool, clock, source, rows, versions, spec, folder, previous, reuse, ready, finished,
+            summary,
+        )  # fmt: skip
         # The served index is stored the moment its nprobe is chosen, on a thread of its own
         # (not queued behind the pool's hashes), while the rest of its quality is measured.
         # Where the tail finished this very index, it was measured and stored then (prebuild.py).
@@ -369,6 +386,7 @@ def _build(
     reuse: tuple[faiss.Index, dict[str, Any]] | None,
     ready: Prebuilt | None = None,
     finished: Finished | None = None,
+    summary: Summary | None = None,
 ) -> _Built:
     """Train (or reuse the previous quantizer) and fill the served index shard after shard,
     keeping the shards whose rows did not move (cut from the previous served index)."""
@@ -386,8 +404,12 @@ def _build(
     if unmoved and previous is not None and reuse is not None:
         kept_parts = pool.submit(_kept_shards, previous, folder, unmoved, reuse[0], spec.nprobe)
 
+    hashed = summary.shard_vectors_sha256 if summary is not None else []
+
     def hashes(shard: int) -> tuple[Future[str], Future[str]]:
         ids = pool.submit(array_sha256, source.ids, positions[shard])
+        if len(hashed) == spec.shards:  # hashed as the rows arrived, shard by shard
+            return ids, _done(hashed[shard])
         return ids, pool.submit(array_sha256, source.vectors, positions[shard])
 
     # The rows of each shard to build are hashed beside the work, from now on.
@@ -490,6 +512,23 @@ def _build(
             append_lists(served, in_order)
         set_nprobe(served, spec.nprobe)
     return _Built(folder, served, training, entries, rebuilt, counts)
+
+
+def _summary_of(prebuilt: Prebuilt | None, source: VectorSet) -> Summary | None:
+    """The counts and digests made as the rows arrived, where they are of exactly these rows:
+    the same array (row_summary.Summary.describes) under the same ids."""
+    summary = prebuilt.summary if prebuilt is not None else None
+    if summary is None or not summary.describes(source.vectors):
+        return None
+    assert prebuilt is not None
+    return summary if np.array_equal(prebuilt.rows.ids, source.ids) else None
+
+
+def _done(value: str) -> Future[str]:
+    """A value already known, as a finished future (beside the ones still computing)."""
+    finished: Future[str] = Future()
+    finished.set_result(value)
+    return finished
 
 
 def _finished_ahead(ready: Prebuilt | None, min_recall: float) -> Finished | None:

@@ -217,15 +217,16 @@ def array_sha256(array: np.ndarray, rows: np.ndarray | None = None) -> str:
     order). Hashed in place, or a block of rows at a time: no whole copy is made."""
     digest = hashlib.sha256()
     if rows is None:
-        _update(digest, array)
+        update_digest(digest, array)
     else:
         step = max(1, BLOCK_BYTES // max(1, array[:1].nbytes))
         for start in range(0, len(rows), step):
-            _update(digest, array[rows[start : start + step]])
+            update_digest(digest, array[rows[start : start + step]])
     return digest.hexdigest()
 
 
-def _update(digest: Any, array: np.ndarray) -> None:
+def update_digest(digest: Any, array: np.ndarray) -> None:
+    """Feed `array`'s little-endian bytes in C order to `digest` (array_sha256's unit)."""
     a = np.ascontiguousarray(array)
     if a.dtype.byteorder == ">" or (a.dtype.byteorder == "=" and sys.byteorder == "big"):
         a = a.byteswap().view(a.dtype.newbyteorder("<"))

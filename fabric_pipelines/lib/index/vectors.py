@@ -500,6 +500,15 @@ class VectorCounts:
     inf_rows: int
     zero_norm_rows: int
 
+    def __add__(self, other: VectorCounts) -> VectorCounts:
+        """The counts of two disjoint sets of rows together (rows counted as they arrive)."""
+        return VectorCounts(
+            self.rows + other.rows,
+            self.nan_rows + other.nan_rows,
+            self.inf_rows + other.inf_rows,
+            self.zero_norm_rows + other.zero_norm_rows,
+        )
+
 
 def count_bad_rows(vectors: np.ndarray) -> VectorCounts:
     """Rows with NaN, with Inf, and of zero norm (NaN and Inf parts left out). One pass of
@@ -522,7 +531,12 @@ def count_bad_rows(vectors: np.ndarray) -> VectorCounts:
 def check_vectors(vectors: np.ndarray, metric: str) -> VectorCounts:
     """The rows' counts (count_bad_rows); raises BadVectorsError naming how many rows are NaN,
     Inf or (for cosine) zero-norm."""
-    counts = count_bad_rows(vectors)
+    return refuse_bad_vectors(count_bad_rows(vectors), metric)
+
+
+def refuse_bad_vectors(counts: VectorCounts, metric: str) -> VectorCounts:
+    """`counts`, unless they hold rows an index cannot take: BadVectorsError naming how many
+    rows are NaN, Inf or (for cosine) zero-norm (check_vectors, from counts made elsewhere)."""
     problems = []
     if counts.nan_rows:
         problems.append(f"{counts.nan_rows} with NaN")
@@ -532,7 +546,7 @@ def check_vectors(vectors: np.ndarray, metric: str) -> VectorCounts:
         problems.append(f"{counts.zero_norm_rows} with zero norm (undefined under cosine)")
     if problems:
         raise BadVectorsError(
-            f"refusing to build: of {len(vectors)} vectors, {', '.join(problems)}; "
+            f"refusing to build: of {counts.rows} vectors, {', '.join(problems)}; "
             "fix or delete those rows first"
         )
     return counts
