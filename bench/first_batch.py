@@ -13,6 +13,10 @@ leases its first batch as soon as it is planned; else BERT-base's in fp16 on the
     python bench/first_batch.py                   # GPU
     python bench/first_batch.py --cpu --repeat 3  # the 2-core machine
 
+`--part` times the part alone, without workers or the CLI: in a fresh process each, Dagster's
+definitions and instance made (cli/prepare.py) and then the set ingested and planned, against
+the two calls started ahead on their thread while Dagster loads; seconds until both are done.
+
 The last line is one JSON object.
 """
 
@@ -105,7 +109,65 @@ def one_run(root: Path, tasks_file: Path, manifest_file: Path, ahead: bool) -> d
     return {"ahead": ahead, **{k: round(v, 3) for k, v in seen.items()}}
 
 
+def part_child(mode: str, tasks_file: Path, manifest_file: Path, root: Path) -> None:
+    """One process: Dagster prepared, then ingest and plan ("serial"), or the two started ahead
+    while Dagster loads ("ahead"); prints the seconds until all is done as JSON."""
+    os.environ["FABRIC_HOME"] = os.environ["DAGSTER_HOME"] = str(root)
+    root.mkdir(parents=True)
+    shutil.copy(Path(__file__).resolve().parents[1] / "dagster_home" / "dagster.yaml", root)
+    from fabric_gpu.engines import input_layout
+    from fabric_gpu.manifest import EngineManifest
+    from fabric_pipelines.cli.prepare import prepare_pipeline
+    from fabric_pipelines.lib.core.settings import FabricPaths, database_url
+    from fabric_pipelines.lib.steps import ahead
+    from fabric_pipelines.lib.store.db import create_schema, make_engine
+    from fabric_pipelines.lib.tasks.inbox import submit
+    from fabric_pipelines.lib.tasks.windows import long_input_policy
+
+    paths = FabricPaths(root).ensure()
+    url = database_url(paths)
+    db = make_engine(url)
+    create_schema(db)
+    manifest = EngineManifest.load(manifest_file)
+    submit(tasks_file, paths.inbox, TASK_SET)
+    ingest = ahead.IngestInputs.of(url, paths, TASK_SET, manifest, long_input_policy(), "")
+    plan = ahead.PlanInputs.of(url, paths, TASK_SET, manifest, input_layout(manifest), None)
+    started = time.perf_counter()
+    if mode == "ahead":
+        ahead.start_ahead(paths, ingest, plan, manifest)
+    prepare_pipeline().result()
+    dagster = time.perf_counter() - started
+    ahead.ingested(db, paths, ingest)
+    ahead.planned(db, paths, plan, manifest)
+    print(json.dumps({"mode": mode, "dagster_ready_s": round(dagster, 3),
+                      "planned_s": round(time.perf_counter() - started, 3)}))  # fmt: skip
+
+
+def run_part(work: Path, tasks_file: Path, manifest_file: Path, repeat: int) -> None:
+    runs: list[dict[str, Any]] = []
+    for k in range(repeat):
+        for mode in ("ahead", "serial") if k % 2 == 0 else ("serial", "ahead"):
+            root = work / f"part-{k}-{mode}"
+            shutil.rmtree(root, ignore_errors=True)
+            done = subprocess.run(
+                [sys.executable, __file__, "--child", mode, str(tasks_file), str(manifest_file),
+                 str(root)],
+                capture_output=True, text=True, check=True,
+            )  # fmt: skip
+            runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(f"pair {k}: {runs[-1]}", flush=True)
+    on = float(np.mean([r["planned_s"] for r in runs if r["mode"] == "ahead"]))
+    off = float(np.mean([r["planned_s"] for r in runs if r["mode"] == "serial"]))
+    print(f"Dagster ready, the set ingested and planned: {on:.2f} s ahead against {off:.2f} s "
+          f"one after the other: {on / off:.3f}x")  # fmt: skip
+    print(json.dumps({"part": True, "runs": runs, "mean_ahead_s": round(on, 3),
+                      "mean_serial_s": round(off, 3), "ratio": round(on / off, 3)}))  # fmt: skip
+
+
 def main() -> None:
+    if len(sys.argv) == 6 and sys.argv[1] == "--child":
+        part_child(sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4]), Path(sys.argv[5]))
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="the CPU engine (MiniLM-L6's shape)")
     parser.add_argument("--tasks", type=int, default=1_000_000)
@@ -113,6 +175,7 @@ def main() -> None:
     parser.add_argument("--reference", default=str(DEFAULT))
     parser.add_argument("--tokenizer", help="folder with all-MiniLM's tokenizer files")
     parser.add_argument("--workdir", help="keep the inputs and data roots here")
+    parser.add_argument("--part", action="store_true", help="the calls alone (module doc)")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -143,6 +206,9 @@ def main() -> None:
     manifest_file.write_text(json.dumps(manifest.to_mapping()))
     print(f"{args.tasks:,} tasks, {int(lengths.sum()):,} tokens, {size}, "
           f"{'CPU engine' if args.cpu else 'GPU'}", flush=True)  # fmt: skip
+    if args.part:
+        run_part(work, tasks_file, manifest_file, args.repeat)
+        return
 
     runs: list[dict[str, Any]] = []
     for k in range(args.repeat):
