@@ -5,6 +5,7 @@ the one ahead), and the result is what the step's own call would have stored."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import threading
 from pathlib import Path
 
@@ -62,8 +63,8 @@ def test_steps_take_what_was_made_ahead_for_their_inputs(
     ingest_inputs, plan_inputs = _inputs(db_url, paths, manifest)
     ahead.start_ahead(paths, ingest_inputs, plan_inputs, manifest)
 
-    made_ingest = ingested(db, paths, ingest_inputs)
-    made_plan = planned(db, paths, plan_inputs, manifest)
+    made_ingest = ingested(lambda: db, paths, ingest_inputs)
+    made_plan = planned(lambda: db, paths, plan_inputs, manifest)
     assert made_ingest.ahead and made_plan.ahead
     assert made_ingest.metadata()["started_ahead"] is True
     assert made_ingest.result.n_tasks == 300 and made_plan.result.outstanding == 300
@@ -82,10 +83,10 @@ def test_steps_take_what_was_made_ahead_for_their_inputs(
         assert conn.execute(select(func.count()).select_from(Task)).scalar_one() == 300
         assert conn.execute(select(func.count()).select_from(TaskSet)).scalar_one() == 1
     # With nothing made ahead, a step makes the call itself.
-    assert not ingested(db, paths, ingest_inputs).ahead
+    assert not ingested(lambda: db, paths, ingest_inputs).ahead
 
 
-def test_other_inputs_are_not_taken_and_the_step_waits_for_the_call_ahead(
+def test_other_plan_inputs_are_not_taken_and_the_step_waits_for_the_plan_ahead(
     db: Engine, db_url: str, paths: FabricPaths, tmp_path: Path, manifest: EngineManifest
 ) -> None:
     """The step's settings differ (another reuse setting): it makes its own plan, only after
@@ -104,11 +105,13 @@ def test_other_inputs_are_not_taken_and_the_step_waits_for_the_call_ahead(
     ahead.plan_task_set = slow_plan  # type: ignore[assignment]
     try:
         ahead.start_ahead(paths, ingest_inputs, plan_inputs, manifest)
-        assert ingested(db, paths, ingest_inputs).ahead
+        assert ingested(lambda: db, paths, ingest_inputs).ahead
         assert planning_ahead.wait(30)
         other = PlanInputs.of(db_url, paths, "s", manifest, input_layout(manifest), False)
         result: list[object] = []
-        step = threading.Thread(target=lambda: result.append(planned(db, paths, other, manifest)))
+        step = threading.Thread(
+            target=lambda: result.append(planned(lambda: db, paths, other, manifest))
+        )
         step.start()
         step.join(0.5)
         assert step.is_alive(), "the step waits while the plan ahead runs"
@@ -130,6 +133,74 @@ def test_other_inputs_are_not_taken_and_the_step_waits_for_the_call_ahead(
     assert current == made.result.plan_id and open_items == 200  # type: ignore[attr-defined]
 
 
+def test_an_ingest_turned_down_waits_for_the_plan_ahead_which_is_never_taken(
+    db: Engine, db_url: str, paths: FabricPaths, tmp_path: Path, manifest: EngineManifest
+) -> None:
+    """The ingest step's inputs differ (another database URL spelling, say): it waits for the
+    plan ahead to end before it ingests itself, and the plan step never takes that plan, made
+    from an ingest no step took, even for equal plan inputs."""
+    submit(_texts_file(tmp_path / "s.parquet", 200), paths.inbox, "s")
+    ingest_inputs, plan_inputs = _inputs(db_url, paths, manifest)
+    release = threading.Event()
+    real_plan = ahead.plan_task_set
+
+    def slow_plan(*args, **kwargs):  # type: ignore[no-untyped-def]
+        assert release.wait(30)
+        return real_plan(*args, **kwargs)
+
+    ahead.plan_task_set = slow_plan  # type: ignore[assignment]
+    try:
+        ahead.start_ahead(paths, ingest_inputs, plan_inputs, manifest)
+        other = dataclasses.replace(ingest_inputs, database_url=ingest_inputs.database_url + " ")
+        result: list[object] = []
+        step = threading.Thread(target=lambda: result.append(ahead.take_ingested(other)))
+        step.start()
+        step.join(0.5)
+        assert step.is_alive(), "the ingest step waits while the plan ahead runs"
+        release.set()
+        step.join(60)
+    finally:
+        ahead.plan_task_set = real_plan  # type: ignore[assignment]
+        release.set()
+    assert result == [None]
+    assert ahead.take_planned(plan_inputs) is None
+
+
+def test_a_failure_around_the_calls_ends_them_and_the_steps_make_their_own(
+    db: Engine,
+    db_url: str,
+    paths: FabricPaths,
+    tmp_path: Path,
+    manifest: EngineManifest,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The thread's database cannot even be opened: both calls end failed at once (no step
+    waits for a call that cannot end) and the steps make them themselves."""
+    submit(_texts_file(tmp_path / "s.parquet", 50), paths.inbox, "s")
+    ingest_inputs, plan_inputs = _inputs(db_url, paths, manifest)
+
+    def broken(url: str) -> Engine:
+        raise ValueError("no database here")
+
+    monkeypatch.setattr(ahead, "make_engine", broken)
+    ahead.start_ahead(paths, ingest_inputs, plan_inputs, manifest)
+    made = ingested(lambda: db, paths, ingest_inputs)
+    assert not made.ahead and made.result.n_tasks == 50
+    assert not planned(lambda: db, paths, plan_inputs, manifest).ahead
+
+
+def test_settling_a_run_waits_for_its_calls_ahead_and_forgets_them(
+    db: Engine, db_url: str, paths: FabricPaths, tmp_path: Path, manifest: EngineManifest
+) -> None:
+    submit(_texts_file(tmp_path / "s.parquet", 100), paths.inbox, "s")
+    ingest_inputs, plan_inputs = _inputs(db_url, paths, manifest)
+    ahead.start_ahead(paths, ingest_inputs, plan_inputs, manifest)
+    ahead.settle_ahead("s")
+    assert ahead.pending() == {}
+    with db.connect() as conn:  # both calls ended: the set stored and planned
+        assert conn.execute(select(TaskSet.current_plan_id)).scalar_one() is not None
+
+
 def test_a_failed_call_ahead_is_made_again_by_the_step_which_reports_it(
     db: Engine, db_url: str, paths: FabricPaths, tmp_path: Path, manifest: EngineManifest
 ) -> None:
@@ -139,7 +210,7 @@ def test_a_failed_call_ahead_is_made_again_by_the_step_which_reports_it(
     ingest_inputs, plan_inputs = _inputs(db_url, paths, manifest)
     ahead.start_ahead(paths, ingest_inputs, plan_inputs, manifest)
     with pytest.raises(SubmissionError, match="text"):
-        ingested(db, paths, ingest_inputs)
+        ingested(lambda: db, paths, ingest_inputs)
     assert ahead.take_planned(plan_inputs) is None  # the plan ahead was never made
     with db.connect() as conn:
         assert conn.execute(select(func.count()).select_from(TaskSet)).scalar_one() == 0
@@ -156,9 +227,9 @@ def test_an_ingest_ahead_racing_another_runs_ingest_stores_the_set_once(
         db, paths, "s", model_id=manifest.model_id, max_seq_len=manifest.profile.max_seq_len,
         long_inputs=LongInputs("truncate"),
     )  # fmt: skip
-    made = ingested(db, paths, ingest_inputs)
+    made = ingested(lambda: db, paths, ingest_inputs)
     assert made.result.content_sha256 == other.content_sha256
-    planned(db, paths, plan_inputs, manifest)
+    planned(lambda: db, paths, plan_inputs, manifest)
     with db.connect() as conn:
         assert conn.execute(select(func.count()).select_from(Task)).scalar_one() == 400
         assert conn.execute(select(func.count()).select_from(TaskSet)).scalar_one() == 1

@@ -176,8 +176,16 @@ def test_the_rows_counted_and_hashed_as_they_arrived_are_not_read_again_after(
     monkeypatch.setattr(publish, "array_sha256", hash_seen)
     monkeypatch.setattr(publish, "check_vectors", check_seen)
     monkeypatch.setattr(prebuild, "check_vectors", check_seen)
-    written = [int(r) for r in np.random.default_rng(7).permutation(2400)]
-    _follow(db, set_id, written, index_folder=tmp_path / "during" / "indexes")
+    # In record order as a packed plan extracts, two neighbouring batches at a time swapped,
+    # each seen by the tail before the next is written (as a run's acks come over its polls).
+    batches = np.array_split(np.arange(2400), 16)
+    with vector_tail.following(db, "m", "s", index_folder=tmp_path / "during" / "indexes") as tail:
+        assert tail is not None and tail.wait_until_following(30)
+        seen = 0
+        for i in [i ^ 1 for i in range(16)]:
+            _write(db, "m", set_id, [int(r) for r in batches[i]], dim=24)
+            seen += len(batches[i])
+            _caught_up(tail, seen)
     during = _publish(db, tmp_path / "during", SPEC)
     assert during.vectors_followed and during.prebuilt_seconds is not None
     assert "summary" in during.prebuilt_seconds and "finish_quality" in during.prebuilt_seconds
@@ -185,6 +193,28 @@ def test_the_rows_counted_and_hashed_as_they_arrived_are_not_read_again_after(
     after = _publish(db, tmp_path / "after", SPEC)  # from the table: every pass, as before
     assert "bad-row counts" in passes and "sha256 of every row" in passes
     assert passes.count("sha256 of a shard's rows") == SPEC.shards
+    _same_index(during, after)
+
+
+@SQLITE_ONLY
+def test_rows_that_came_far_out_of_order_are_hashed_by_the_index_step_as_before(
+    db: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Early rows arriving last would leave most of the hashing to the tail's one thread at the
+    end: the summary is dropped then, and the step hashes on its pool; the same receipt."""
+    from fabric_pipelines.lib.index import publish
+
+    hashed: list[bool] = []
+    real_hash = publish.array_sha256
+
+    def hash_seen(array: np.ndarray, rows: np.ndarray | None = None) -> str:
+        hashed.append(array.ndim == 2)
+        return real_hash(array, rows)
+
+    monkeypatch.setattr(publish, "array_sha256", hash_seen)
+    during, after = _followed_then_after(db, tmp_path, SPEC, monkeypatch)  # a random order
+    assert during.prebuilt_seconds is not None and "finish_quality" in during.prebuilt_seconds
+    assert hashed.count(True) == 2 * (1 + SPEC.shards), "both builds hashed every row"
     _same_index(during, after)
 
 

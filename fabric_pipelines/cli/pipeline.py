@@ -83,6 +83,7 @@ def run_pipeline(
     from fabric_pipelines.defs.partitions import TASK_SET_PARTITIONS
     from fabric_pipelines.lib.core.names import validate_task_set_name
     from fabric_pipelines.lib.index import vector_tail
+    from fabric_pipelines.lib.steps.ahead import settle_ahead
     from fabric_pipelines.lib.steps.progress import run_progress
 
     validate_task_set_name(task_set)  # InvalidNameError: main() prints it, exit 2
@@ -112,6 +113,8 @@ def run_pipeline(
         )
         mark("extraction_job_done")
         if not extract.success:
+            # Calls made ahead that no step took end before the command does (steps/ahead.py).
+            settle_ahead(task_set)
             if registered and not _ingested(task_set):
                 instance.delete_dynamic_partition(TASK_SET_PARTITIONS, task_set)
             raise SystemExit(failure_text(extract, "extraction", task_set))
@@ -191,9 +194,9 @@ def start_ahead_for_run(task_set: str, args: argparse.Namespace) -> None:
         return
     try:
         paths, manifest, ingest, plan = ahead_inputs(task_set, args)
+        start_ahead(paths, ingest, plan, manifest, on_mark=mark)
     except Exception:  # the steps read the same settings, and report what is wrong with them
         return
-    start_ahead(paths, ingest, plan, manifest, on_mark=mark)
 
 
 def ahead_inputs(task_set: str, args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:

@@ -61,7 +61,7 @@ def tokenised_tasks(
             set_prompt(paths.inbox, task_set, manifest.model_id),
         )  # fmt: skip
         # Made ahead by `fabric submit --run` in this process while Dagster loaded, else now.
-        made = ingested(database.engine(), paths, inputs)
+        made = ingested(database.engine, paths, inputs)
     except (SubmissionError, ValueError) as exc:
         raise dg.Failure(description=str(exc), allow_retries=False) from exc
     return dg.MaterializeResult(
@@ -97,7 +97,7 @@ def shape_batches(
         database.resolved_url(), paths, context.partition_key, manifest, input_layout(manifest),
         engine.reuse_results,
     )  # fmt: skip
-    made = planned(database.engine(), paths, inputs, manifest)  # ahead, as the ingest
+    made = planned(database.engine, paths, inputs, manifest)  # ahead, as the ingest
     return dg.MaterializeResult(
         metadata=dagster_metadata({**plan_metadata(made.result, made.seconds), **made.metadata()}),
         data_version=dg.DataVersion(made.result.plan_id),

@@ -77,6 +77,8 @@ CHUNK_ROWS = 65_536  # rows prepared and assigned per step: bounds the copies ma
 # The most GPU memory the prepared rows may take while the engine still runs beside them (1 M x
 # 768 float32 rows: 2.9 GiB). A larger index is built after the extraction, as before.
 DEVICE_ROWS_BYTES = 4 << 30
+# The most of the rows the digests of row_summary.py may still have to hash at the hand-over.
+LATE_HASHING = 0.125
 
 
 @dataclass
@@ -178,6 +180,20 @@ class Prebuild:
         )  # fmt: skip
         pool.shutdown(wait=False)  # its one thread ends with the work
 
+    def summarise(self, arrived: np.ndarray) -> None:
+        """Advance the rows' digests (row_summary.py) as far as the arrivals allow; called after
+        `start_finishing`, so the last rows' hashing runs beside the finish, not before it. Where
+        every row is in but early ones came last, leaving most of the hashing to one thread here,
+        the summary is dropped: the index step hashes on its pool instead, as before."""
+        if self._summary is None or self.why_not:
+            return
+        if arrived.all() and self._summary.unhashed() > len(self.ids) * LATE_HASHING:
+            self._summary = None
+            return
+        started = time.perf_counter()
+        self._summary.advance(arrived)
+        self.seconds["summary"] = self.seconds.get("summary", 0.0) + time.perf_counter() - started
+
     @property
     def trained(self) -> bool:
         return self._built is not None
@@ -196,6 +212,7 @@ class Prebuild:
     def finish(self, vectors: np.ndarray | None, arrived: np.ndarray) -> Prebuilt | None:
         """At the hand-over: the rest advanced, and what is ready when every row arrived."""
         self.advance(vectors, arrived)
+        self.summarise(arrived)
         if not self.why_not and not arrived.all():
             self.give_up(f"{int((~arrived).sum())} expected rows did not arrive")
         if self.why_not or self._built is None or self._rows is None:
@@ -233,12 +250,6 @@ class Prebuild:
         for at in range(0, len(new), CHUNK_ROWS):
             self._prepare(vectors, new[at : at + CHUNK_ROWS])
         self.seconds["prepare"] += time.perf_counter() - started
-        if self._summary is not None:
-            started = time.perf_counter()
-            self._summary.advance(arrived)
-            self.seconds["summary"] = self.seconds.get("summary", 0.0) + (
-                time.perf_counter() - started
-            )
         if self._built is None and self._prepared[self._sample].all():
             started = time.perf_counter()
             self._built = train_rows(self._rows, self.spec, self._factory, n=len(self.ids))

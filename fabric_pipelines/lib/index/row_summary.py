@@ -82,6 +82,10 @@ class RowSummary:
                 update_digest(self._shards[shard], self._vectors[rows[at : min(end, at + step)]])
             self._shard_through[shard] = end
 
+    def unhashed(self) -> int:
+        """Rows the whole digest has still to take (the shards' are about as many)."""
+        return len(self._vectors) - self._whole_through
+
     def finish(self) -> Summary | None:
         """The summary once every row is counted and hashed; None before."""
         rows = len(self._vectors)

@@ -350,6 +350,8 @@ class VectorTail:
                 self._prebuild.start_finishing(
                     vectors, model_index_folder(folder, self.key[1]), _min_recall
                 )
+            # The rows' digests last: beside the finish, never ahead of it (row_summary.py).
+            self._prebuild.summarise(self._arrivals.arrived)
 
     def _version_sum(self, cursor: Any) -> int:
         rows = self._query(

@@ -10,11 +10,16 @@ is submitted, so that they overlap Dagster's start instead of following it.
 Each step, in the same process, takes the result over (`take_ingested`, `take_planned`) when it
 was made from exactly the inputs the step has (database, data root, set, model, lengths,
 long-input policy, prompt; manifest, input layout, reuse), waiting for it if it is still
-running. A result made from other inputs, or a call that failed, is not taken: the step makes
-the call itself (after the one ahead has ended, so the two never race), and reports a failure
-as it always has. Both calls are idempotent for the same inputs (a set ingested before is read
-as stored; a plan of the same outstanding items is kept), so a result not taken costs time,
-never a second copy. A result is taken once; one nobody takes is dropped with its process.
+running; a plan ahead is taken only after an ingest ahead the ingest step took. A result made
+from other inputs, or a call that failed, is not taken: the step makes the call itself, after
+every call ahead has ended (so the two never race), and reports a failure as it always has.
+Both calls are idempotent for the same inputs (a set ingested before is read as stored; a plan
+of the same outstanding items is kept), so a failed call or a plan not taken costs time, never a
+second copy. An ingest ahead from other inputs (the CLI builds them as the engine resource does,
+`cli/pipeline.ahead_inputs`, and a test holds the two equal) would stay stored as a set is: the
+step's own ingest then meets it as a second submission of the set with other settings would.
+Every call ahead ends its futures, whatever fails where; a run that fails before its steps took
+them waits for them to end (`settle_ahead`), so none is cut off mid-write by the exit.
 """
 
 from __future__ import annotations
@@ -109,6 +114,9 @@ class _Ahead:
     plan_inputs: PlanInputs
     ingested: Future[tuple[IngestSummary, float]]
     planned: Future[tuple[PlanSummary, float]]
+    # The ingest step turned the ingest ahead down (other inputs): the plan ahead was made
+    # from a set the step did not ingest, and is never taken.
+    ingest_refused: bool = False
 
 
 _ahead: dict[str, _Ahead] = {}  # task set -> the calls started for it, until taken
@@ -129,59 +137,78 @@ def start_ahead(
     ):  # fmt: skip
         raise ValueError("start_ahead: the ingest and the plan must be of one set and database")
     ahead = _Ahead(ingest, plan, Future(), Future())
-    with _lock:
-        _ahead[ingest.task_set] = ahead
 
-    def run() -> None:
+    def calls() -> None:
         db = make_engine(ingest.database_url)
         try:
             started = time.perf_counter()
-            try:
-                summary = ingest_task_set(
-                    db, paths, ingest.task_set, model_id=ingest.model_id,
-                    max_seq_len=ingest.max_seq_len, long_inputs=ingest.long_inputs,
-                    prompt=ingest.prompt,
-                )  # fmt: skip
-            except BaseException as exc:  # held for the step, which makes the call itself
-                ahead.ingested.set_exception(exc)
-                ahead.planned.set_exception(exc)
-                return
+            summary = ingest_task_set(
+                db, paths, ingest.task_set, model_id=ingest.model_id,
+                max_seq_len=ingest.max_seq_len, long_inputs=ingest.long_inputs,
+                prompt=ingest.prompt,
+            )  # fmt: skip
             ahead.ingested.set_result((summary, time.perf_counter() - started))
             on_mark("ahead_ingested")
             started = time.perf_counter()
-            try:
-                planned = plan_task_set(
-                    db, paths, plan.task_set, manifest, plan.layout, reuse=plan.reuse
-                )
-            except BaseException as exc:
-                ahead.planned.set_exception(exc)
-                return
+            planned = plan_task_set(
+                db, paths, plan.task_set, manifest, plan.layout, reuse=plan.reuse
+            )
             ahead.planned.set_result((planned, time.perf_counter() - started))
             on_mark("ahead_planned")
         finally:
             db.dispose()
 
-    threading.Thread(target=run, name=f"ahead-{ingest.task_set}", daemon=True).start()
+    def run() -> None:
+        try:
+            calls()
+        except BaseException as exc:  # held for the steps, which make the calls themselves
+            failed = exc
+        else:
+            return
+        # Every future ends, whatever failed where: a step never waits for one that cannot.
+        for future in (ahead.ingested, ahead.planned):
+            if not future.done():
+                future.set_exception(failed)
+
+    thread = threading.Thread(target=run, name=f"ahead-{ingest.task_set}", daemon=True)
+    with _lock:
+        _ahead[ingest.task_set] = ahead
+    try:
+        thread.start()
+    except BaseException:
+        forget_ahead(ingest.task_set)
+        raise
 
 
 def take_ingested(inputs: IngestInputs) -> Taken[IngestSummary] | None:
     """The ingest made ahead for exactly `inputs`, once it has ended; None when there is none,
-    it was made from other inputs, or it failed (the step then ingests itself)."""
+    it was made from other inputs, or it failed (the step then ingests itself). Turned down
+    for other inputs, the plan ahead is waited for too (the step's own calls must not race it)
+    and is never taken."""
     with _lock:
         ahead = _ahead.get(inputs.task_set)
     if ahead is None:
         return None
-    return _taken(ahead.ingested, ahead.ingest_inputs == inputs)
+    same = ahead.ingest_inputs == inputs
+    if not same:
+        ahead.ingest_refused = True
+        _ended(ahead.planned)
+    return _taken(ahead.ingested, same)
 
 
 def take_planned(inputs: PlanInputs) -> Taken[PlanSummary] | None:
-    """The plan made ahead for exactly `inputs` (after its ingest), once it has ended; None as
-    for `take_ingested`. Taken once: the set's calls made ahead are forgotten here."""
+    """The plan made ahead for exactly `inputs`, after an ingest the ingest step took, once it
+    has ended; None as for `take_ingested`. The set's calls made ahead are forgotten here."""
     with _lock:
         ahead = _ahead.pop(inputs.task_set, None)
     if ahead is None:
         return None
-    return _taken(ahead.planned, ahead.plan_inputs == inputs)
+    return _taken(ahead.planned, ahead.plan_inputs == inputs and not ahead.ingest_refused)
+
+
+def _ended(made: Future[Any]) -> None:
+    """Wait for a call ahead to end, whatever its outcome."""
+    made.exception()
 
 
 def _taken(made: Future[tuple[T, float]], same_inputs: bool) -> Taken[T] | None:
@@ -210,35 +237,51 @@ class Made(Generic[T]):
         return {"started_ahead": True, "waited_seconds": round(self.waited_seconds, 3)}
 
 
-def ingested(db: Engine, paths: FabricPaths, inputs: IngestInputs) -> Made[IngestSummary]:
-    """The ingest step's call: the one made ahead for these inputs, else made now."""
+def ingested(
+    db: Callable[[], Engine], paths: FabricPaths, inputs: IngestInputs
+) -> Made[IngestSummary]:
+    """The ingest step's call: the one made ahead for these inputs, else made now. `db` is
+    called only then (a step's engine opens the schema: not while a call ahead writes)."""
     taken = take_ingested(inputs)
     if taken is not None:
         return Made(taken.result, taken.seconds, True, taken.waited_seconds)
     started = time.perf_counter()
     summary = ingest_task_set(
-        db, paths, inputs.task_set, model_id=inputs.model_id, max_seq_len=inputs.max_seq_len,
+        db(), paths, inputs.task_set, model_id=inputs.model_id, max_seq_len=inputs.max_seq_len,
         long_inputs=inputs.long_inputs, prompt=inputs.prompt,
     )  # fmt: skip
     return Made(summary, time.perf_counter() - started)
 
 
 def planned(
-    db: Engine, paths: FabricPaths, inputs: PlanInputs, manifest: EngineManifest
+    db: Callable[[], Engine], paths: FabricPaths, inputs: PlanInputs, manifest: EngineManifest
 ) -> Made[PlanSummary]:
-    """The plan step's call: the one made ahead for these inputs, else made now."""
+    """The plan step's call: the one made ahead for these inputs, else made now (`db` as for
+    `ingested`)."""
     taken = take_planned(inputs)
     if taken is not None:
         return Made(taken.result, taken.seconds, True, taken.waited_seconds)
     started = time.perf_counter()
-    summary = plan_task_set(db, paths, inputs.task_set, manifest, inputs.layout, reuse=inputs.reuse)
+    summary = plan_task_set(
+        db(), paths, inputs.task_set, manifest, inputs.layout, reuse=inputs.reuse
+    )
     return Made(summary, time.perf_counter() - started)
 
 
 def forget_ahead(task_set: str) -> None:
-    """Drop what was started for `task_set` (a run that ends without its steps taking it)."""
+    """Drop what was started for `task_set`, running or not."""
     with _lock:
         _ahead.pop(task_set, None)
+
+
+def settle_ahead(task_set: str) -> None:
+    """A run that ends without its steps taking the calls made ahead (a failed step): wait for
+    them to end, whatever their outcome, and forget them."""
+    with _lock:
+        ahead = _ahead.pop(task_set, None)
+    if ahead is not None:
+        _ended(ahead.ingested)
+        _ended(ahead.planned)
 
 
 def pending() -> dict[str, Any]:
