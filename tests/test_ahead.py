@@ -189,16 +189,17 @@ def test_a_failure_around_the_calls_ends_them_and_the_steps_make_their_own(
     assert not planned(lambda: db, paths, plan_inputs, manifest).ahead
 
 
-def test_settling_a_run_waits_for_its_calls_ahead_and_forgets_them(
+def test_a_forgotten_call_ahead_is_never_taken(
     db: Engine, db_url: str, paths: FabricPaths, tmp_path: Path, manifest: EngineManifest
 ) -> None:
+    """A run that failed forgets its calls ahead: a later step in the process makes its own."""
     submit(_texts_file(tmp_path / "s.parquet", 100), paths.inbox, "s")
     ingest_inputs, plan_inputs = _inputs(db_url, paths, manifest)
     ahead.start_ahead(paths, ingest_inputs, plan_inputs, manifest)
-    ahead.settle_ahead("s")
+    ahead.forget_ahead("s")
     assert ahead.pending() == {}
-    with db.connect() as conn:  # both calls ended: the set stored and planned
-        assert conn.execute(select(TaskSet.current_plan_id)).scalar_one() is not None
+    assert not ingested(lambda: db, paths, ingest_inputs).ahead
+    assert not planned(lambda: db, paths, plan_inputs, manifest).ahead
 
 
 def test_a_failed_call_ahead_is_made_again_by_the_step_which_reports_it(

@@ -83,7 +83,7 @@ def run_pipeline(
     from fabric_pipelines.defs.partitions import TASK_SET_PARTITIONS
     from fabric_pipelines.lib.core.names import validate_task_set_name
     from fabric_pipelines.lib.index import vector_tail
-    from fabric_pipelines.lib.steps.ahead import settle_ahead
+    from fabric_pipelines.lib.steps.ahead import forget_ahead
     from fabric_pipelines.lib.steps.progress import run_progress
 
     validate_task_set_name(task_set)  # InvalidNameError: main() prints it, exit 2
@@ -113,8 +113,9 @@ def run_pipeline(
         )
         mark("extraction_job_done")
         if not extract.success:
-            # Calls made ahead that no step took end before the command does (steps/ahead.py).
-            settle_ahead(task_set)
+            # Calls made ahead that no step took are not waited for: the command ends now (a
+            # stop must be prompt), and a call cut off mid-transaction leaves nothing behind.
+            forget_ahead(task_set)
             if registered and not _ingested(task_set):
                 instance.delete_dynamic_partition(TASK_SET_PARTITIONS, task_set)
             raise SystemExit(failure_text(extract, "extraction", task_set))

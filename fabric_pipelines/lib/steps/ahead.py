@@ -18,8 +18,9 @@ of the same outstanding items is kept), so a failed call or a plan not taken cos
 second copy. An ingest ahead from other inputs (the CLI builds them as the engine resource does,
 `cli/pipeline.ahead_inputs`, and a test holds the two equal) would stay stored as a set is: the
 step's own ingest then meets it as a second submission of the set with other settings would.
-Every call ahead ends its futures, whatever fails where; a run that fails before its steps took
-them waits for them to end (`settle_ahead`), so none is cut off mid-write by the exit.
+Every call ahead ends its futures, whatever fails where. A run that fails (or is stopped) before
+its steps took them forgets them and ends at once: a call cut off by the exit mid-transaction
+leaves nothing behind, and one that ended is what the next run of the set finds and keeps.
 """
 
 from __future__ import annotations
@@ -272,16 +273,6 @@ def forget_ahead(task_set: str) -> None:
     """Drop what was started for `task_set`, running or not."""
     with _lock:
         _ahead.pop(task_set, None)
-
-
-def settle_ahead(task_set: str) -> None:
-    """A run that ends without its steps taking the calls made ahead (a failed step): wait for
-    them to end, whatever their outcome, and forget them."""
-    with _lock:
-        ahead = _ahead.pop(task_set, None)
-    if ahead is not None:
-        _ended(ahead.ingested)
-        _ended(ahead.planned)
 
 
 def pending() -> dict[str, Any]:
