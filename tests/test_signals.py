@@ -134,6 +134,61 @@ def test_a_run_started_with_sigint_ignored_stops_on_sigterm_and_the_next_run_fin
     assert verify.returncode == 0, verify.stdout[-3000:] + verify.stderr[-3000:]
 
 
+def test_a_run_stopped_while_its_set_is_ingested_and_planned_ahead_stops_at_once(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """SIGTERM as soon as the set is submitted: the ingest and plan started ahead
+    (lib/steps/ahead.py) are not waited for, the command ends within seconds with its workers,
+    and the next run of the set does it all, exactly once."""
+    home = tmp_path / "home"
+    manifest = manifest_for_model(
+        str(tiny_model_dir), backend="cpu", dtype="float32",
+        profile=ConsumerProfile(512, 16, 64, 8), hooks=HookSpec((), "mean"),
+    )  # fmt: skip
+    engine = tmp_path / "engine.json"
+    engine.write_text(json.dumps(manifest.to_mapping()))
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(
+        "".join(json.dumps({"id": i, "text": f"text {i} of a set stopped early"}) + "\n"
+                for i in range(3000))
+    )  # fmt: skip
+    run = subprocess.Popen(
+        [FABRIC, "submit", str(tasks), "--task-set", "s", "--run", "--manifest", str(engine)],
+        env=_env(home), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        preexec_fn=_ignore_sigint,
+    )  # fmt: skip
+    assert run.stdout is not None
+    seen = b""
+    while b"submitted " not in seen:
+        line = run.stdout.readline()
+        assert line, "the run ended before it submitted the set:\n" + seen.decode()
+        seen += line
+    run.send_signal(signal.SIGTERM)
+    try:
+        rest, _ = run.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        run.kill()
+        run.communicate()
+        pytest.fail("the run went on for 30 s after SIGTERM")
+    text = (seen + rest).decode()
+    assert run.returncode != 0, text[-3000:]
+    deadline = time.monotonic() + 15
+    while _workers_of(home) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _workers_of(home) == [], "the run's workers outlived it"
+    again = subprocess.run(
+        [FABRIC, "run", "s", "--manifest", str(engine)],
+        env=_env(home), capture_output=True, text=True, timeout=400,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    status = subprocess.run(
+        [FABRIC, "status", "s", "--json"], env=_env(home), capture_output=True, text=True
+    )
+    (row,) = json.loads(status.stdout)["task_sets"]
+    assert row["balanced"] and row["failed"] == 0, row
+    assert row["completed"] + row.get("reused", 0) == 3000, row
+
+
 CHILD = """
 import signal, sys, time
 from fabric_pipelines.lib.core.signals import stop_on_signals
