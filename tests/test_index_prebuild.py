@@ -321,6 +321,37 @@ def test_a_slow_first_prebuild_step_neither_delays_following_nor_loses_the_hand_
 
 
 @SQLITE_ONLY
+def test_a_hand_over_that_comes_while_a_poll_reads_takes_what_it_read(
+    db: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hand-over's stop, set while a poll of the tail reads its rows, lets that read end:
+    the tail still stands for the table (it gave up, before)."""
+    monkeypatch.setattr(vector_tail, "_index_settings", _settings(SPEC))
+    monkeypatch.setattr(vector_tail, "FETCH_ROWS", 16)  # a poll's read in many fetches
+    earlier = _task_set(db, "earlier", 1200)
+    _write(db, "m", earlier, list(range(1200)), dim=24)
+    set_id = _task_set(db, "s", 300)
+    with vector_tail.following(db, "m", "s") as tail:
+        assert tail is not None and tail.wait_until_following(30)
+        real_place = vector_tail._Arrivals.place_blobs
+
+        def stopped_meanwhile(self: Any, ids: np.ndarray, blobs: list[Any]) -> None:
+            tail._stop.set()  # what the hand-over does first, here amid the poll's read
+            real_place(self, ids, blobs)
+
+        monkeypatch.setattr(vector_tail._Arrivals, "place_blobs", stopped_meanwhile)
+        _write(db, "m", set_id, list(range(300)), dim=24)
+        deadline = time.monotonic() + 30
+        while tail._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)  # the poll reads, then the loop ends on the stop
+        assert tail.why == "following", tail.why
+    during = _publish(db, tmp_path / "during", SPEC)
+    assert during.vectors_followed
+    after = _publish(db, tmp_path / "after", SPEC)
+    _same_index(during, after)
+
+
+@SQLITE_ONLY
 def test_an_index_finished_at_another_recall_floor_is_measured_again_to_the_same_bytes(
     db: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

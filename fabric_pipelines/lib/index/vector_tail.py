@@ -368,8 +368,14 @@ class VectorTail:
         return self._ready.wait(timeout)
 
     def _check_stopped(self) -> None:
-        """On the tail's thread: a tail given up while on its first read stops reading."""
-        if self._stop.is_set() and threading.current_thread() is self._thread:
+        """On the tail's thread: a tail given up while on its first read stops reading. A poll's
+        read runs to its end: the hand-over joins this thread and takes what it read (stopping
+        it there gave up a tail whose hand-over came while a poll read its last rows)."""
+        if (
+            self._stop.is_set()
+            and not self._ready.is_set()
+            and threading.current_thread() is self._thread
+        ):
             raise TailGaveUp("stopped")
 
     def _give_up(self, exc: BaseException) -> None:
