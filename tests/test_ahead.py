@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import threading
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -86,41 +87,57 @@ def test_steps_take_what_was_made_ahead_for_their_inputs(
     assert not ingested(lambda: db, paths, ingest_inputs).ahead
 
 
+def _hold_plans(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """Every plan made waits for the second event; the first is set once one waits."""
+    planning, release = threading.Event(), threading.Event()
+    real_plan = ahead.plan_task_set
+
+    def held_plan(*args, **kwargs):  # type: ignore[no-untyped-def]
+        planning.set()
+        assert release.wait(30)
+        return real_plan(*args, **kwargs)
+
+    monkeypatch.setattr(ahead, "plan_task_set", held_plan)
+    return planning, release
+
+
+def _waits_for(release: threading.Event, call: Any, why: str) -> object:
+    """`call()`'s result, run on a thread that must still be waiting half a second in, until
+    `release` is set."""
+    result: list[object] = []
+    step = threading.Thread(target=lambda: result.append(call()))
+    try:
+        step.start()
+        step.join(0.5)
+        assert step.is_alive(), why
+    finally:
+        release.set()
+    step.join(60)
+    (made,) = result
+    return made
+
+
 def test_other_plan_inputs_are_not_taken_and_the_step_waits_for_the_plan_ahead(
-    db: Engine, db_url: str, paths: FabricPaths, tmp_path: Path, manifest: EngineManifest
+    db: Engine,
+    db_url: str,
+    paths: FabricPaths,
+    tmp_path: Path,
+    manifest: EngineManifest,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The step's settings differ (another reuse setting): it makes its own plan, only after
     the one ahead has ended, so the two never plan the set at once."""
     submit(_texts_file(tmp_path / "s.parquet", 200), paths.inbox, "s")
     ingest_inputs, plan_inputs = _inputs(db_url, paths, manifest)
-    release = threading.Event()
-    real_plan = ahead.plan_task_set
-    planning_ahead = threading.Event()
-
-    def slow_plan(*args, **kwargs):  # type: ignore[no-untyped-def]
-        planning_ahead.set()
-        assert release.wait(30)
-        return real_plan(*args, **kwargs)
-
-    ahead.plan_task_set = slow_plan  # type: ignore[assignment]
-    try:
-        ahead.start_ahead(paths, ingest_inputs, plan_inputs, manifest)
-        assert ingested(lambda: db, paths, ingest_inputs).ahead
-        assert planning_ahead.wait(30)
-        other = PlanInputs.of(db_url, paths, "s", manifest, input_layout(manifest), False)
-        result: list[object] = []
-        step = threading.Thread(
-            target=lambda: result.append(planned(lambda: db, paths, other, manifest))
-        )
-        step.start()
-        step.join(0.5)
-        assert step.is_alive(), "the step waits while the plan ahead runs"
-        release.set()
-        step.join(60)
-    finally:
-        ahead.plan_task_set = real_plan  # type: ignore[assignment]
-        release.set()
-    (made,) = result
+    planning_ahead, release = _hold_plans(monkeypatch)
+    ahead.start_ahead(paths, ingest_inputs, plan_inputs, manifest)
+    assert ingested(lambda: db, paths, ingest_inputs).ahead
+    assert planning_ahead.wait(30)
+    other = PlanInputs.of(db_url, paths, "s", manifest, input_layout(manifest), False)
+    made = _waits_for(
+        release, lambda: planned(lambda: db, paths, other, manifest),
+        "the step waits while the plan ahead runs",
+    )  # fmt: skip
     assert not made.ahead  # type: ignore[attr-defined]
     # Its own plan is the set's current one, and its batches cover the set once.
     with db.connect() as conn:
@@ -134,35 +151,28 @@ def test_other_plan_inputs_are_not_taken_and_the_step_waits_for_the_plan_ahead(
 
 
 def test_an_ingest_turned_down_waits_for_the_plan_ahead_which_is_never_taken(
-    db: Engine, db_url: str, paths: FabricPaths, tmp_path: Path, manifest: EngineManifest
+    db: Engine,
+    db_url: str,
+    paths: FabricPaths,
+    tmp_path: Path,
+    manifest: EngineManifest,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The ingest step's inputs differ (another database URL spelling, say): it waits for the
     plan ahead to end before it ingests itself, and the plan step never takes that plan, made
     from an ingest no step took, even for equal plan inputs."""
     submit(_texts_file(tmp_path / "s.parquet", 200), paths.inbox, "s")
     ingest_inputs, plan_inputs = _inputs(db_url, paths, manifest)
-    release = threading.Event()
-    real_plan = ahead.plan_task_set
-
-    def slow_plan(*args, **kwargs):  # type: ignore[no-untyped-def]
-        assert release.wait(30)
-        return real_plan(*args, **kwargs)
-
-    ahead.plan_task_set = slow_plan  # type: ignore[assignment]
-    try:
-        ahead.start_ahead(paths, ingest_inputs, plan_inputs, manifest)
-        other = dataclasses.replace(ingest_inputs, database_url=ingest_inputs.database_url + " ")
-        result: list[object] = []
-        step = threading.Thread(target=lambda: result.append(ahead.take_ingested(other)))
-        step.start()
-        step.join(0.5)
-        assert step.is_alive(), "the ingest step waits while the plan ahead runs"
-        release.set()
-        step.join(60)
-    finally:
-        ahead.plan_task_set = real_plan  # type: ignore[assignment]
-        release.set()
-    assert result == [None]
+    planning_ahead, release = _hold_plans(monkeypatch)
+    ahead.start_ahead(paths, ingest_inputs, plan_inputs, manifest)
+    assert planning_ahead.wait(30)
+    other = dataclasses.replace(ingest_inputs, database_url=ingest_inputs.database_url + " ")
+    taken = _waits_for(
+        release,
+        lambda: ahead.take_ingested(other),
+        "the ingest step waits while the plan ahead runs",
+    )
+    assert taken is None
     assert ahead.take_planned(plan_inputs) is None
 
 

@@ -51,6 +51,28 @@ def _workers_of(home: Path) -> list[int]:
     return found
 
 
+def _workers_gone_then_the_next_run_does_the_rest(
+    home: Path, engine: Path, tasks: int, *options: str
+) -> None:
+    """A stopped run of set "s": its workers end within 15 s, then `fabric run` (with
+    `options`) finishes the set, every task once and none failed."""
+    deadline = time.monotonic() + 15
+    while _workers_of(home) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _workers_of(home) == [], "the run's workers outlived it"
+    again = subprocess.run(
+        [FABRIC, "run", "s", "--manifest", str(engine), *options],
+        env=_env(home), capture_output=True, text=True, timeout=400,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    status = subprocess.run(
+        [FABRIC, "status", "s", "--json"], env=_env(home), capture_output=True, text=True
+    )
+    (row,) = json.loads(status.stdout)["task_sets"]
+    assert row["balanced"] and row["failed"] == 0, row
+    assert row["completed"] + row.get("reused", 0) == tasks, row
+
+
 def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
@@ -112,22 +134,7 @@ def test_a_run_started_with_sigint_ignored_stops_on_sigterm_and_the_next_run_fin
     text = output.decode()
     assert run.returncode != 0, text[-3000:]
     assert "completed        20,000" not in text, "it finished the set regardless"
-    deadline = time.monotonic() + 15
-    while _workers_of(home) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _workers_of(home) == [], "the run's workers outlived it"
-
-    again = subprocess.run(
-        [FABRIC, "run", "s", "--manifest", str(engine), "--workers", "2"],
-        env=_env(home), capture_output=True, text=True, timeout=400,
-    )  # fmt: skip
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    status = subprocess.run(
-        [FABRIC, "status", "s", "--json"], env=_env(home), capture_output=True, text=True
-    )
-    (row,) = json.loads(status.stdout)["task_sets"]
-    assert row["balanced"] and row["failed"] == 0, row
-    assert row["completed"] + row.get("reused", 0) == TASKS, row
+    _workers_gone_then_the_next_run_does_the_rest(home, engine, TASKS, "--workers", "2")
     verify = subprocess.run(
         [FABRIC, "verify", "s"], env=_env(home), capture_output=True, text=True, timeout=300
     )
@@ -172,21 +179,7 @@ def test_a_run_stopped_while_its_set_is_ingested_and_planned_ahead_stops_at_once
         pytest.fail("the run went on for 30 s after SIGTERM")
     text = (seen + rest).decode()
     assert run.returncode != 0, text[-3000:]
-    deadline = time.monotonic() + 15
-    while _workers_of(home) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _workers_of(home) == [], "the run's workers outlived it"
-    again = subprocess.run(
-        [FABRIC, "run", "s", "--manifest", str(engine)],
-        env=_env(home), capture_output=True, text=True, timeout=400,
-    )  # fmt: skip
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    status = subprocess.run(
-        [FABRIC, "status", "s", "--json"], env=_env(home), capture_output=True, text=True
-    )
-    (row,) = json.loads(status.stdout)["task_sets"]
-    assert row["balanced"] and row["failed"] == 0, row
-    assert row["completed"] + row.get("reused", 0) == 3000, row
+    _workers_gone_then_the_next_run_does_the_rest(home, engine, 3000)
 
 
 CHILD = """

@@ -189,9 +189,10 @@ def start_ahead_for_run(task_set: str, args: argparse.Namespace) -> None:
     nothing starts and the steps report why. FABRIC_AHEAD=off: the steps make both calls
     themselves, one after the other, as a run launched from the UI does."""
     from fabric_pipelines.cli.run_clock import mark
+    from fabric_pipelines.lib.core.settings import switched_on
     from fabric_pipelines.lib.steps.ahead import start_ahead
 
-    if os.environ.get("FABRIC_AHEAD", "on").strip().lower() in ("off", "0", "false", "no"):
+    if not switched_on("FABRIC_AHEAD"):
         return
     try:
         paths, manifest, ingest, plan = ahead_inputs(task_set, args)

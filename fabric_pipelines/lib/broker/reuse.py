@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
@@ -75,6 +74,7 @@ from sqlalchemy.orm import aliased
 from fabric_gpu._content_keys import digest_runs
 from fabric_pipelines.lib.broker.ledger import record_nos_of
 from fabric_pipelines.lib.core.retry import unit_of_work
+from fabric_pipelines.lib.core.settings import switched_on
 from fabric_pipelines.lib.store.db import insert_ignoring_duplicates
 from fabric_pipelines.lib.store.keys import model_id, task_set_id
 from fabric_pipelines.lib.store.models import (
@@ -98,14 +98,13 @@ ROWS_PER_INSERT = 1000  # SQLite: planned keys bound per statement (2,000 of its
 MIN_RUN = 64  # SQLite: consecutive record numbers worth one statement of their own
 MAX_POLL_S = 5.0  # the longest pause between looks at a set's waits for other sets' results
 WORK_MEM = "256MB"  # PostgreSQL: for the planning transaction (the links' sort, the key joins)
-OFF_VALUES = {"0", "off", "false", "no"}
 
 
 def reuse_enabled(setting: bool | None = None) -> bool:
     """`setting` if given, else FABRIC_REUSE (on unless "off", "0", "false" or "no")."""
     if setting is not None:
         return setting
-    return os.environ.get("FABRIC_REUSE", "on").strip().lower() not in OFF_VALUES
+    return switched_on("FABRIC_REUSE")
 
 
 def content_keys(

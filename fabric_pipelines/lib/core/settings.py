@@ -91,6 +91,14 @@ class FabricPaths:
         return self
 
 
+OFF_VALUES = frozenset({"0", "off", "false", "no"})
+
+
+def switched_on(variable: str) -> bool:
+    """An on-by-default switch from the environment: on unless "off", "0", "false" or "no"."""
+    return os.environ.get(variable, "on").strip().lower() not in OFF_VALUES
+
+
 def database_url(paths: FabricPaths, explicit: str | None = None) -> str:
     """FABRIC_DATABASE_URL (or `explicit`), else the embedded SQLite file under the data root."""
     url = explicit or os.environ.get("FABRIC_DATABASE_URL")

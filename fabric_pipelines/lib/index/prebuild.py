@@ -67,7 +67,7 @@ from fabric_pipelines.lib.index.build import (
 )
 from fabric_pipelines.lib.index.index_file import StoredWhenChosen
 from fabric_pipelines.lib.index.quality import Quality, measure
-from fabric_pipelines.lib.index.row_summary import RowSummary, Summary
+from fabric_pipelines.lib.index.row_summary import RowSummary, Summary, done_through
 from fabric_pipelines.lib.index.shards import shard_of
 from fabric_pipelines.lib.index.vectors import VectorCounts, check_vectors, refuse_bad_vectors
 
@@ -290,15 +290,8 @@ class Prebuild:
         self.seconds["fill"] = self.seconds.get("fill", 0.0) + time.perf_counter() - started
 
     def _assigned_through(self, rows: np.ndarray, start: int) -> int:
-        """The end of the run of `rows` from `start` that is all assigned. Looked at a chunk at
-        a time: a look finds the run grown by a few hundred rows, not the shard's rest."""
-        end = start
-        while end < len(rows):
-            waiting = self._lists[rows[end : end + CHUNK_ROWS]] < 0
-            if waiting.any():
-                return end + int(np.argmax(waiting))
-            end += len(waiting)
-        return end
+        """The end of the run of `rows` from `start` that is all assigned."""
+        return done_through(lambda a, b: self._lists[rows[a:b]] >= 0, len(rows), start)
 
     def _start(self, vectors: np.ndarray) -> None:
         """With the first rows: the index's factory and builder, and room for the rows."""

@@ -45,6 +45,7 @@ from fabric_pipelines.lib.core.files import (
     CorruptFileError,
     write_bytes,
 )
+from fabric_pipelines.lib.core.futures import done
 from fabric_pipelines.lib.core.retry import unit_of_work
 from fabric_pipelines.lib.index import shards, vector_tail
 from fabric_pipelines.lib.index.build import (
@@ -241,7 +242,7 @@ def build_and_publish(
     with ThreadPoolExecutor(WORKERS, thread_name_prefix="index") as pool:
         ids_sha256 = pool.submit(array_sha256, source.ids)
         vectors_sha256 = (
-            _done(summary.vectors_sha256)
+            done(summary.vectors_sha256)
             if summary is not None
             else pool.submit(array_sha256, source.vectors)
         )
@@ -409,7 +410,7 @@ def _build(
     def hashes(shard: int) -> tuple[Future[str], Future[str]]:
         ids = pool.submit(array_sha256, source.ids, positions[shard])
         if len(hashed) == spec.shards:  # hashed as the rows arrived, shard by shard
-            return ids, _done(hashed[shard])
+            return ids, done(hashed[shard])
         return ids, pool.submit(array_sha256, source.vectors, positions[shard])
 
     # The rows of each shard to build are hashed beside the work, from now on.
@@ -522,13 +523,6 @@ def _summary_of(prebuilt: Prebuilt | None, source: VectorSet) -> Summary | None:
         return None
     assert prebuilt is not None
     return summary if np.array_equal(prebuilt.rows.ids, source.ids) else None
-
-
-def _done(value: str) -> Future[str]:
-    """A value already known, as a finished future (beside the ones still computing)."""
-    finished: Future[str] = Future()
-    finished.set_result(value)
-    return finished
 
 
 def _finished_ahead(ready: Prebuilt | None, min_recall: float) -> Finished | None:

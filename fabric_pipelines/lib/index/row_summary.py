@@ -14,6 +14,7 @@ decoded values, a copy, a read of the table) it computes them itself, as before.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,7 +22,7 @@ import numpy as np
 from fabric_pipelines.lib.index.receipt import BLOCK_BYTES, update_digest
 from fabric_pipelines.lib.index.vectors import VectorCounts, count_bad_rows
 
-SCAN_ROWS = 65_536  # arrivals looked at per step when finding how far a digest can advance
+SCAN_ROWS = 65_536  # items looked at per step when finding how far a run of done items reaches
 
 
 @dataclass(frozen=True)
@@ -101,17 +102,20 @@ class RowSummary:
         )
 
 
-def _arrived_through(arrived: np.ndarray, rows: np.ndarray | None, start: int) -> int:
-    """The end of the run from `start` of `rows` (positions; None: every row) that all arrived,
-    looked at a chunk at a time (a look finds the run grown a little, not the set's rest)."""
-    total = len(arrived) if rows is None else len(rows)
+def done_through(done: Callable[[int, int], np.ndarray], total: int, start: int) -> int:
+    """The end of the run from `start` (of `total` items) that is all done, asking `done(a, b)`
+    for items [a, b) a chunk at a time: a look finds the run grown a little, not the rest."""
     end = start
     while end < total:
-        chunk = (
-            arrived[end : end + SCAN_ROWS] if rows is None else arrived[rows[end : end + SCAN_ROWS]]
-        )
-        missing = ~chunk
-        if missing.any():
-            return end + int(np.argmax(missing))
+        chunk = done(end, min(total, end + SCAN_ROWS))
+        if not chunk.all():
+            return end + int(np.argmin(chunk))
         end += len(chunk)
     return end
+
+
+def _arrived_through(arrived: np.ndarray, rows: np.ndarray | None, start: int) -> int:
+    """How far from `start` every one of `rows` (positions; None: every row) has arrived."""
+    if rows is None:
+        return done_through(lambda a, b: arrived[a:b], len(arrived), start)
+    return done_through(lambda a, b: arrived[rows[a:b]], len(rows), start)

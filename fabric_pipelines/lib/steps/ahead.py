@@ -101,20 +101,28 @@ class PlanInputs:
 
 
 @dataclass(frozen=True)
-class Taken(Generic[T]):
-    """A result made ahead: the call's own seconds, and how long the step waited for it."""
+class Made(Generic[T]):
+    """A step's call: its result, its own seconds, and whether it was made ahead (then how
+    long the step waited for it)."""
 
     result: T
     seconds: float
-    waited_seconds: float
+    ahead: bool = False
+    waited_seconds: float = 0.0
+
+    def metadata(self) -> dict[str, Any]:
+        """For the step's materialisation: where the call ran, and the step's wait for it."""
+        if not self.ahead:
+            return {"started_ahead": False}
+        return {"started_ahead": True, "waited_seconds": round(self.waited_seconds, 3)}
 
 
 @dataclass
 class _Ahead:
     ingest_inputs: IngestInputs
     plan_inputs: PlanInputs
-    ingested: Future[tuple[IngestSummary, float]]
-    planned: Future[tuple[PlanSummary, float]]
+    ingested: Future[Made[IngestSummary]]
+    planned: Future[Made[PlanSummary]]
     # The ingest step turned the ingest ahead down (other inputs): the plan ahead was made
     # from a set the step did not ingest, and is never taken.
     ingest_refused: bool = False
@@ -142,19 +150,9 @@ def start_ahead(
     def calls() -> None:
         db = make_engine(ingest.database_url)
         try:
-            started = time.perf_counter()
-            summary = ingest_task_set(
-                db, paths, ingest.task_set, model_id=ingest.model_id,
-                max_seq_len=ingest.max_seq_len, long_inputs=ingest.long_inputs,
-                prompt=ingest.prompt,
-            )  # fmt: skip
-            ahead.ingested.set_result((summary, time.perf_counter() - started))
+            ahead.ingested.set_result(_ingest(db, paths, ingest))
             on_mark("ahead_ingested")
-            started = time.perf_counter()
-            planned = plan_task_set(
-                db, paths, plan.task_set, manifest, plan.layout, reuse=plan.reuse
-            )
-            ahead.planned.set_result((planned, time.perf_counter() - started))
+            ahead.planned.set_result(_plan(db, paths, plan, manifest))
             on_mark("ahead_planned")
         finally:
             db.dispose()
@@ -181,7 +179,7 @@ def start_ahead(
         raise
 
 
-def take_ingested(inputs: IngestInputs) -> Taken[IngestSummary] | None:
+def take_ingested(inputs: IngestInputs) -> Made[IngestSummary] | None:
     """The ingest made ahead for exactly `inputs`, once it has ended; None when there is none,
     it was made from other inputs, or it failed (the step then ingests itself). Turned down
     for other inputs, the plan ahead is waited for too (the step's own calls must not race it)
@@ -197,7 +195,7 @@ def take_ingested(inputs: IngestInputs) -> Taken[IngestSummary] | None:
     return _taken(ahead.ingested, same)
 
 
-def take_planned(inputs: PlanInputs) -> Taken[PlanSummary] | None:
+def take_planned(inputs: PlanInputs) -> Made[PlanSummary] | None:
     """The plan made ahead for exactly `inputs`, after an ingest the ingest step took, once it
     has ended; None as for `take_ingested`. The set's calls made ahead are forgotten here."""
     with _lock:
@@ -212,30 +210,13 @@ def _ended(made: Future[Any]) -> None:
     made.exception()
 
 
-def _taken(made: Future[tuple[T, float]], same_inputs: bool) -> Taken[T] | None:
+def _taken(made: Future[Made[T]], same_inputs: bool) -> Made[T] | None:
     started = time.perf_counter()
     # Waited for even when not taken: the step's own call must not race the one ahead.
     if made.exception() is not None or not same_inputs:  # the step's own call reports it
         return None
-    result, seconds = made.result()
-    return Taken(result, seconds, time.perf_counter() - started)
-
-
-@dataclass(frozen=True)
-class Made(Generic[T]):
-    """A step's call: its result, its own seconds, and whether it was made ahead (then how
-    long the step waited for it)."""
-
-    result: T
-    seconds: float
-    ahead: bool = False
-    waited_seconds: float = 0.0
-
-    def metadata(self) -> dict[str, Any]:
-        """For the step's materialisation: where the call ran, and the step's wait for it."""
-        if not self.ahead:
-            return {"started_ahead": False}
-        return {"started_ahead": True, "waited_seconds": round(self.waited_seconds, 3)}
+    call = made.result()
+    return Made(call.result, call.seconds, True, time.perf_counter() - started)
 
 
 def ingested(
@@ -243,15 +224,7 @@ def ingested(
 ) -> Made[IngestSummary]:
     """The ingest step's call: the one made ahead for these inputs, else made now. `db` is
     called only then (a step's engine opens the schema: not while a call ahead writes)."""
-    taken = take_ingested(inputs)
-    if taken is not None:
-        return Made(taken.result, taken.seconds, True, taken.waited_seconds)
-    started = time.perf_counter()
-    summary = ingest_task_set(
-        db(), paths, inputs.task_set, model_id=inputs.model_id, max_seq_len=inputs.max_seq_len,
-        long_inputs=inputs.long_inputs, prompt=inputs.prompt,
-    )  # fmt: skip
-    return Made(summary, time.perf_counter() - started)
+    return take_ingested(inputs) or _ingest(db(), paths, inputs)
 
 
 def planned(
@@ -259,13 +232,25 @@ def planned(
 ) -> Made[PlanSummary]:
     """The plan step's call: the one made ahead for these inputs, else made now (`db` as for
     `ingested`)."""
-    taken = take_planned(inputs)
-    if taken is not None:
-        return Made(taken.result, taken.seconds, True, taken.waited_seconds)
+    return take_planned(inputs) or _plan(db(), paths, inputs, manifest)
+
+
+def _ingest(db: Engine, paths: FabricPaths, inputs: IngestInputs) -> Made[IngestSummary]:
+    """`ingest_task_set` from `inputs`, timed: the one call, ahead or in the step."""
     started = time.perf_counter()
-    summary = plan_task_set(
-        db(), paths, inputs.task_set, manifest, inputs.layout, reuse=inputs.reuse
-    )
+    summary = ingest_task_set(
+        db, paths, inputs.task_set, model_id=inputs.model_id, max_seq_len=inputs.max_seq_len,
+        long_inputs=inputs.long_inputs, prompt=inputs.prompt,
+    )  # fmt: skip
+    return Made(summary, time.perf_counter() - started)
+
+
+def _plan(
+    db: Engine, paths: FabricPaths, inputs: PlanInputs, manifest: EngineManifest
+) -> Made[PlanSummary]:
+    """`plan_task_set` from `inputs`, timed: the one call, ahead or in the step."""
+    started = time.perf_counter()
+    summary = plan_task_set(db, paths, inputs.task_set, manifest, inputs.layout, reuse=inputs.reuse)
     return Made(summary, time.perf_counter() - started)
 
 

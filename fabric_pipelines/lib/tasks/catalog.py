@@ -31,6 +31,7 @@ from fabric_pipelines.lib.core.files import (
     sha256_file,
     stream_content_addressed,
 )
+from fabric_pipelines.lib.core.futures import done
 from fabric_pipelines.lib.core.retry import unit_of_work
 from fabric_pipelines.lib.core.settings import FabricPaths
 from fabric_pipelines.lib.store import task_partitions
@@ -64,7 +65,7 @@ from fabric_pipelines.lib.tasks.ingest import (
     storable_failure,
 )
 from fabric_pipelines.lib.tasks.prompts import forget_prompt
-from fabric_pipelines.lib.tasks.source_read import SourceRead, done, read_source, take_read_ahead
+from fabric_pipelines.lib.tasks.source_read import SourceRead, read_source, take_read_ahead
 from fabric_pipelines.lib.tasks.windows import WINDOW_BASE, LongInputs
 
 # SQLite page cache while task ids are inserted, in KiB (the default is 2 MiB).

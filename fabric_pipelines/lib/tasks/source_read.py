@@ -26,6 +26,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from fabric_pipelines.lib.core.files import sha256_file
+from fabric_pipelines.lib.core.futures import done
 from fabric_pipelines.lib.tasks.ingest import plain_parquet
 
 
@@ -42,13 +43,6 @@ class SourceRead:
 
     def columns(self) -> pa.Table | None:
         return None if self.parsing is None else self.parsing.result()
-
-
-def done(sha: str) -> Future[str]:
-    """A hash already known, as a finished future."""
-    finished: Future[str] = Future()
-    finished.set_result(sha)
-    return finished
 
 
 def read_source(pool: ThreadPoolExecutor, source: Path, *, parse: bool) -> SourceRead:
